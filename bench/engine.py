@@ -1,0 +1,175 @@
+"""Engine benchmark: tandem against Hugging Face transformers, same run.
+
+For each model (the embedded default tiny Llama and a SmolLM2-135M-shaped
+dummy) it measures
+  1. one stream, 64 output tokens: tandem's decode step time vs HF
+     generate's per-token time;
+  2. 32 concurrent requests, prompt lengths 64..512, 64 output tokens each
+     (ignore_eos): tandem's output tokens/s vs HF generate over the same
+     requests in static batches (the better of batch 8 and batch 32);
+  3. prefill tokens/s of a 512-token prompt vs one HF forward.
+The last line is one JSON object with the figures and ratios.
+
+  python bench/engine.py [--models tiny,smol] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.default_model import default_model_path
+
+NEW_TOKENS = 64
+
+
+def smol_dir(root: Path) -> Path:
+    """A config-only SmolLM2-135M-shaped checkpoint (weights: dummy)."""
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+        architectures=["LlamaForCausalLM"],
+        eos_token_id=0,
+    )
+    config.save_pretrained(root)
+    return root
+
+
+def prompts(vocab: int, n: int, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(64, 513, (n,), generator=gen).tolist()
+    return [torch.randint(10, vocab, (k,), generator=gen).tolist() for k in lengths]
+
+
+def hf_generate_time(model, batch: list[list[int]], new_tokens: int) -> float:
+    width = max(len(p) for p in batch)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+    config = GenerationConfig(
+        max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0
+    )
+    start = time.perf_counter()
+    with torch.no_grad():
+        model.generate(ids, attention_mask=mask, generation_config=config)
+    return time.perf_counter() - start
+
+
+def bench_model(name: str, engine: LLMEngine, hf_model) -> dict:
+    vocab = engine.spec.vocab_size
+    greedy = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    one = prompts(vocab, 1, seed=1)[0][:64]
+
+    # 1. one stream
+    hf_generate_time(hf_model, [one], 2)  # warm up
+    hf_per_token = (
+        hf_generate_time(hf_model, [one], NEW_TOKENS) - hf_generate_time(hf_model, [one], 1)
+    ) / (NEW_TOKENS - 1)
+    engine.add_request("warm", one, greedy)
+    while engine.has_unfinished():
+        engine.step()
+    engine.add_request("one", one, greedy)
+    engine.step()  # prefill
+    steps = []
+    while engine.has_unfinished():
+        t = time.perf_counter()
+        engine.step()
+        steps.append(time.perf_counter() - t)
+    tandem_step = statistics.median(steps)
+
+    # 2. 32 concurrent requests
+    batch = prompts(vocab, 32, seed=2)
+    total_tokens = len(batch) * NEW_TOKENS
+    hf_times = {}
+    for size in (8, 32):
+        hf_times[size] = sum(
+            hf_generate_time(hf_model, batch[i : i + size], NEW_TOKENS)
+            for i in range(0, len(batch), size)
+        )
+    hf_best = min(hf_times.values())
+    start = time.perf_counter()
+    for i, p in enumerate(batch):
+        engine.add_request(f"c{i}", p, greedy)
+    while engine.has_unfinished():
+        engine.step()
+    tandem_concurrent = time.perf_counter() - start
+
+    # 3. prefill of 512 tokens
+    long = prompts(vocab, 1, seed=3)[0] + prompts(vocab, 1, seed=4)[0]
+    long = (long * 4)[:512]
+    with torch.no_grad():
+        hf_model(torch.tensor([long]))
+        t = time.perf_counter()
+        hf_model(torch.tensor([long]))
+        hf_prefill = time.perf_counter() - t
+    one_token = SamplingParams(temperature=0, max_tokens=1)
+    times = []
+    for rep in range(2):
+        engine.add_request(f"p{rep}", [t + rep for t in long], one_token)
+        t = time.perf_counter()
+        while engine.has_unfinished():
+            engine.step()
+        times.append(time.perf_counter() - t)
+    tandem_prefill = min(times)
+
+    result = {
+        "decode_step_ms": round(tandem_step * 1e3, 3),
+        "hf_per_token_ms": round(hf_per_token * 1e3, 3),
+        "decode_1_stream_speedup": round(hf_per_token / tandem_step, 2),
+        "concurrent32_tok_s": round(total_tokens / tandem_concurrent, 1),
+        "hf_static_tok_s": {str(k): round(total_tokens / v, 1) for k, v in hf_times.items()},
+        "concurrent32_speedup": round(hf_best / tandem_concurrent, 2),
+        "prefill512_tok_s": round(512 / tandem_prefill, 1),
+        "hf_prefill512_tok_s": round(512 / hf_prefill, 1),
+        "prefill_speedup": round(hf_prefill / tandem_prefill, 2),
+    }
+    print(name, json.dumps(result), flush=True)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="tiny,smol")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    results = {"threads": args.threads}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.models.split(","):
+            if name == "tiny":
+                path = default_model_path()
+                engine = LLMEngine(EngineConfig(model=str(path)))
+                hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+            elif name == "smol":
+                path = smol_dir(Path(tmp) / "smol")
+                engine = LLMEngine(
+                    EngineConfig(
+                        model=str(path), load_format="dummy", kv_cache_memory_bytes=2 << 30
+                    )
+                )
+                hf = AutoModelForCausalLM.from_config(
+                    LlamaConfig.from_pretrained(path), dtype=torch.float32
+                ).eval()
+            else:
+                raise SystemExit(f"unknown model {name!r}; choose from tiny, smol")
+            results[name] = bench_model(name, engine, hf)
+            del engine, hf
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""Model spec (read from a Hugging Face config) and engine options."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+
+
+class UnsupportedModelError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The shape of a Llama-family decoder, independent of where weights live."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    sliding_window: int | None
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_hf_config(cls, config: Any) -> ModelSpec:
+        archs = list(getattr(config, "architectures", None) or [])
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise UnsupportedModelError(
+                f"unsupported architecture {archs or config.model_type!r}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise UnsupportedModelError(f"hidden_act {config.hidden_act!r} is not supported")
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        is_qwen2 = arch == "Qwen2ForCausalLM"
+        window = getattr(config, "sliding_window", None)
+        if is_qwen2 and not getattr(config, "use_sliding_window", False):
+            window = None
+        eos = config.eos_token_id
+        eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+        return cls(
+            architecture=arch,
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_layers=config.num_hidden_layers,
+            num_heads=heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=head_dim,
+            rms_norm_eps=config.rms_norm_eps,
+            max_position_embeddings=config.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            qkv_bias=is_qwen2 or attention_bias,
+            o_bias=attention_bias,
+            mlp_bias=bool(getattr(config, "mlp_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            sliding_window=window,
+            eos_token_ids=eos_ids,
+        )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Options of one engine instance (one worker)."""
+
+    model: str | None = None
+    """Checkpoint directory or hub id; None builds and uses the embedded default model."""
+    tokenizer: str | None = None
+    """Tokenizer directory or hub id; defaults to the model's."""
+    load_format: Literal["auto", "dummy"] = "auto"
+    """'dummy' gives random weights of the model's config (benchmarks)."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: str = "cpu"
+    seed: int = 0
+    """Seed of the global RNG (dummy weights, sampling without a per-request seed)."""
+    block_size: int = 16
+    """Tokens per KV block."""
+    num_kv_blocks: int | None = None
+    """Blocks in the pool; derived from kv_cache_memory_bytes when None."""
+    kv_cache_memory_bytes: int = 512 * 1024 * 1024
+    max_num_batched_tokens: int = 2048
+    """Token budget of one step (chunked prefill splits prompts to fit it)."""
+    max_num_seqs: int = 256
+    """Most sequences running at once."""
+    max_model_len: int | None = None
+    """Longest prompt plus output; defaults to the model's limit, capped by the pool."""
+    enable_prefix_caching: bool = True
+    num_threads: int | None = None
+    """torch intra-op threads; None keeps torch's default."""
+
+    def __post_init__(self) -> None:
+        checks = {
+            "block_size": self.block_size >= 1,
+            "max_num_batched_tokens": self.max_num_batched_tokens >= 1,
+            "max_num_seqs": self.max_num_seqs >= 1,
+            "kv_cache_memory_bytes": self.kv_cache_memory_bytes >= 1,
+            "num_kv_blocks": self.num_kv_blocks is None or self.num_kv_blocks >= 1,
+            "max_model_len": self.max_model_len is None or self.max_model_len >= 1,
+            "num_threads": self.num_threads is None or self.num_threads >= 1,
+        }
+        for name, ok in checks.items():
+            if not ok:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")

@@ -1,0 +1,379 @@
+"""The step-level engine that both pools drive.
+
+add_request -> step() ... -> outputs; abort at any time. A prefill-only
+request stops after its first token and keeps its blocks until
+``export_kv`` / ``release``; ``add_prefilled_request`` attaches blocks
+that arrived from another engine and continues decoding there.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention import PrefillSlice, build_metadata
+from engine.config import EngineConfig, ModelSpec
+from engine.detokenizer import IncrementalDetokenizer
+from engine.hashing import BlockHash, hash_block, root_hash
+from engine.kv_cache import BlockPool, KVCache, KVLayout
+from engine.loader import (
+    load_hf_config,
+    load_weights,
+    model_fingerprint,
+    resolve_model_dir,
+)
+from engine.models.llama import LlamaModel
+from engine.sampling import SampledToken, Sampler, SampleRequest, SamplingParams
+from engine.scheduler import ScheduledSeq, Scheduler
+from engine.sequence import RequestOutput, SeqStatus, Sequence, TokenLogprobs
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class KVExport:
+    """A prefilled sequence's KV blocks, ready to move to another engine."""
+
+    request_id: str
+    layout: KVLayout
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    block_ids: list[int]  # in the exporting engine's pool
+    block_hashes: list[BlockHash]  # of the full blocks, in order
+    data: torch.Tensor | None  # [layers, 2, blocks, block_size, kv_heads, head_dim]
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        torch.manual_seed(config.seed)
+        model_dir = resolve_model_dir(config.model)
+        hf_config = load_hf_config(model_dir)
+        self.spec = spec = ModelSpec.from_hf_config(hf_config)
+        self.model_dir = model_dir
+        self.tokenizer = self._load_tokenizer(config, model_dir)
+        dtype = getattr(torch, config.dtype)
+        device = torch.device(config.device)
+        fingerprint = model_fingerprint(model_dir, hf_config, config.load_format, config.seed)
+        self.kv_layout = KVLayout(
+            model_fingerprint=fingerprint,
+            dtype=config.dtype,
+            num_layers=spec.num_layers,
+            block_size=config.block_size,
+            num_kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+        )
+        num_blocks = config.num_kv_blocks or KVCache.blocks_for_budget(
+            self.kv_layout, config.kv_cache_memory_bytes
+        )
+        limits = [spec.max_position_embeddings, num_blocks * config.block_size]
+        limits += [x for x in (config.max_model_len, spec.sliding_window) if x]
+        self.max_model_len = min(limits)
+        state = load_weights(config, model_dir, spec, hf_config)
+        self.model = LlamaModel(spec, state, hf_config, self.max_model_len, dtype, device)
+        del state
+        self.block_pool = BlockPool(num_blocks, config.block_size)
+        self.kv_cache = KVCache(self.kv_layout, num_blocks, device)
+        self.root_hash = root_hash(fingerprint, config.block_size)
+        self.scheduler = Scheduler(
+            self.block_pool,
+            self.root_hash,
+            config.max_num_batched_tokens,
+            config.max_num_seqs,
+            config.enable_prefix_caching,
+        )
+        eos = set(spec.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+        self.sampler = Sampler(spec.vocab_size, self.eos_token_ids)
+        self._seqs: dict[str, Sequence] = {}
+        self._arrival = itertools.count()
+        self.device = device
+
+    @staticmethod
+    def _load_tokenizer(config: EngineConfig, model_dir):
+        if config.tokenizer is not None:
+            return load_tokenizer(config.tokenizer)
+        if any(model_dir.glob("tokenizer*")):
+            return load_tokenizer(str(model_dir))
+        return None
+
+    # ---- requests -------------------------------------------------------
+
+    def validate(self, prompt_token_ids: Seq[int], params: SamplingParams) -> None:
+        if not prompt_token_ids:
+            raise ValueError("prompt is empty")
+        vocab = self.spec.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt_token_ids has {bad}, outside the vocabulary [0, {vocab})")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(prompt_token_ids)} tokens; the limit is "
+                f"{self.max_model_len - 1} (max_model_len {self.max_model_len})"
+            )
+        params.validate_for_vocab(vocab)
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this model has none")
+
+    def _new_seq(
+        self, request_id: str, prompt: Seq[int], params: SamplingParams, prefill_only: bool
+    ) -> Sequence:
+        if request_id in self._seqs:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        self.validate(prompt, params)
+        seq = Sequence(
+            request_id=request_id,
+            prompt_token_ids=list(prompt),
+            params=params,
+            arrival=next(self._arrival),
+            prefill_only=prefill_only,
+        )
+        if params.seed is not None:
+            seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        if self.tokenizer is not None:
+            seq.detokenizer = IncrementalDetokenizer(
+                self.tokenizer, seq.prompt_token_ids, params.stop, params.skip_special_tokens
+            )
+        self._seqs[request_id] = seq
+        return seq
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Seq[int],
+        params: SamplingParams,
+        prefill_only: bool = False,
+    ) -> None:
+        self.scheduler.add(self._new_seq(request_id, prompt_token_ids, params, prefill_only))
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request wherever it is and free its blocks."""
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.remove(seq)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = "abort"
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.scheduler.waiting) + len(self.scheduler.running)
+
+    # ---- the step -------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        batch.sort(key=lambda s: s.num_tokens != 1)  # one-token sequences first
+        sample_rows, hidden = self._forward(batch)
+        outputs = []
+        to_sample = []
+        for item in batch:
+            seq = item.seq
+            seq.num_computed += item.num_tokens
+            self._cache_full_blocks(seq)
+            if seq.num_computed == seq.num_tokens:
+                to_sample.append(seq)
+        if to_sample:
+            logits = self.model.logits(hidden[sample_rows])
+            requests = [
+                SampleRequest(s.params, s.prompt_token_ids, s.output_token_ids, s.generator)
+                for s in to_sample
+            ]
+            for seq, sampled in zip(to_sample, self.sampler(logits, requests), strict=True):
+                outputs.append(self._append_token(seq, sampled))
+        return outputs
+
+    def _forward(self, batch: list[ScheduledSeq]) -> tuple[list[int], torch.Tensor]:
+        bs = self.config.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        prefills: list[PrefillSlice] = []
+        sample_rows: list[int] = []
+        for item in batch:
+            seq, n = item.seq, item.num_tokens
+            start = seq.num_computed
+            table = seq.block_table
+            input_ids += seq.token_ids(start, start + n)
+            if n == 1:
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+                decode_tables.append(table)
+                decode_lens.append(start + 1)
+            else:
+                prefills.append(
+                    PrefillSlice(len(slots), n, start, torch.tensor(table, dtype=torch.long))
+                )
+                span = range(start, start + n)
+                positions += span
+                slots += [table[p // bs] * bs + p % bs for p in span]
+            if start + n == seq.num_tokens:
+                sample_rows.append(len(slots) - 1)
+        meta = build_metadata(bs, decode_tables, decode_lens, prefills, slots)
+        hidden = self.model.forward(
+            torch.tensor(input_ids), torch.tensor(positions), meta, self.kv_cache
+        )
+        return sample_rows, hidden
+
+    def _cache_full_blocks(self, seq: Sequence) -> None:
+        if not self.config.enable_prefix_caching:
+            return
+        bs = self.config.block_size
+        full = seq.num_computed // bs
+        for j in range(len(seq.block_hashes), full):
+            parent = seq.block_hashes[-1] if seq.block_hashes else self.root_hash
+            tokens = seq.token_ids(j * bs, (j + 1) * bs)
+            block_hash = hash_block(parent, tokens)
+            seq.block_hashes.append(block_hash)
+            self.block_pool.cache(seq.block_table[j], block_hash, tokens)
+
+    def _append_token(self, seq: Sequence, sampled: SampledToken) -> RequestOutput:
+        token = sampled.token_id
+        seq.output_token_ids.append(token)
+        params = seq.params
+        delta = ""
+        reason = None
+        stopped_by_string = False
+        if seq.detokenizer is not None:
+            update = seq.detokenizer.add(token)
+            delta = update.text_delta
+            stopped_by_string = update.stopped
+        n_out = len(seq.output_token_ids)
+        if stopped_by_string or (
+            n_out >= params.min_tokens
+            and (
+                token in params.stop_token_ids
+                or (token in self.eos_token_ids and not params.ignore_eos)
+            )
+        ):
+            reason = "stop"
+        elif n_out >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            reason = "length"
+        if reason is not None and not stopped_by_string and seq.detokenizer is not None:
+            delta += seq.detokenizer.finish()
+        logprobs = None
+        if params.logprobs is not None:
+            logprobs = [TokenLogprobs(token, sampled.logprob, sampled.top_logprobs or [])]
+        finished = reason is not None
+        if finished:
+            self._finish(seq, reason)
+        elif seq.prefill_only:
+            self.scheduler.running.remove(seq)
+            seq.status = SeqStatus.PREFILLED
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=[token],
+            text_delta=delta,
+            finished=finished,
+            finish_reason=reason,
+            logprobs=logprobs,
+            num_prompt_tokens=len(seq.prompt_token_ids),
+            num_cached_tokens=seq.num_cached_tokens,
+            num_output_tokens=n_out,
+        )
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.running.remove(seq)
+        self.scheduler.free_blocks(seq)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        del self._seqs[seq.request_id]
+
+    # ---- moving KV between engines ---------------------------------------
+
+    def export_kv(self, request_id: str, with_data: bool = True) -> KVExport:
+        seq = self._seqs.get(request_id)
+        if seq is None or seq.status is not SeqStatus.PREFILLED:
+            raise KeyError(f"request {request_id!r} is not a prefilled request of this engine")
+        data = self.kv_cache.read_blocks(seq.block_table) if with_data else None
+        return KVExport(
+            request_id=request_id,
+            layout=self.kv_layout,
+            prompt_token_ids=list(seq.prompt_token_ids),
+            output_token_ids=list(seq.output_token_ids),
+            block_ids=list(seq.block_table),
+            block_hashes=list(seq.block_hashes),
+            data=data,
+        )
+
+    def release(self, request_id: str) -> None:
+        """Free a prefilled request's blocks (after its export, or to give up)."""
+        seq = self._seqs.get(request_id)
+        if seq is None or seq.status is not SeqStatus.PREFILLED:
+            raise KeyError(f"request {request_id!r} is not a prefilled request of this engine")
+        self.scheduler.free_blocks(seq)
+        seq.status = SeqStatus.FINISHED
+        del self._seqs[request_id]
+
+    def add_prefilled_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Seq[int],
+        output_token_ids: Seq[int],
+        params: SamplingParams,
+        block_ids: Seq[int],
+    ) -> None:
+        """Continue a request whose KV for all but the last token is already in
+        ``block_ids`` of this pool. The request owns one reference to each
+        block from now on (also when this call fails)."""
+        try:
+            seq = self._new_seq(request_id, prompt_token_ids, params, prefill_only=False)
+        except Exception:
+            self.block_pool.free(block_ids)
+            raise
+        seq.output_token_ids = list(output_token_ids)
+        seq.num_computed = seq.num_tokens - 1
+        seq.block_table = list(block_ids)
+        if seq.detokenizer is not None:
+            for token in seq.output_token_ids:  # the sender already emitted this text
+                seq.detokenizer.add(token)
+        expected = -(-seq.num_computed // self.config.block_size)
+        if len(block_ids) != expected or not output_token_ids:
+            self.abort(request_id)
+            raise ValueError(
+                f"{len(block_ids)} blocks for {seq.num_computed} computed tokens; "
+                f"expected {expected} and at least one output token"
+            )
+        self._cache_full_blocks(seq)
+        self.scheduler.add_running(seq)
+
+    def import_kv(self, export: KVExport, params: SamplingParams) -> None:
+        """Copy an export into this pool and continue decoding it here."""
+        field = self.kv_layout.mismatch(export.layout)
+        if field is not None:
+            raise ValueError(f"KV layout differs in {field}")
+        if export.data is None:
+            raise ValueError("export has no data")
+        blocks = self.block_pool.allocate(len(export.block_ids))
+        if blocks is None:
+            raise RuntimeError(f"no room for {len(export.block_ids)} blocks")
+        self.kv_cache.write_blocks(blocks, export.data)
+        self.add_prefilled_request(
+            export.request_id,
+            export.prompt_token_ids,
+            export.output_token_ids,
+            params,
+            blocks,
+        )

@@ -1,0 +1,129 @@
+"""Checkpoint -> model: local directory, hub id, or dummy random weights."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from engine.config import EngineConfig, ModelSpec
+
+
+def resolve_model_dir(model: str | None) -> Path:
+    """A local checkpoint directory for ``model`` (None: the embedded default)."""
+    if model is None:
+        from engine.default_model import default_model_path
+
+        return default_model_path()
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists() or model.startswith((".", "/", "~")):
+        raise FileNotFoundError(f"model {model!r} is not a checkpoint directory")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(
+            snapshot_download(
+                model,
+                allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.txt", "*.jinja"],
+            )
+        )
+    except Exception as exc:
+        raise FileNotFoundError(
+            f"model {model!r} is neither a local directory nor reachable on the hub: {exc}"
+        ) from exc
+
+
+def load_hf_config(model_dir: Path) -> Any:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_dir)
+
+
+def model_fingerprint(model_dir: Path, hf_config: Any, load_format: str, seed: int) -> str:
+    """Same checkpoint -> same fingerprint, in any process on any machine.
+
+    Binds the config and the safetensors headers (names, dtypes, shapes,
+    offsets) without reading the weights themselves.
+    """
+    h = hashlib.sha256()
+    h.update(json.dumps(hf_config.to_diff_dict(), sort_keys=True, default=str).encode())
+    if load_format == "dummy":
+        h.update(f"dummy:{seed}".encode())
+    else:
+        for file in sorted(model_dir.glob("*.safetensors")):
+            with open(file, "rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                h.update(file.name.encode())
+                h.update(f.read(n))
+    return h.hexdigest()[:32]
+
+
+def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(
+            f"no *.safetensors in {model_dir}; convert the checkpoint to safetensors "
+            "or use load_format='dummy'"
+        )
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        state.update(load_file(str(file)))
+    return state
+
+
+def dummy_state_dict(spec: ModelSpec, hf_config: Any, seed: int) -> dict[str, torch.Tensor]:
+    """Random weights in the checkpoint's own naming, for any supported config."""
+    gen = torch.Generator().manual_seed(seed)
+    std = float(getattr(hf_config, "initializer_range", 0.02))
+    h, d, i = spec.hidden_size, spec.head_dim, spec.intermediate_size
+
+    def normal(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * std
+
+    state = {
+        "model.embed_tokens.weight": normal(spec.vocab_size, h),
+        "model.norm.weight": torch.ones(h),
+    }
+    if not spec.tie_word_embeddings:
+        state["lm_head.weight"] = normal(spec.vocab_size, h)
+    for layer in range(spec.num_layers):
+        p = f"model.layers.{layer}."
+        shapes = {
+            "self_attn.q_proj": (spec.num_heads * d, h),
+            "self_attn.k_proj": (spec.num_kv_heads * d, h),
+            "self_attn.v_proj": (spec.num_kv_heads * d, h),
+            "self_attn.o_proj": (h, spec.num_heads * d),
+            "mlp.gate_proj": (i, h),
+            "mlp.up_proj": (i, h),
+            "mlp.down_proj": (h, i),
+        }
+        for name, shape in shapes.items():
+            state[p + name + ".weight"] = normal(*shape)
+            has_bias = (
+                (spec.qkv_bias and name[-6:] in ("q_proj", "k_proj", "v_proj"))
+                or (spec.o_bias and name.endswith("o_proj"))
+                or (spec.mlp_bias and name.startswith("mlp"))
+            )
+            if has_bias:
+                state[p + name + ".bias"] = torch.zeros(shape[0])
+        state[p + "input_layernorm.weight"] = torch.ones(h)
+        state[p + "post_attention_layernorm.weight"] = torch.ones(h)
+        if spec.qk_norm:
+            state[p + "self_attn.q_norm.weight"] = torch.ones(d)
+            state[p + "self_attn.k_norm.weight"] = torch.ones(d)
+    return state
+
+
+def load_weights(
+    config: EngineConfig, model_dir: Path, spec: ModelSpec, hf_config: Any
+) -> dict[str, torch.Tensor]:
+    if config.load_format == "dummy":
+        return dummy_state_dict(spec, hf_config, config.seed)
+    return load_state_dict(model_dir)

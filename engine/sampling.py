@@ -1,0 +1,311 @@
+"""Per-request sampling parameters and the batched sampler.
+
+One sampler call turns a ``[B, V]`` logits batch into one token per row.
+Per row, in this order:
+
+1. repetition penalty (prompt and output tokens; CTRL style: a positive
+   logit is divided by the penalty, a negative one multiplied),
+2. frequency and presence penalties (output tokens only; OpenAI style),
+3. min_tokens: while the output is shorter than ``min_tokens``, EOS and
+   ``stop_token_ids`` are masked out,
+4. greedy argmax, or temperature, top-k, top-p and min-p over the whole
+   batch at once, then one multinomial draw with the request's generator.
+
+Logprobs are ``log_softmax`` of the raw logits (before any of the above),
+as vLLM reports them by default. Stopping (EOS, stop ids, stop strings,
+max_tokens) is the caller's job: the sampler only masks for min_tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+GREEDY_EPS = 1e-5
+MAX_TEMPERATURE = 100.0
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 4096
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 4096
+_SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
+
+
+def _check_int(name: str, value: object, lo: int, hi: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an int, got {type(value).__name__}")
+    if value < lo or (hi is not None and value > hi):
+        allowed = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise ValueError(f"{name} must be {allowed}, got {value}")
+    return value
+
+
+def _check_float(name: str, value: object, lo: float, hi: float, *, lo_open: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{name} must be a number, got {type(value).__name__}")
+    ok = (lo < value if lo_open else lo <= value) and value <= hi
+    if not ok:  # also catches NaN
+        raise ValueError(
+            f"{name} must be in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {value!r}"
+        )
+    return float(value)
+
+
+def _check_bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {type(value).__name__}")
+    return value
+
+
+@dataclass
+class SamplingParams:
+    """How to pick each token of one request. Every field is validated."""
+
+    max_tokens: int = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        _check_int("max_tokens", self.max_tokens, 1)
+        _check_int("min_tokens", self.min_tokens, 0, self.max_tokens)
+        self.temperature = _check_float("temperature", self.temperature, 0, MAX_TEMPERATURE)
+        self.top_p = _check_float("top_p", self.top_p, 0, 1, lo_open=True)
+        _check_int("top_k", self.top_k, -1)  # 0 and -1 both mean off
+        self.min_p = _check_float("min_p", self.min_p, 0, 1)
+        self.repetition_penalty = _check_float(
+            "repetition_penalty", self.repetition_penalty, 0, 2, lo_open=True
+        )
+        self.frequency_penalty = _check_float("frequency_penalty", self.frequency_penalty, -2, 2)
+        self.presence_penalty = _check_float("presence_penalty", self.presence_penalty, -2, 2)
+        if self.seed is not None:
+            _check_int("seed", self.seed, _SEED_MIN, _SEED_MAX)
+        self.stop = self._checked_stop(self.stop)
+        self.stop_token_ids = self._checked_stop_token_ids(self.stop_token_ids)
+        _check_bool("ignore_eos", self.ignore_eos)
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        _check_bool("skip_special_tokens", self.skip_special_tokens)
+
+    @staticmethod
+    def _checked_stop(stop: object) -> list[str]:
+        stops = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stops, list | tuple) or not all(isinstance(s, str) for s in stops):
+            raise ValueError("stop must be a str or a list of str")
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop must hold at most {MAX_STOP_STRINGS} strings, got {len(stops)}")
+        for s in stops:
+            if not 1 <= len(s) <= MAX_STOP_STRING_CHARS:
+                raise ValueError(
+                    f"stop strings must have 1 to {MAX_STOP_STRING_CHARS} characters, got {len(s)}"
+                )
+        return list(stops)
+
+    @staticmethod
+    def _checked_stop_token_ids(ids: object) -> list[int]:
+        if not isinstance(ids, list | tuple):
+            raise ValueError("stop_token_ids must be a list of int")
+        if len(ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(
+                f"stop_token_ids must hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}"
+            )
+        for t in ids:
+            _check_int("stop_token_ids", t, 0)
+        return list(ids)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_EPS
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+        )
+
+    def validate_for_vocab(self, vocab_size: int) -> None:
+        """Raise ValueError if a stop token id is outside the model's vocabulary."""
+        bad = [t for t in self.stop_token_ids if t >= vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids must be < vocab_size={vocab_size}, got {bad[:8]}")
+
+    def make_generator(self, device: torch.device | str = "cpu") -> torch.Generator | None:
+        """A generator seeded with ``seed``, or None (global RNG) when unseeded."""
+        if self.seed is None:
+            return None
+        return torch.Generator(device=device).manual_seed(self.seed)
+
+
+@dataclass
+class SampleRequest:
+    """One row of the logits batch."""
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    generator: torch.Generator | None  # on the logits' device; None: global RNG
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    logprob: float | None  # of token_id, when params.logprobs is not None
+    top_logprobs: list[tuple[int, float]] | None  # highest first, when params.logprobs >= 1
+
+
+def _truncated_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Temperature, top-k, top-p, min-p, softmax over non-greedy rows.
+
+    logits: [N, V], one row per entry of ``params``; returns probs [N, V].
+    """
+    device, vocab = logits.device, logits.shape[-1]
+    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=device)
+    x = logits / temps[:, None]
+    top_ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    top_ps = [p.top_p for p in params]
+    if any(k < vocab for k in top_ks) or any(p < 1.0 for p in top_ps):
+        x = _top_k_top_p(x, top_ks, top_ps)
+    min_ps = [p.min_p for p in params]
+    if any(p > 0.0 for p in min_ps):
+        # p_i >= min_p * p_max  <=>  x_i >= x_max + log(min_p); the max token always survives
+        log_min_p = torch.tensor(
+            [math.log(p) if p > 0 else -math.inf for p in min_ps], device=device
+        )
+        threshold = x.max(dim=-1, keepdim=True).values + log_min_p[:, None].to(x.dtype)
+        x = x.masked_fill(x < threshold, -math.inf)
+    return torch.softmax(x, dim=-1)
+
+
+def _top_k_top_p(x: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:
+    """Mask to -inf all but the k highest logits, then all but the top-p nucleus."""
+    device, vocab = x.device, x.shape[-1]
+    sorted_x, order = x.sort(dim=-1, descending=True, stable=True)  # [N, V]
+    positions = torch.arange(vocab, device=device)
+    k = torch.tensor(top_ks, device=device)
+    sorted_x = sorted_x.masked_fill(positions >= k[:, None], -math.inf)
+    if any(p < 1.0 for p in top_ps):
+        probs = torch.softmax(sorted_x, dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs  # the first token always has 0 before it
+        p = torch.tensor(top_ps, dtype=x.dtype, device=device)[:, None]
+        sorted_x = sorted_x.masked_fill((mass_before >= p) & (p < 1.0), -math.inf)
+    return torch.full_like(x, -math.inf).scatter(-1, order, sorted_x)
+
+
+def probs_from_logits(logits_row: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution a row draws from (penalties excluded): [V] -> [V].
+
+    For greedy params it is the point mass on the argmax.
+    """
+    if params.greedy:
+        return torch.nn.functional.one_hot(logits_row.argmax(), logits_row.shape[-1]).float()
+    return _truncated_probs(logits_row[None].float(), [params])[0]
+
+
+class Sampler:
+    """Batched sampler with per-request parameters."""
+
+    def __init__(self, vocab_size: int, eos_token_ids: Collection[int]) -> None:
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+
+    def __call__(self, logits: torch.Tensor, requests: list[SampleRequest]) -> list[SampledToken]:
+        """logits: [B, V'] with V' >= vocab_size (extra padded columns are ignored)."""
+        if logits.shape[0] != len(requests):
+            raise ValueError(f"logits has {logits.shape[0]} rows for {len(requests)} requests")
+        logits = logits[:, : self.vocab_size].float()
+        if all(self._plain_greedy(r) for r in requests):
+            return [SampledToken(t, None, None) for t in logits.argmax(dim=-1).tolist()]
+        adjusted = self.adjusted_logits(logits, requests)
+        token_ids = self._choose(adjusted, requests)
+        return self._package(logits, token_ids, requests)
+
+    @staticmethod
+    def _plain_greedy(r: SampleRequest) -> bool:
+        p = r.params
+        return (
+            p.greedy
+            and not p.has_penalties
+            and len(r.output_token_ids) >= p.min_tokens
+            and p.logprobs is None
+        )
+
+    def adjusted_logits(self, logits: torch.Tensor, requests: list[SampleRequest]) -> torch.Tensor:
+        """A copy of logits [B, vocab_size] with penalties and min_tokens masks applied."""
+        out = logits.clone()
+        device = logits.device
+        for i, r in enumerate(requests):
+            p, row = r.params, out[i]
+            if p.repetition_penalty != 1.0:
+                seen = torch.tensor([*r.prompt_token_ids, *r.output_token_ids], dtype=torch.long)
+                seen = seen.to(device)
+                vals = row[seen]
+                row[seen] = torch.where(
+                    vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
+                )
+            if (p.frequency_penalty or p.presence_penalty) and r.output_token_ids:
+                ids, counts = torch.tensor(r.output_token_ids, dtype=torch.long).unique(
+                    return_counts=True
+                )
+                penalty = p.frequency_penalty * counts.float() + p.presence_penalty
+                row[ids.to(device)] -= penalty.to(device)
+            if len(r.output_token_ids) < p.min_tokens:
+                banned = [*self.eos_token_ids, *p.stop_token_ids]
+                row[torch.tensor(banned, dtype=torch.long, device=device)] = -math.inf
+        return out
+
+    @staticmethod
+    def _choose(logits: torch.Tensor, requests: list[SampleRequest]) -> torch.Tensor:
+        """Token ids [B]: argmax for greedy rows, a draw for the others."""
+        token_ids = logits.argmax(dim=-1)
+        rows = [i for i, r in enumerate(requests) if not r.params.greedy]
+        if not rows:
+            return token_ids
+        probs = _truncated_probs(logits[rows], [requests[i].params for i in rows])
+        drawn = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+        unseeded = [j for j, i in enumerate(rows) if requests[i].generator is None]
+        if unseeded:
+            drawn[unseeded] = torch.multinomial(probs[unseeded], 1).squeeze(1)
+        for j, i in enumerate(rows):
+            if requests[i].generator is not None:
+                drawn[j] = torch.multinomial(probs[j], 1, generator=requests[i].generator)[0]
+        token_ids[rows] = drawn
+        return token_ids
+
+    @staticmethod
+    def _package(
+        raw: torch.Tensor, token_ids: torch.Tensor, requests: list[SampleRequest]
+    ) -> list[SampledToken]:
+        ids = token_ids.tolist()
+        out = [SampledToken(t, None, None) for t in ids]
+        rows = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
+        if not rows:
+            return out
+        logprobs = torch.log_softmax(raw[rows], dim=-1)  # [R, V]
+        chosen = logprobs.gather(1, token_ids[rows, None]).squeeze(1).tolist()
+        top_n = min(max(requests[i].params.logprobs or 0 for i in rows), raw.shape[-1])
+        tops: list[list[tuple[int, float]]] = [[] for _ in rows]
+        if top_n:
+            vals, idxs = logprobs.topk(top_n, dim=-1)
+            tops = [
+                list(zip(t, v, strict=True))
+                for t, v in zip(idxs.tolist(), vals.tolist(), strict=True)
+            ]
+        for j, i in enumerate(rows):
+            n = requests[i].params.logprobs or 0
+            out[i] = SampledToken(ids[i], chosen[j], tops[j][:n] if n else None)
+        return out

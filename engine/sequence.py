@@ -1,0 +1,74 @@
+"""A request inside one engine: its tokens, blocks and progress."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.hashing import BlockHash
+from engine.sampling import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREFILLED = "prefilled"  # prefill-only: first token sampled, blocks held for export
+    FINISHED = "finished"
+
+
+@dataclass
+class TokenLogprobs:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request (deltas, not totals)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    text_delta: str
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | None
+    logprobs: list[TokenLogprobs] | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_output_tokens: int
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival: int  # admission order; the youngest is preempted first
+    prefill_only: bool = False
+    output_token_ids: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[BlockHash] = field(default_factory=list)  # of full, computed blocks
+    num_computed: int = 0  # tokens whose KV is in the cache
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
+    status: SeqStatus = SeqStatus.WAITING
+    generator: torch.Generator | None = None
+    detokenizer: IncrementalDetokenizer | None = None
+    finish_reason: str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p : end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
+
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids

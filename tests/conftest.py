@@ -1,0 +1,32 @@
+"""Shared fixtures: offline random-weight checkpoints of real configs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def checkpoint_factory(tmp_path_factory):
+    """checkpoint(arch, **config_overrides) -> a checkpoint dir, built once per session."""
+    from engine.default_model import make_random_checkpoint, tiny_config
+
+    built: dict[tuple, Path] = {}
+
+    def checkpoint(arch: str, **overrides) -> Path:
+        key = (arch, tuple(sorted(overrides.items())))
+        if key not in built:
+            out = tmp_path_factory.mktemp(f"ckpt-{arch}")
+            built[key] = make_random_checkpoint(out, tiny_config(arch, **overrides), seed=1)
+        return built[key]
+
+    return checkpoint
+
+
+@pytest.fixture(scope="session")
+def llama_dir(checkpoint_factory) -> Path:
+    return checkpoint_factory("llama")

@@ -1,0 +1,144 @@
+"""Step-level engine behaviour: KV export/import, prefix cache, aborts,
+preemption. Every test checks that the pool returns to its starting
+free count."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+
+pytestmark = pytest.mark.unit
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def _prompt(n: int, seed: int = 0) -> list[int]:
+    return torch.randint(10, 5000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _run(engine: LLMEngine) -> dict[str, list[int]]:
+    tokens: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def engine(llama_dir):
+    return LLMEngine(EngineConfig(model=str(llama_dir), num_kv_blocks=64))
+
+
+@pytest.fixture(autouse=True)
+def pool_returns_to_start(engine):
+    before = engine.block_pool.num_free
+    yield
+    assert engine.block_pool.num_free == before
+
+
+def test_export_import_continues_like_one_engine(engine, llama_dir):
+    prompts = {f"r{i}": _prompt(n, i) for i, n in enumerate([7, 33, 70])}
+    for rid, p in prompts.items():
+        engine.add_request(rid, p, GREEDY)
+    alone = _run(engine)
+
+    decoder = LLMEngine(EngineConfig(model=str(llama_dir), num_kv_blocks=64))
+    decoder_free = decoder.block_pool.num_free
+    for rid, p in prompts.items():
+        engine.add_request(rid, p, GREEDY, prefill_only=True)
+    first = _run(engine)  # prefill-only requests stop after one token
+    assert all(len(t) == 1 for t in first.values())
+    for rid in prompts:
+        export = engine.export_kv(rid)
+        assert export.layout == decoder.kv_layout
+        assert len(export.block_ids) == -(-len(prompts[rid]) // 16)
+        engine.release(rid)
+        decoder.import_kv(export, GREEDY)
+    rest = _run(decoder)
+    for rid in prompts:
+        assert first[rid] + rest[rid] == alone[rid]
+    assert decoder.block_pool.num_free == decoder_free
+
+
+def test_import_refuses_a_different_layout(engine, llama_dir):
+    other = LLMEngine(EngineConfig(model=str(llama_dir), num_kv_blocks=64, block_size=8))
+    engine.add_request("x", _prompt(20), GREEDY, prefill_only=True)
+    _run(engine)
+    export = engine.export_kv("x")
+    engine.release("x")
+    free = other.block_pool.num_free
+    with pytest.raises(ValueError, match="block_size"):
+        other.import_kv(export, GREEDY)
+    assert other.block_pool.num_free == free
+
+
+def test_prefix_cache_reuses_blocks_and_output_is_unchanged(engine):
+    shared = _prompt(64, 5)
+    engine.add_request("cold", shared + _prompt(9, 6), GREEDY)
+    cold = _run(engine)["cold"]
+    engine.add_request("warm", shared + _prompt(9, 6), GREEDY)
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert outs[0].num_cached_tokens == 64  # 4 full blocks of the shared prefix
+    assert [o.new_token_ids[0] for o in outs] == cold
+    # Decode-generated blocks are cached too: prompt + output is a longer prefix.
+    engine.add_request("turn2", shared + _prompt(9, 6) + cold + [42], GREEDY)
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert outs[0].num_cached_tokens == (64 + 9 + 24) // 16 * 16
+
+
+def test_abort_frees_blocks_everywhere(engine):
+    engine.add_request("waiting", _prompt(40), GREEDY)
+    engine.add_request("running", _prompt(40, 1), GREEDY)
+    engine.step()
+    engine.add_request("prefilled", _prompt(40, 2), GREEDY, prefill_only=True)
+    while "prefilled" in engine._seqs and engine._seqs["prefilled"].status.value != "prefilled":
+        engine.step()
+    for rid in ["waiting", "running", "prefilled", "unknown"]:
+        assert engine.abort(rid) == (rid != "unknown")
+    assert not engine.has_unfinished()
+
+
+def test_preemption_under_block_pressure_gives_the_same_tokens(llama_dir):
+    prompts = {f"p{i}": _prompt(30, i) for i in range(6)}
+    big = LLMEngine(EngineConfig(model=str(llama_dir), num_kv_blocks=128))
+    small = LLMEngine(EngineConfig(model=str(llama_dir), num_kv_blocks=12))
+    for eng in (big, small):
+        for rid, p in prompts.items():
+            eng.add_request(rid, p, GREEDY)
+    assert _run(small) == _run(big)
+    assert small.scheduler.num_preemptions > 0
+    assert small.block_pool.num_free == 12
+
+
+def test_bad_requests_are_refused_with_the_field_named(engine):
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request("a", [], GREEDY)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.add_request("a", [engine.spec.vocab_size], GREEDY)
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.add_request("a", [1] * engine.max_model_len, GREEDY)
+    engine.add_request("dup", [1, 2], GREEDY)
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("dup", [1, 2], GREEDY)
+    engine.abort("dup")
+
+
+def test_stop_token_and_max_tokens_finish_reasons(engine):
+    engine.add_request("a", _prompt(10), SamplingParams(temperature=0, max_tokens=5))
+    outs = [o for step in iter(engine.step, []) for o in step if o.finished]
+    assert outs[-1].finish_reason == "length" and outs[-1].num_output_tokens == 5
+    engine.add_request("b", _prompt(10), GREEDY)
+    first = _run(engine)["b"]
+    params = SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[first[3]])
+    engine.add_request("c", _prompt(10), params)
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert [o.new_token_ids[0] for o in outs] == first[: first.index(first[3]) + 1]
+    assert outs[-1].finish_reason == "stop"
