@@ -1,0 +1,159 @@
+"""KV transfer throughput against raw TCP, and against prefill time.
+
+    python bench/kv_transfer.py [--mib 256] [--reps 3] [--skip-model]
+
+Between two processes on 127.0.0.1, in the same run:
+1. push MiB of KV blocks with tandem's gRPC transfer (checksummed, into the
+   receiver's pool), and send the same number of bytes over a raw TCP
+   socket (sendall / recv_into);
+2. push the KV of a 2,048-token prompt of a SmolLM2-135M-shaped model
+   (random weights) and compare with that model's prefill of the prompt.
+The last line is a JSON object with the figures (medians over --reps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from engine.kv_cache import KVLayout
+from engine.transfer.peer import Peer, PeerSpec
+
+LAYOUT = KVLayout("bench", "float32", 8, 16, 4, 64)  # 256 KiB per block
+SMOLLM2_135M = dict(
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    vocab_size=49152,
+    max_position_embeddings=8192,
+    rope_theta=100000.0,
+    tie_word_embeddings=True,
+    architectures=["LlamaForCausalLM"],
+)
+
+
+def _tcp_receiver(port_queue, nbytes: int) -> None:
+    listener = socket.create_server(("127.0.0.1", 0))
+    port_queue.put(listener.getsockname()[1])
+    buf = memoryview(bytearray(nbytes))
+    while True:
+        conn, _ = listener.accept()
+        got = 0
+        while got < nbytes:
+            n = conn.recv_into(buf[got:])
+            if n == 0:
+                return
+            got += n
+        conn.sendall(b"k")
+        conn.close()
+
+
+def raw_tcp_mb_s(nbytes: int, reps: int) -> list[float]:
+    ctx = mp.get_context("spawn")
+    ports = ctx.Queue()
+    proc = ctx.Process(target=_tcp_receiver, args=(ports, nbytes), daemon=True)
+    proc.start()
+    port = ports.get(timeout=60)
+    payload = memoryview(bytearray(nbytes))
+    out = []
+    try:
+        for _ in range(reps + 1):  # the first run warms up
+            start = time.perf_counter()
+            with socket.create_connection(("127.0.0.1", port)) as conn:
+                conn.sendall(payload)
+                conn.recv(1)
+            out.append(nbytes / (time.perf_counter() - start) / 1e6)
+    finally:
+        proc.kill()
+        proc.join()
+    return out[1:]
+
+
+def tandem_mb_s(num_blocks: int, reps: int) -> list[float]:
+    sender = Peer(PeerSpec(num_blocks, LAYOUT, seed=1))
+    receiver = Peer(PeerSpec(num_blocks, LAYOUT, seed=2))
+    out = []
+    try:
+        _ = sender.address, receiver.address
+        blocks = sender.call("allocate", num_blocks)
+        for i in range(reps + 1):
+            remote, nbytes, seconds = sender.call("push", receiver.address, f"r{i}", blocks)
+            receiver.call("release", receiver.call("claim", f"r{i}"))
+            out.append(nbytes / seconds / 1e6)
+        if receiver.call("digest", remote) != sender.call("digest", blocks):
+            raise SystemExit("transfer corrupted the data")
+    finally:
+        sender.close()
+        receiver.close()
+    return out[1:]
+
+
+def smollm2_prompt(prompt_len: int) -> dict:
+    from transformers import LlamaConfig
+
+    with tempfile.TemporaryDirectory() as tmp:
+        LlamaConfig(**SMOLLM2_135M).save_pretrained(tmp)
+        num_blocks = prompt_len // 16 + 16
+        spec = PeerSpec(num_blocks, model=tmp, load_format="dummy", num_threads=2)
+        prefill, decode = Peer(spec), Peer(spec)
+        try:
+            prompt = [(i * 7919) % 49000 + 10 for i in range(prompt_len)]
+            params = {"temperature": 0.0, "max_tokens": 2, "ignore_eos": True}
+            prefill.call("prefill_and_push", decode.address, "warmup", prompt[:64], params)
+            decode.call("release", decode.call("claim", "warmup"))
+            _, prefill_s, push_s = prefill.call(
+                "prefill_and_push", decode.address, "r", prompt, params, timeout_s=900
+            )
+            decode.call("release", decode.call("claim", "r"))
+        finally:
+            prefill.close()
+            decode.close()
+    per_token = 2 * 30 * 3 * 64 * 4
+    kv_bytes = -(-prompt_len // 16) * 16 * per_token
+    return {
+        "prompt_tokens": prompt_len,
+        "kv_mb": round(kv_bytes / 1e6, 1),
+        "prefill_s": round(prefill_s, 3),
+        "transfer_s": round(push_s, 3),
+        "transfer_over_prefill": round(push_s / prefill_s, 4),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mib", type=int, default=256)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--skip-model", action="store_true")
+    args = parser.parse_args()
+    num_blocks = args.mib * (1 << 20) // LAYOUT.block_bytes
+    nbytes = num_blocks * LAYOUT.block_bytes
+    tandem = tandem_mb_s(num_blocks, args.reps)
+    raw = raw_tcp_mb_s(nbytes, args.reps)
+    print(f"tandem push MB/s: {[round(x) for x in tandem]}")
+    print(f"raw TCP MB/s:     {[round(x) for x in raw]}")
+    result: dict = {
+        "bytes": nbytes,
+        "tandem_mb_s": round(statistics.median(tandem)),
+        "raw_tcp_mb_s": round(statistics.median(raw)),
+    }
+    result["ratio"] = round(result["tandem_mb_s"] / result["raw_tcp_mb_s"], 3)
+    result["target_ratio"] = 0.6
+    if not args.skip_model:
+        result["smollm2_135m_2048"] = smollm2_prompt(2048)
+        print(f"SmolLM2-135M shape: {result['smollm2_135m_2048']}")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,129 @@
+"""The gRPC KV transfer server each worker runs (``tandem.v1.KVTransfer``).
+
+Methods are registered as generic handlers with our own (de)serializers so
+chunk payloads bypass the protobuf library (see wire.py); the bytes on the
+wire are exactly the messages kv_transfer.proto defines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+
+import grpc
+
+from protos.tandem.v1 import kv_transfer_pb2 as pb
+
+from . import wire
+from .interface import KVTransferServer, TransferConfig, TransferError
+from .pool_store import PoolBlockStore
+from .service import KVTransferService
+
+SERVICE = "tandem.v1.KVTransfer"
+PUSH_METHOD = f"/{SERVICE}/PushBlocks"
+PULL_METHOD = f"/{SERVICE}/PullBlocks"
+
+# Loopback measurements (bench/kv_transfer.py) chose these: no message size
+# limit, large HTTP/2 frames and flow-control windows, large socket reads.
+GRPC_OPTIONS: list[tuple[str, int | str]] = [
+    ("grpc.max_send_message_length", -1),
+    ("grpc.max_receive_message_length", -1),
+    ("grpc.optimization_target", "throughput"),
+    ("grpc.http2.max_frame_size", 8 << 20),
+    ("grpc.http2.lookahead_bytes", 64 << 20),
+    ("grpc.experimental.tcp_min_read_chunk_size", 4 << 20),
+    ("grpc.experimental.tcp_max_read_chunk_size", 16 << 20),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+]
+
+
+def _identity(data: bytes) -> bytes:
+    return data
+
+
+class GrpcKVServer(KVTransferServer):
+    def __init__(
+        self,
+        store: PoolBlockStore,
+        config: TransferConfig | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+    ) -> None:
+        self.service = KVTransferService(store, config)
+        self._bind = f"{host}:{port}"
+        self._host = host
+        self._server: grpc.aio.Server | None = None
+        self._executor = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="kv-recv")
+        self.address = ""
+
+    async def start(self) -> None:
+        server = grpc.aio.server(options=GRPC_OPTIONS)
+        handler = grpc.method_handlers_generic_handler(
+            SERVICE,
+            {
+                "PushBlocks": grpc.stream_unary_rpc_method_handler(
+                    self._push,
+                    request_deserializer=wire.decode,
+                    response_serializer=pb.PushReply.SerializeToString,
+                ),
+                "PullBlocks": grpc.unary_stream_rpc_method_handler(
+                    self._pull,
+                    request_deserializer=pb.PullRequest.FromString,
+                    response_serializer=_identity,
+                ),
+            },
+        )
+        server.add_generic_rpc_handlers((handler,))
+        port = server.add_insecure_port(self._bind)
+        await server.start()
+        self._server = server
+        self.address = f"{self._host}:{port}"
+        self.service.start_reaper()
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        if self._server is not None:
+            await self._server.stop(grace_s)
+            self._server = None
+        await self.service.close()
+        self._executor.shutdown(wait=True)
+
+    async def wait_for_termination(self) -> None:
+        if self._server is not None:
+            await self._server.wait_for_termination()
+
+    def claim(self, request_id: str) -> list[int] | None:
+        return self.service.claim(request_id)
+
+    async def _push(self, requests, context: grpc.aio.ServicerContext) -> pb.PushReply:
+        push = self.service.open_push(_canceller())
+        try:
+            async for msg in requests:
+                reply = await push.on_message_async(msg, self._executor)
+                if reply is not None:
+                    return reply
+            raise TransferError(grpc.StatusCode.ABORTED, "stream ended before commit")
+        except TransferError as e:
+            await context.abort(e.code, e.message)
+        finally:
+            push.close()
+        raise AssertionError("unreachable")
+
+    async def _pull(self, request: pb.PullRequest, context: grpc.aio.ServicerContext) -> None:
+        try:
+            pull = self.service.open_pull(request, _canceller())
+        except TransferError as e:
+            await context.abort(e.code, e.message)
+        succeeded = False
+        try:
+            for msg in pull.messages():
+                await context.write(msg)
+            succeeded = True
+        finally:
+            pull.close(succeeded)
+
+
+def _canceller():
+    task = asyncio.current_task()
+    assert task is not None
+    return task.cancel

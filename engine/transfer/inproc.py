@@ -1,0 +1,153 @@
+"""An in-process mover: the same messages, sender, receiver and leases as
+gRPC, handed over by function call. For tests, and as the template for a
+same-host mover (shared memory) that skips the network."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from itertools import chain
+
+import grpc
+
+from protos.tandem.v1 import kv_transfer_pb2 as pb
+
+from . import wire
+from .grpc_client import MessageFilter
+from .interface import (
+    BlockSink,
+    BlockSource,
+    KVBlocks,
+    KVTransferClient,
+    KVTransferServer,
+    PullResult,
+    PushResult,
+    TransferConfig,
+    TransferError,
+    TransferState,
+)
+from .pool_store import PoolBlockStore
+from .receiver import KVReceiver
+from .sender import KVSender
+from .service import KVTransferService
+
+
+class InProcHub:
+    """Address book of in-process servers (one per test, not module state)."""
+
+    def __init__(self) -> None:
+        self.services: dict[str, KVTransferService] = {}
+
+    def lookup(self, address: str) -> KVTransferService:
+        service = self.services.get(address)
+        if service is None:
+            raise TransferError(grpc.StatusCode.UNAVAILABLE, f"no server at {address}")
+        return service
+
+
+class InProcKVServer(KVTransferServer):
+    def __init__(
+        self, hub: InProcHub, name: str, store: PoolBlockStore, config: TransferConfig | None = None
+    ) -> None:
+        self.hub = hub
+        self.address = f"inproc:{name}"
+        self.service = KVTransferService(store, config)
+
+    async def start(self) -> None:
+        self.hub.services[self.address] = self.service
+        self.service.start_reaper()
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        self.hub.services.pop(self.address, None)
+        await self.service.close()
+
+    def claim(self, request_id: str) -> list[int] | None:
+        return self.service.claim(request_id)
+
+
+class _Cancelled:
+    def __init__(self) -> None:
+        self.set = False
+
+    def __call__(self) -> None:
+        self.set = True
+
+    async def check(self) -> None:
+        await asyncio.sleep(0)  # let the lease reaper run between messages
+        if self.set:
+            raise TransferError(grpc.StatusCode.CANCELLED, "lease expired")
+
+
+class InProcKVClient(KVTransferClient):
+    def __init__(
+        self,
+        hub: InProcHub,
+        config: TransferConfig | None = None,
+        message_filter: MessageFilter | None = None,
+    ) -> None:
+        self.hub = hub
+        self.config = config or TransferConfig()
+        self._filter = message_filter
+
+    async def push(
+        self, address: str, source: BlockSource, blocks: KVBlocks, *, timeout_s: float | None = None
+    ) -> PushResult:
+        service = self.hub.lookup(address)
+        source.pin(blocks.block_ids)
+        sender = KVSender(
+            source,
+            blocks.request_id,
+            blocks.block_ids,
+            blocks.block_hashes,
+            blocks.token_ids,
+            self.config.chunk_bytes,
+        )
+        cancelled = _Cancelled()
+        push = service.open_push(cancelled)
+        reply = None
+        try:
+            async with asyncio.timeout(timeout_s or self.config.timeout_s):
+                for msg in chain(sender.messages(), [wire.encode_commit()]):
+                    msg = msg if self._filter is None else self._filter(msg)
+                    if msg is not None:
+                        reply = push.on_message(wire.decode(msg))
+                    await cancelled.check()
+        except TimeoutError as e:
+            raise TransferError(grpc.StatusCode.DEADLINE_EXCEEDED, "push timed out") from e
+        finally:
+            push.close()
+            sender.close(succeeded=reply is not None)
+        if reply is None:
+            raise TransferError(grpc.StatusCode.ABORTED, "stream ended before commit")
+        return PushResult(reply.request_id, list(reply.block_ids), sender.bytes_sent)
+
+    async def pull(
+        self,
+        address: str,
+        sink: BlockSink,
+        block_hashes: Sequence[bytes],
+        *,
+        request_id: str = "",
+        timeout_s: float | None = None,
+    ) -> PullResult:
+        service = self.hub.lookup(address)
+        request = pb.PullRequest(
+            layout=wire.layout_to_proto(sink.layout),
+            request_id=request_id,
+            block_hashes=block_hashes,
+        )
+        cancelled = _Cancelled()
+        pull = service.open_pull(request, cancelled)
+        receiver = KVReceiver(sink)
+        try:
+            async with asyncio.timeout(timeout_s or self.config.timeout_s):
+                for msg in pull.messages():
+                    receiver.on_message(wire.decode(msg))
+                    await cancelled.check()
+            block_ids = receiver.commit()
+        except TimeoutError as e:
+            raise TransferError(grpc.StatusCode.DEADLINE_EXCEEDED, "pull timed out") from e
+        finally:
+            pull.close(receiver.state is TransferState.SUCCEEDED)
+            receiver.fail()
+        return PullResult(block_ids, receiver.block_hashes, receiver.bytes_received)

@@ -1,0 +1,159 @@
+"""The KV transfer contract: what moves, the pool it moves between, and the
+mover's interface.
+
+A mover (gRPC, in-process, later shared memory or RDMA) only ever touches a
+pool through ``BlockSource`` (the sending side) and ``BlockSink`` (the
+receiving side), never the engine. Every mover reports failures as a
+``TransferError`` carrying a gRPC status code, so callers see one error type
+whatever moved the bytes.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import grpc
+
+from engine.kv_cache import KVLayout
+
+
+class TransferState(enum.Enum):
+    PENDING = "pending"  # created, no header yet
+    TRANSFERRING = "transferring"  # header accepted, blocks reserved or pinned
+    SUCCEEDED = "succeeded"  # committed (receiver) or fully sent (sender)
+    FAILED = "failed"  # every block reserved or pinned for it is released
+
+
+class TransferError(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    """Knobs shared by the servers and clients of every mover."""
+
+    lease_s: float = 30.0
+    """Blocks reserved for an incoming transfer, pinned for an outgoing pull,
+    or committed but not yet claimed are released after this long without
+    progress."""
+    reap_interval_s: float = 0.25
+    """How often a server looks for expired leases."""
+    chunk_bytes: int = 8 << 20
+    """Target payload size of one chunk message."""
+    timeout_s: float = 60.0
+    """Default deadline of one client call."""
+
+
+@dataclass(frozen=True)
+class KVBlocks:
+    """Blocks of one request on the sending side."""
+
+    request_id: str
+    block_ids: Sequence[int]
+    block_hashes: Sequence[bytes | None]  # one per block; None for a partial block
+    token_ids: Sequence[int]  # the tokens whose KV the blocks hold
+
+
+@dataclass(frozen=True)
+class PushResult:
+    request_id: str
+    remote_block_ids: list[int]  # held for request_id on the receiver until claimed
+    bytes_sent: int
+
+
+@dataclass(frozen=True)
+class PullResult:
+    block_ids: list[int]  # in the local sink; the caller owns one reference each
+    block_hashes: list[bytes]
+    bytes_received: int
+
+
+class BlockSink(Protocol):
+    """The receiving side of a pool."""
+
+    layout: KVLayout
+
+    def reserve(self, n: int) -> list[int] | None:
+        """``n`` fresh blocks owned by the caller, or None if too few are free."""
+
+    def write(self, block_ids: Sequence[int], layer_start: int, data: memoryview) -> None:
+        """Copy a chunk's payload (see kv_transfer.proto) into the blocks."""
+
+    def commit(
+        self,
+        block_ids: Sequence[int],
+        block_hashes: Sequence[bytes | None],
+        token_ids: Sequence[int],
+    ) -> None:
+        """Index the full blocks in the prefix cache; the caller keeps its refs."""
+
+    def release(self, block_ids: Sequence[int]) -> None:
+        """Drop the caller's reference to each block."""
+
+
+class BlockSource(Protocol):
+    """The sending side of a pool."""
+
+    layout: KVLayout
+
+    def pin(self, block_ids: Sequence[int]) -> None:
+        """Take a reference so the blocks cannot be freed while being read."""
+
+    def pin_hashes(self, block_hashes: Sequence[bytes]) -> tuple[list[int], list[int]]:
+        """Pin the longest held prefix of ``block_hashes``: (block ids, token ids)."""
+
+    def read_into(
+        self, block_ids: Sequence[int], layer_start: int, layer_end: int, out: memoryview
+    ) -> None:
+        """Gather a chunk's payload (see kv_transfer.proto) into ``out``."""
+
+    def unpin(self, block_ids: Sequence[int]) -> None: ...
+
+
+class KVTransferClient(ABC):
+    """Pushes blocks to, and pulls blocks from, a ``KVTransferServer``."""
+
+    @abstractmethod
+    async def push(
+        self, address: str, source: BlockSource, blocks: KVBlocks, *, timeout_s: float | None = None
+    ) -> PushResult: ...
+
+    @abstractmethod
+    async def pull(
+        self,
+        address: str,
+        sink: BlockSink,
+        block_hashes: Sequence[bytes],
+        *,
+        request_id: str = "",
+        timeout_s: float | None = None,
+    ) -> PullResult:
+        """Fetch the longest prefix of ``block_hashes`` the holder has."""
+
+    async def close(self) -> None:
+        return None
+
+
+class KVTransferServer(ABC):
+    """Receives pushes into, and serves pulls from, one worker's pool."""
+
+    address: str
+
+    @abstractmethod
+    async def start(self) -> None: ...
+
+    @abstractmethod
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Stop serving and release every block held for a transfer."""
+
+    @abstractmethod
+    def claim(self, request_id: str) -> list[int] | None:
+        """Take the blocks a push committed for ``request_id`` (the caller owns
+        one reference each), or None if there is none (never came, expired)."""

@@ -1,0 +1,104 @@
+"""``BlockSink`` and ``BlockSource`` over a BlockPool and its KVCache.
+
+Thread-safety: pool bookkeeping runs under ``lock``. Pass the lock the engine
+uses around its own pool calls when the engine runs in another thread than
+the transfer server; with both on one asyncio loop no lock is needed. Tensor
+copies run outside the lock: a transfer only touches blocks it reserved or
+pinned, which nobody else writes.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import torch
+
+from engine.hashing import BlockHash
+from engine.kv_cache import BlockPool, KVCache
+
+from .wire import tensor_view
+
+
+class PoolBlockStore:
+    def __init__(
+        self, pool: BlockPool, cache: KVCache, lock: threading.RLock | None = None
+    ) -> None:
+        self.pool = pool
+        self.cache = cache
+        self.layout = cache.layout
+        self.lock = lock if lock is not None else threading.RLock()
+        self._dtype = cache.layers[0].dtype
+        # One block of one layer: [2, 1, block_size, kv_heads, head_dim].
+        self._block_shape = (2, 1, *cache.layers[0].shape[2:])
+
+    @property
+    def num_free(self) -> int:
+        with self.lock:
+            return self.pool.num_free
+
+    # BlockSink
+
+    def reserve(self, n: int) -> list[int] | None:
+        with self.lock:
+            return self.pool.allocate(n)
+
+    def write(self, block_ids: Sequence[int], layer_start: int, data: memoryview) -> None:
+        idx, src = self._index(block_ids), self._layers_view(block_ids, data)
+        for i, layer_src in enumerate(src):
+            # layer: [2, num_blocks, block_size, kv_heads, head_dim]
+            self.cache.layers[layer_start + i].index_copy_(1, idx, layer_src)
+
+    def commit(
+        self,
+        block_ids: Sequence[int],
+        block_hashes: Sequence[bytes | None],
+        token_ids: Sequence[int],
+    ) -> None:
+        bs = self.layout.block_size
+        with self.lock:
+            for i, (block, block_hash) in enumerate(zip(block_ids, block_hashes, strict=True)):
+                tokens = token_ids[i * bs : (i + 1) * bs]
+                if block_hash and len(tokens) == bs:
+                    self.pool.cache(block, BlockHash(block_hash), tokens)
+
+    def release(self, block_ids: Sequence[int]) -> None:
+        with self.lock:
+            self.pool.free(block_ids)
+
+    # BlockSource
+
+    def pin(self, block_ids: Sequence[int]) -> None:
+        with self.lock:
+            self.pool.take(block_ids)
+
+    def pin_hashes(self, block_hashes: Sequence[bytes]) -> tuple[list[int], list[int]]:
+        with self.lock:
+            blocks: list[int] = []
+            tokens: list[int] = []
+            for block_hash in block_hashes:
+                block = self.pool.block_for_hash(BlockHash(block_hash))
+                if block is None:
+                    break
+                blocks.append(block)
+                tokens.extend(self.pool.tokens_of(block) or ())
+            self.pool.take(blocks)
+            return blocks, tokens
+
+    def read_into(
+        self, block_ids: Sequence[int], layer_start: int, layer_end: int, out: memoryview
+    ) -> None:
+        idx, dst = self._index(block_ids), self._layers_view(block_ids, out)
+        for i, layer_dst in enumerate(dst[: layer_end - layer_start]):
+            torch.index_select(self.cache.layers[layer_start + i], 1, idx, out=layer_dst)
+
+    def unpin(self, block_ids: Sequence[int]) -> None:
+        self.release(block_ids)
+
+    def _index(self, block_ids: Sequence[int]) -> torch.Tensor:
+        return torch.as_tensor(block_ids, dtype=torch.long)
+
+    def _layers_view(self, block_ids: Sequence[int], buf: memoryview) -> torch.Tensor:
+        """``buf`` as [layers, 2, len(block_ids), block_size, kv_heads, head_dim]."""
+        shape = (2, len(block_ids), *self._block_shape[2:])
+        return tensor_view(buf, self._dtype).view(-1, *shape)

@@ -1,0 +1,174 @@
+"""The receiving half of a transfer, whatever moves the bytes.
+
+Header: check the layout, reserve the blocks. Chunks: check range, hashes,
+size and checksum, then write into the reserved blocks. Commit: check every
+(layer, block) arrived exactly once and index the blocks. Any error fails
+the transfer, which releases every reserved block exactly once.
+
+``on_message_async`` overlaps the checksum and copy of one chunk (in a
+worker thread; both release the GIL) with reading the next; blocks are
+released only once that copy has finished.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import zlib
+
+import grpc
+import numpy as np
+
+from protos.tandem.v1 import kv_transfer_pb2 as pb
+
+from .interface import BlockSink, TransferError, TransferState
+from .wire import COMMIT, Chunk, Malformed, Message, layout_from_proto
+
+_INVALID = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class KVReceiver:
+    def __init__(self, sink: BlockSink) -> None:
+        self.sink = sink
+        self.state = TransferState.PENDING
+        self.request_id = ""
+        self.block_ids: list[int] = []
+        self.block_hashes: list[bytes] = []
+        self.token_ids: list[int] = []
+        self.bytes_received = 0
+        self._seen: np.ndarray | None = None  # [num_layers, num_blocks] chunks written
+        self._block_layer_bytes = sink.layout.block_bytes_per_layer
+        self._inflight: concurrent.futures.Future[None] | None = None
+
+    def on_message(self, msg: Message) -> bool:
+        """Apply one message; True once a commit message has been applied."""
+        try:
+            if isinstance(msg, Malformed):
+                raise TransferError(_INVALID, f"malformed message: {msg.reason}")
+            if isinstance(msg, pb.TransferHeader):
+                self.on_header(msg)
+            elif isinstance(msg, Chunk):
+                self.on_chunk(msg)
+            elif msg is COMMIT:
+                self.commit()
+                return True
+        except TransferError as e:
+            self.fail()
+            raise e
+        return False
+
+    def on_header(self, header: pb.TransferHeader) -> None:
+        if self.state is not TransferState.PENDING:
+            raise TransferError(_INVALID, "second header in one transfer")
+        field = self.sink.layout.mismatch(layout_from_proto(header.layout))
+        if field is not None:
+            ours = getattr(self.sink.layout, field)
+            theirs = getattr(header.layout, field)
+            raise TransferError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"KV layout mismatch in {field}: receiver has {ours!r}, sender {theirs!r}",
+            )
+        n = header.num_blocks
+        if len(header.block_hashes) not in (0, n):
+            raise TransferError(_INVALID, f"{len(header.block_hashes)} block_hashes for {n} blocks")
+        if len(header.token_ids) > n * self.sink.layout.block_size:
+            raise TransferError(_INVALID, f"{len(header.token_ids)} token_ids for {n} blocks")
+        if header.total_bytes and header.total_bytes != n * self.sink.layout.block_bytes:
+            raise TransferError(_INVALID, f"total_bytes {header.total_bytes} does not fit layout")
+        blocks = self.sink.reserve(n)
+        if blocks is None:
+            raise TransferError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"no room for {n} blocks")
+        self.block_ids = blocks
+        self.request_id = header.request_id
+        self.block_hashes = list(header.block_hashes) or [b""] * n
+        self.token_ids = list(header.token_ids)
+        self._seen = np.zeros((self.sink.layout.num_layers, n), dtype=bool)
+        self.state = TransferState.TRANSFERRING
+
+    async def on_message_async(self, msg: Message, executor: concurrent.futures.Executor) -> bool:
+        """``on_message`` with chunk writes in ``executor``, one at a time."""
+        await self._drain()
+        if not isinstance(msg, Chunk):
+            return self.on_message(msg)
+        try:
+            self.check_chunk(msg)
+        except TransferError:
+            self.fail()
+            raise
+        self._inflight = executor.submit(self.write_chunk, msg)
+        return False
+
+    async def drain(self) -> None:
+        """Wait for the chunk write in flight, if any (before a commit)."""
+        await self._drain()
+
+    async def _drain(self) -> None:
+        inflight = self._inflight
+        if inflight is None:
+            return
+        await asyncio.wrap_future(inflight)
+        self._inflight = None
+        try:
+            inflight.result()
+        except TransferError:
+            self.fail()
+            raise
+
+    def on_chunk(self, chunk: Chunk) -> None:
+        self.check_chunk(chunk)
+        self.write_chunk(chunk)
+
+    def check_chunk(self, chunk: Chunk) -> None:
+        if self.state is not TransferState.TRANSFERRING or self._seen is None:
+            raise TransferError(_INVALID, "chunk before header")
+        ls, le, bs, be = chunk.layer_start, chunk.layer_end, chunk.block_start, chunk.block_end
+        if not (0 <= ls < le <= self._seen.shape[0] and 0 <= bs < be <= self._seen.shape[1]):
+            raise TransferError(_INVALID, f"chunk range layers {ls}:{le} blocks {bs}:{be}")
+        if self._seen[ls:le, bs:be].any():
+            raise TransferError(_INVALID, f"chunk layers {ls}:{le} blocks {bs}:{be} sent twice")
+        if tuple(self.block_hashes[bs:be]) != chunk.block_hashes:
+            raise TransferError(_INVALID, f"chunk blocks {bs}:{be} carry other hashes")
+        expected = (le - ls) * (be - bs) * self._block_layer_bytes
+        if len(chunk.data) != expected:
+            raise TransferError(_INVALID, f"chunk has {len(chunk.data)} bytes, expected {expected}")
+        self._seen[ls:le, bs:be] = True
+        self.bytes_received += expected
+
+    def write_chunk(self, chunk: Chunk) -> None:
+        """Verify the checksum and copy into the blocks; thread-safe."""
+        if chunk.crc32 is None or zlib.crc32(chunk.data) != chunk.crc32:
+            raise TransferError(
+                grpc.StatusCode.DATA_LOSS,
+                f"checksum mismatch in layers {chunk.layer_start}:{chunk.layer_end} "
+                f"blocks {chunk.block_start}:{chunk.block_end}",
+            )
+        self.sink.write(
+            self.block_ids[chunk.block_start : chunk.block_end], chunk.layer_start, chunk.data
+        )
+
+    def commit(self) -> list[int]:
+        """Index the blocks; the caller owns one reference to each afterwards."""
+        if self.state is not TransferState.TRANSFERRING or self._seen is None:
+            raise TransferError(_INVALID, "commit before header")
+        if self._inflight is not None:
+            raise TransferError(grpc.StatusCode.INTERNAL, "commit with a chunk write in flight")
+        if not self._seen.all():
+            missing = int((~self._seen).sum())
+            raise TransferError(_INVALID, f"commit with {missing} (layer, block) parts missing")
+        self.sink.commit(self.block_ids, self.block_hashes, self.token_ids)
+        self.state = TransferState.SUCCEEDED
+        return self.block_ids
+
+    def fail(self) -> None:
+        """Release every reserved block; safe to call more than once."""
+        if self.state is TransferState.TRANSFERRING:
+            inflight = self._inflight
+            if inflight is not None and not inflight.done():
+                # A thread still copies into the blocks: release them after it.
+                loop = asyncio.get_running_loop()
+                blocks, release = self.block_ids, self.sink.release
+                inflight.add_done_callback(lambda _: loop.call_soon_threadsafe(release, blocks))
+            else:
+                self.sink.release(self.block_ids)
+        if self.state is not TransferState.SUCCEEDED:
+            self.state = TransferState.FAILED

@@ -1,0 +1,75 @@
+"""The sending half of a transfer, whatever moves the bytes.
+
+Takes blocks already pinned in the source and yields the encoded header and
+chunks; ``close`` unpins them exactly once, whether the transfer succeeded,
+failed or was abandoned.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+from protos.tandem.v1 import kv_transfer_pb2 as pb
+
+from .interface import BlockSource, TransferState
+from .wire import encode_chunk, encode_header, layout_to_proto, plan_chunks
+
+
+class KVSender:
+    def __init__(
+        self,
+        source: BlockSource,
+        request_id: str,
+        pinned_block_ids: Sequence[int],
+        block_hashes: Sequence[bytes | None],
+        token_ids: Sequence[int],
+        chunk_bytes: int,
+    ) -> None:
+        if len(block_hashes) != len(pinned_block_ids):
+            raise ValueError(f"{len(block_hashes)} hashes for {len(pinned_block_ids)} blocks")
+        self.source = source
+        self.state = TransferState.TRANSFERRING
+        self.request_id = request_id
+        self.block_ids = list(pinned_block_ids)
+        self.block_hashes = [h or b"" for h in block_hashes]
+        self.token_ids = list(token_ids)
+        self.chunk_bytes = chunk_bytes
+        self.bytes_sent = 0
+
+    @property
+    def total_bytes(self) -> int:
+        return len(self.block_ids) * self.source.layout.block_bytes
+
+    def header(self) -> pb.TransferHeader:
+        return pb.TransferHeader(
+            layout=layout_to_proto(self.source.layout),
+            request_id=self.request_id,
+            num_blocks=len(self.block_ids),
+            block_hashes=self.block_hashes,
+            token_ids=self.token_ids,
+            total_bytes=self.total_bytes,
+        )
+
+    def messages(self) -> Iterator[bytes]:
+        """The encoded header, then each chunk, gathered only when asked for."""
+        layout = self.source.layout
+        yield encode_header(self.header())
+        spans = plan_chunks(
+            layout.num_layers, len(self.block_ids), layout.block_bytes_per_layer, self.chunk_bytes
+        )
+        for span in spans:
+            ls, le, bs, be = span
+            blocks = self.block_ids[bs:be]
+            size = (le - ls) * len(blocks) * layout.block_bytes_per_layer
+
+            def fill(out: memoryview, blocks: list[int] = blocks, ls: int = ls, le: int = le):
+                self.source.read_into(blocks, ls, le, out)
+
+            yield encode_chunk(span, self.block_hashes[bs:be], size, fill)
+            self.bytes_sent += size
+
+    def close(self, succeeded: bool = False) -> None:
+        """Unpin the blocks; safe to call more than once."""
+        if self.state is TransferState.TRANSFERRING:
+            self.source.unpin(self.block_ids)
+            self.state = TransferState.SUCCEEDED if succeeded else TransferState.FAILED

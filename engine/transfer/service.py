@@ -1,0 +1,183 @@
+"""The server side of KV transfer, independent of the transport.
+
+A transport (gRPC, in-process) opens an ``IncomingPush`` per PushBlocks call
+and an ``OutgoingPull`` per PullBlocks call, feeds it messages, and closes it
+in a ``finally``. Each holds a lease; if the transport stalls (peer dead,
+client gone quiet) the lease expires, the blocks are released and
+``cancel`` stops the call. Committed pushes wait, leased, for ``claim``.
+
+Everything here runs on the server's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import time
+from collections.abc import Callable, Iterator, Sequence
+
+import grpc
+
+from protos.tandem.v1 import kv_transfer_pb2 as pb
+
+from .interface import TransferConfig, TransferError, TransferState
+from .lease import Lease, LeaseTable
+from .pool_store import PoolBlockStore
+from .receiver import KVReceiver
+from .sender import KVSender
+from .wire import Message, layout_from_proto
+
+
+class KVTransferService:
+    def __init__(
+        self,
+        store: PoolBlockStore,
+        config: TransferConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.store = store
+        self.config = config or TransferConfig()
+        self.leases = LeaseTable(clock)
+        self._committed: dict[str, tuple[list[int], Lease]] = {}
+        self._open_pushes: set[str] = set()
+        self._reaper: asyncio.Task[None] | None = None
+
+    def open_push(self, cancel: Callable[[], None]) -> IncomingPush:
+        return IncomingPush(self, cancel)
+
+    def open_pull(self, request: pb.PullRequest, cancel: Callable[[], None]) -> OutgoingPull:
+        return OutgoingPull(self, request, cancel)
+
+    def claim(self, request_id: str) -> list[int] | None:
+        held = self._committed.pop(request_id, None)
+        if held is None:
+            return None
+        block_ids, lease = held
+        lease.cancel()
+        return block_ids
+
+    def pending_claims(self) -> list[str]:
+        return list(self._committed)
+
+    def start_reaper(self) -> None:
+        if self._reaper is None:
+            self._reaper = asyncio.get_running_loop().create_task(self._reap_forever())
+
+    async def close(self) -> None:
+        """Stop the reaper and release every block held for any transfer."""
+        if self._reaper is not None:
+            self._reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reaper
+            self._reaper = None
+        self.leases.expire_all()
+
+    async def _reap_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.reap_interval_s)
+            self.leases.expire_due()
+
+    def _hold(self, request_id: str, block_ids: list[int]) -> None:
+        def expire() -> None:
+            if self._committed.pop(request_id, None) is not None:
+                self.store.release(block_ids)
+
+        self._committed[request_id] = (block_ids, self.leases.grant(self.config.lease_s, expire))
+
+
+class IncomingPush:
+    def __init__(self, service: KVTransferService, cancel: Callable[[], None]) -> None:
+        self._service = service
+        self._cancel = cancel
+        self.receiver = KVReceiver(service.store)
+        self._lease = service.leases.grant(service.config.lease_s, self._expire)
+
+    @property
+    def state(self) -> TransferState:
+        return self.receiver.state
+
+    def on_message(self, msg: Message) -> pb.PushReply | None:
+        """Apply one message; the reply once the commit is applied."""
+        self._lease.renew()
+        first = self.receiver.state is TransferState.PENDING
+        return self._after(first, self.receiver.on_message(msg))
+
+    async def on_message_async(
+        self, msg: Message, executor: concurrent.futures.Executor
+    ) -> pb.PushReply | None:
+        """``on_message`` with chunk copies overlapped in ``executor``."""
+        self._lease.renew()
+        first = self.receiver.state is TransferState.PENDING
+        return self._after(first, await self.receiver.on_message_async(msg, executor))
+
+    def _after(self, first: bool, done: bool) -> pb.PushReply | None:
+        request_id = self.receiver.request_id
+        if first:
+            self._check_request_id(request_id)
+        if not done:
+            return None
+        self._service._open_pushes.discard(request_id)
+        self._service._hold(request_id, self.receiver.block_ids)
+        return pb.PushReply(
+            request_id=request_id,
+            block_ids=self.receiver.block_ids,
+            bytes_received=self.receiver.bytes_received,
+        )
+
+    def close(self) -> None:
+        self._lease.cancel()
+        self._service._open_pushes.discard(self.receiver.request_id)
+        self.receiver.fail()
+
+    def _check_request_id(self, request_id: str) -> None:
+        service = self._service
+        error = None
+        if not request_id:
+            error = "request_id is empty"
+        elif request_id in service._committed or request_id in service._open_pushes:
+            error = f"a push for request_id {request_id!r} is already held"
+        if error is not None:
+            self.receiver.request_id = ""  # never discard the other push's entry
+            self.receiver.fail()
+            code = grpc.StatusCode.INVALID_ARGUMENT if not request_id else None
+            raise TransferError(code or grpc.StatusCode.ALREADY_EXISTS, error)
+        service._open_pushes.add(request_id)
+
+    def _expire(self) -> None:
+        self.close()
+        self._cancel()
+
+
+class OutgoingPull:
+    def __init__(
+        self, service: KVTransferService, request: pb.PullRequest, cancel: Callable[[], None]
+    ) -> None:
+        store = service.store
+        field = store.layout.mismatch(layout_from_proto(request.layout))
+        if field is not None:
+            raise TransferError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"KV layout mismatch in {field}: holder has {getattr(store.layout, field)!r}, "
+                f"puller {getattr(request.layout, field)!r}",
+            )
+        self._cancel = cancel
+        block_ids, token_ids = store.pin_hashes(request.block_hashes)
+        hashes: Sequence[bytes] = request.block_hashes[: len(block_ids)]
+        self.sender = KVSender(
+            store, request.request_id, block_ids, hashes, token_ids, service.config.chunk_bytes
+        )
+        self._lease = service.leases.grant(service.config.lease_s, self._expire)
+
+    def messages(self) -> Iterator[bytes]:
+        for msg in self.sender.messages():
+            self._lease.renew()
+            yield msg
+
+    def close(self, succeeded: bool = False) -> None:
+        self._lease.cancel()
+        self.sender.close(succeeded)
+
+    def _expire(self) -> None:
+        self.close()
+        self._cancel()

@@ -1,0 +1,176 @@
+"""KV transfer between processes over real gRPC on 127.0.0.1.
+
+Every peer is its own process (engine/transfer/peer.py). Each test checks
+that the free block counts of every pool it touched return to their
+starting values: no path may strand blocks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import grpc
+import pytest
+import torch
+
+from engine.kv_cache import KVLayout
+from engine.transfer import TransferConfig, TransferError
+from engine.transfer.peer import Peer, PeerSpec
+
+pytestmark = pytest.mark.integration
+
+LAYOUT = KVLayout("fp-test", "float32", 8, 16, 4, 64)  # 256 KiB per block
+BIG = 1024  # blocks: 256 MiB
+SMALL_CHUNKS = TransferConfig(chunk_bytes=256 << 10)
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float = 60) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+@pytest.fixture(scope="module")
+def peers():
+    specs = {
+        "sender": PeerSpec(BIG + 64, LAYOUT, seed=1),
+        "receiver": PeerSpec(BIG + 64, LAYOUT, seed=2, config=TransferConfig(lease_s=120)),
+        "short_lease": PeerSpec(64, LAYOUT, seed=3, config=TransferConfig(lease_s=1.0)),
+        "other_layout": PeerSpec(64, KVLayout("fp-test", "float32", 8, 16, 2, 64), seed=4),
+    }
+    started = {name: Peer(spec) for name, spec in specs.items()}
+    try:
+        for peer in started.values():
+            _ = peer.address
+        yield started
+    finally:
+        for peer in started.values():
+            peer.close()
+
+
+@pytest.fixture(autouse=True)
+def pools_return_to_start(peers):
+    before = {name: p.call("num_free") for name, p in peers.items()}
+    yield
+    for name, p in peers.items():
+        assert wait_until(lambda p=p, name=name: p.call("num_free") == before[name]), name
+
+
+def test_push_256_mib_arrives_intact(peers):
+    sender, receiver = peers["sender"], peers["receiver"]
+    blocks = sender.call("allocate", BIG)
+    try:
+        remote, nbytes, _ = sender.call("push", receiver.address, "big", blocks)
+        assert nbytes == BIG * LAYOUT.block_bytes >= 256 << 20
+        assert len(remote) == BIG
+        assert receiver.call("claim", "big") == remote
+        assert receiver.call("digest", remote) == sender.call("digest", blocks)
+        receiver.call("release", remote)
+    finally:
+        sender.call("release", blocks)
+
+
+def test_pull_by_hash_gets_the_held_prefix(peers):
+    sender, receiver = peers["sender"], peers["receiver"]
+    hashes, _, digest = sender.call("make_cached", 5, 7)
+    missing = [bytes(16)]
+    block_ids, nbytes = receiver.call("pull", sender.address, hashes + missing)
+    assert len(block_ids) == 5 and nbytes == 5 * LAYOUT.block_bytes
+    assert receiver.call("digest", block_ids) == digest
+    # A second pull finds nothing past the first unknown hash.
+    assert receiver.call("pull", sender.address, missing + hashes) == ([], 0)
+    receiver.call("release", block_ids)
+
+
+def test_layout_mismatch_is_refused_naming_the_field(peers):
+    sender, other = peers["sender"], peers["other_layout"]
+    blocks = sender.call("allocate", 4)
+    try:
+        with pytest.raises(TransferError) as err:
+            sender.call("push", other.address, "mismatch", blocks)
+        assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert "num_kv_heads" in err.value.message
+        with pytest.raises(TransferError) as err:
+            other.call("pull", sender.address, [bytes(16)])
+        assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert "num_kv_heads" in err.value.message
+    finally:
+        sender.call("release", blocks)
+
+
+def test_corrupted_chunk_fails_and_frees_reserved_blocks(peers):
+    sender, receiver = peers["sender"], peers["receiver"]
+    blocks = sender.call("allocate", 64)
+    try:
+        with pytest.raises(TransferError) as err:
+            sender.call("push", receiver.address, "corrupt", blocks, None, None, None, 3)
+        assert err.value.code == grpc.StatusCode.DATA_LOSS
+        assert receiver.call("claim", "corrupt") is None
+    finally:
+        sender.call("release", blocks)
+
+
+def test_sender_killed_mid_stream_frees_reserved_blocks(peers):
+    receiver = peers["receiver"]
+    start = receiver.call("num_free")
+    doomed = Peer(PeerSpec(64, LAYOUT, seed=5, config=SMALL_CHUNKS))
+    try:
+        blocks = doomed.call("allocate", 32)
+        doomed.submit("push", receiver.address, "killed", blocks, None, None, 4)
+        assert wait_until(lambda: receiver.call("num_free") == start - 32)
+        doomed.kill()
+        assert wait_until(lambda: receiver.call("num_free") == start)
+        assert receiver.call("claim", "killed") is None
+    finally:
+        doomed.close()
+
+
+def test_lease_expiry_frees_stalled_and_unclaimed_transfers(peers):
+    short = peers["short_lease"]
+    start = short.call("num_free")
+    stalled = Peer(PeerSpec(64, LAYOUT, seed=6, config=SMALL_CHUNKS))
+    try:
+        blocks = stalled.call("allocate", 32)
+        stalled.submit("push", short.address, "stalled", blocks, None, None, 4)
+        assert wait_until(lambda: short.call("num_free") == start - 32)
+        # The sender is alive but silent: only the lease can free the blocks.
+        assert wait_until(lambda: short.call("num_free") == start)
+        assert stalled.process.is_alive()
+    finally:
+        stalled.close()
+
+    sender = peers["sender"]
+    blocks = sender.call("allocate", 8)
+    try:
+        sender.call("push", short.address, "unclaimed", blocks)
+        assert wait_until(lambda: short.call("num_free") == start)  # never claimed
+        assert short.call("claim", "unclaimed") is None
+    finally:
+        sender.call("release", blocks)
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(10, 5000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_decode_after_push_continues_like_one_engine(llama_dir):
+    params = {"temperature": 0.0, "max_tokens": 20, "ignore_eos": True}
+    prefill = Peer(PeerSpec(64, model=str(llama_dir)))
+    decode = Peer(PeerSpec(64, model=str(llama_dir)))
+    try:
+        free = (prefill.call("num_free"), decode.call("num_free"))
+        for i, n in enumerate([7, 33, 70]):
+            prompt = _prompt(n, i)
+            alone = prefill.call("generate", f"alone{i}", prompt, params)
+            first, _, _ = prefill.call("prefill_and_push", decode.address, f"r{i}", prompt, params)
+            assert len(first) == 1
+            split = decode.call("decode_pushed", f"r{i}", prompt, first, params)
+            assert split == alone
+        assert (prefill.call("num_free"), decode.call("num_free")) == free
+    finally:
+        prefill.close()
+        decode.close()
