@@ -15,6 +15,13 @@ The last line is one JSON object with the figures and ratios.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+# Run as `python bench/<name>.py`: put the repository root first on the path, so
+# `engine` is the package and not bench/engine.py.
+sys.path[0] = str(Path(__file__).resolve().parents[1])
+
 import argparse
 import json
 import statistics

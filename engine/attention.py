@@ -44,17 +44,20 @@ def build_metadata(
     decode_lens: list[int],
     prefills: list[PrefillSlice],
     slots: list[int],
+    device: torch.device,
 ) -> AttentionMetadata:
     """Tensors shared by every layer of one step."""
     tables = mask = None
     if decode_tables:
         width = max(len(t) for t in decode_tables)
-        tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables])
+        padded = [t + [0] * (width - len(t)) for t in decode_tables]
+        tables = torch.tensor(padded, device=device)
         if len(decode_tables) > 1:
-            positions = torch.arange(width * block_size)
-            mask = (positions[None, :] < torch.tensor(decode_lens)[:, None])[:, None, None, :]
+            positions = torch.arange(width * block_size, device=device)
+            lens = torch.tensor(decode_lens, device=device)
+            mask = (positions[None, :] < lens[:, None])[:, None, None, :]
     return AttentionMetadata(
-        slots=torch.tensor(slots),
+        slots=torch.tensor(slots, device=device),
         num_decode=len(decode_tables),
         decode_block_tables=tables,
         decode_mask=mask,
@@ -125,8 +128,8 @@ def _prefill(
         total = s.context_len + s.num_tokens
         context = kv.index_select(1, s.block_table).flatten(1, 2)[:, :total]
         keys, values = context[0], context[1]
-        query_pos = torch.arange(s.context_len, total)[:, None]
-        mask, causal = torch.arange(total)[None, :] <= query_pos, False
+        query_pos = torch.arange(s.context_len, total, device=q.device)[:, None]
+        mask, causal = torch.arange(total, device=q.device)[None, :] <= query_pos, False
     out = F.scaled_dot_product_attention(
         qs,
         keys.transpose(0, 1).unsqueeze(0),

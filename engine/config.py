@@ -91,7 +91,9 @@ class EngineConfig:
     load_format: Literal["auto", "dummy"] = "auto"
     """'dummy' gives random weights of the model's config (benchmarks)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Weights and KV cache dtype."""
     device: str = "cpu"
+    """torch device of the weights and the KV cache."""
     seed: int = 0
     """Seed of the global RNG (dummy weights, sampling without a per-request seed)."""
     block_size: int = 16
@@ -99,6 +101,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     """Blocks in the pool; derived from kv_cache_memory_bytes when None."""
     kv_cache_memory_bytes: int = 512 * 1024 * 1024
+    """Memory of the KV block pool when num_kv_blocks is None."""
     max_num_batched_tokens: int = 2048
     """Token budget of one step (chunked prefill splits prompts to fit it)."""
     max_num_seqs: int = 256
@@ -106,6 +109,7 @@ class EngineConfig:
     max_model_len: int | None = None
     """Longest prompt plus output; defaults to the model's limit, capped by the pool."""
     enable_prefix_caching: bool = True
+    """Keep full blocks of finished requests for reuse by later ones with the same prefix."""
     num_threads: int | None = None
     """torch intra-op threads; None keeps torch's default."""
 

@@ -170,6 +170,10 @@ class LLMEngine:
         seq.finish_reason = "abort"
         return True
 
+    def request_ids(self) -> list[str]:
+        """Every request this engine holds: waiting, running or prefilled."""
+        return list(self._seqs)
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
@@ -224,16 +228,19 @@ class LLMEngine:
                 decode_lens.append(start + 1)
             else:
                 prefills.append(
-                    PrefillSlice(len(slots), n, start, torch.tensor(table, dtype=torch.long))
+                    PrefillSlice(len(slots), n, start, torch.tensor(table, device=self.device))
                 )
                 span = range(start, start + n)
                 positions += span
                 slots += [table[p // bs] * bs + p % bs for p in span]
             if start + n == seq.num_tokens:
                 sample_rows.append(len(slots) - 1)
-        meta = build_metadata(bs, decode_tables, decode_lens, prefills, slots)
+        meta = build_metadata(bs, decode_tables, decode_lens, prefills, slots, self.device)
         hidden = self.model.forward(
-            torch.tensor(input_ids), torch.tensor(positions), meta, self.kv_cache
+            torch.tensor(input_ids, device=self.device),
+            torch.tensor(positions, device=self.device),
+            meta,
+            self.kv_cache,
         )
         return sample_rows, hidden
 

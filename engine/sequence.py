@@ -40,6 +40,10 @@ class RequestOutput:
     num_cached_tokens: int
     num_output_tokens: int
 
+    @classmethod
+    def aborted(cls, request_id: str) -> RequestOutput:
+        return cls(request_id, [], "", True, "abort", None, 0, 0, 0)
+
 
 @dataclass(eq=False)
 class Sequence:

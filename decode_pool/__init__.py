@@ -1,0 +1,1 @@
+"""The decode pool: workers that continue requests with continuous batching."""

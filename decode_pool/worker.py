@@ -1,0 +1,123 @@
+"""The decode worker (a plain class; the Ray actor wraps it).
+
+It receives KV blocks over gRPC (the KV receiver), attaches them to a
+request when the router starts its decode, and runs continuous batching.
+Every step's outputs go to the routers over their DecodeOutputs streams.
+In colocated mode the same worker also prefills.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import grpc
+
+from decode_pool.output_stream import OutputStreams
+from engine.config import EngineConfig
+from engine.sampling import SamplingParams
+from engine.sequence import RequestOutput
+from engine.transfer import GrpcKVServer, TransferConfig
+from engine.worker_base import EngineWorker
+from protos.tandem.v1 import worker_pb2_grpc
+
+
+@dataclass(frozen=True)
+class DecodeRequest:
+    request_id: str
+    router_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # tokens already sent (the prefill's first token)
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class WorkerAddresses:
+    kv: str  # KVTransfer service
+    outputs: str  # DecodeOutputs service
+
+
+class DecodeWorker(EngineWorker):
+    def __init__(
+        self,
+        name: str,
+        config: EngineConfig,
+        transfer: TransferConfig | None = None,
+        host: str = "127.0.0.1",
+    ) -> None:
+        super().__init__(name, config)
+        self.host = host
+        self.kv_server = GrpcKVServer(self.store, transfer, host=host, port=0)
+        self.streams = OutputStreams(self._router_gone)
+        self._server: grpc.aio.Server | None = None
+        self.addresses: WorkerAddresses | None = None
+        self._background: set[asyncio.Future] = set()
+
+    async def start(self) -> WorkerAddresses:
+        self.start_loop()
+        await self.kv_server.start()
+        server = grpc.aio.server()
+        worker_pb2_grpc.add_DecodeOutputsServicer_to_server(self.streams, server)
+        port = server.add_insecure_port(f"{self.host}:0")
+        await server.start()
+        self._server = server
+        self.addresses = WorkerAddresses(self.kv_server.address, f"{self.host}:{port}")
+        return self.addresses
+
+    async def stop(self) -> None:
+        self.streams.close()
+        if self._server is not None:
+            await self._server.stop(1.0)
+        await self.kv_server.stop(1.0)
+        for rid in await self.loop.acall(lambda e: e.request_ids()):
+            await self.abort(rid)
+        self.stop_loop()
+
+    async def start_decode(self, req: DecodeRequest) -> None:
+        """Continue a request whose blocks a prefill worker pushed here."""
+        blocks = self.kv_server.claim(req.request_id)
+        if blocks is None:
+            raise LookupError(f"no KV blocks arrived for request {req.request_id!r}")
+        self._own(req)
+        try:
+            await self.loop.acall(
+                lambda e: e.add_prefilled_request(
+                    req.request_id,
+                    req.prompt_token_ids,
+                    req.output_token_ids,
+                    req.params,
+                    blocks,
+                )
+            )
+        except BaseException:
+            self.streams.disown(req.request_id)
+            raise
+
+    async def start_full(self, req: DecodeRequest) -> None:
+        """Colocated mode: prefill and decode here; every token goes to the stream."""
+        self._own(req)
+        try:
+            await self.loop.acall(
+                lambda e: e.add_request(req.request_id, req.prompt_token_ids, req.params)
+            )
+        except BaseException:
+            self.streams.disown(req.request_id)
+            raise
+
+    async def abort(self, request_id: str) -> bool:
+        self.streams.disown(request_id)
+        return await super().abort(request_id)
+
+    def _own(self, req: DecodeRequest) -> None:
+        if not self.streams.has_router(req.router_id):
+            raise ConnectionError(f"router {req.router_id} has no open output stream here")
+        self.streams.own(req.request_id, req.router_id)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        self.streams.publish(outputs)
+
+    def _router_gone(self, router_id: str) -> None:
+        for rid in self.streams.requests_of(router_id):
+            task = asyncio.ensure_future(self.abort(rid))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)

@@ -1,0 +1,110 @@
+"""Runs an LLMEngine on a thread of its own, for async servers.
+
+The engine is not thread-safe. Its thread steps it whenever there is work
+and runs the calls that others submit (add, abort, export, attach) between
+steps, all under ``lock``; a KV transfer server shares that lock for its
+pool bookkeeping. Each step's outputs go to ``on_outputs`` from the engine
+thread: the owner hands them to its event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import TypeVar
+
+from engine.llm_engine import LLMEngine
+from engine.sequence import RequestOutput
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class EngineLoop:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        on_outputs: Callable[[list[RequestOutput]], None],
+        name: str = "engine",
+    ) -> None:
+        self.engine = engine
+        self.lock = threading.RLock()
+        self._on_outputs = on_outputs
+        self._calls: queue.SimpleQueue[tuple[Callable[[LLMEngine], object], Future]] = (
+            queue.SimpleQueue()
+        )
+        self._wake = threading.Event()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.num_steps = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=30)
+
+    def call(self, fn: Callable[[LLMEngine], T]) -> Future[T]:
+        """Run ``fn(engine)`` on the engine thread between steps."""
+        future: Future[T] = Future()
+        if self._stopping:
+            future.set_exception(RuntimeError("engine loop is stopped"))
+            return future
+        self._calls.put((fn, future))
+        self._wake.set()
+        return future
+
+    async def acall(self, fn: Callable[[LLMEngine], T]) -> T:
+        return await asyncio.wrap_future(self.call(fn))
+
+    def _run(self) -> None:
+        while not self._stopping:
+            self._run_calls()
+            with self.lock:
+                busy = self.engine.has_unfinished()
+                outputs = self._step() if busy else []
+            if outputs:
+                self._on_outputs(outputs)
+            if not busy:
+                self._wake.wait(timeout=0.1)
+                self._wake.clear()
+        self._run_calls()
+
+    def _step(self) -> list[RequestOutput]:
+        try:
+            outputs = self.engine.step()
+        except Exception:  # a broken step must not kill the worker silently
+            log.exception("engine step failed; aborting every request")
+            outputs = self._abort_all()
+        self.num_steps += 1
+        return outputs
+
+    def _abort_all(self) -> list[RequestOutput]:
+        outputs = []
+        for request_id in list(self.engine.request_ids()):
+            self.engine.abort(request_id)
+            outputs.append(RequestOutput.aborted(request_id))
+        return outputs
+
+    def _run_calls(self) -> None:
+        while True:
+            try:
+                fn, future = self._calls.get_nowait()
+            except queue.Empty:
+                return
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                with self.lock:
+                    result = fn(self.engine)
+            except BaseException as exc:
+                future.set_exception(exc)
+            else:
+                future.set_result(result)

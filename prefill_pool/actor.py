@@ -1,0 +1,30 @@
+"""The Ray actor around a PrefillWorker."""
+
+from __future__ import annotations
+
+from engine.config import EngineConfig
+from engine.transfer import TransferConfig
+from prefill_pool.worker import PrefillRequest, PrefillResult, PrefillWorker
+
+
+class PrefillActor:
+    """Created by the pool manager with ``ray.remote(...)`` and its resources."""
+
+    def __init__(self, name: str, config: EngineConfig, transfer: TransferConfig) -> None:
+        self.worker = PrefillWorker(name, config, transfer)
+
+    async def start(self) -> dict:
+        await self.worker.start()
+        return self.worker.describe()
+
+    async def prefill(self, req: PrefillRequest) -> PrefillResult:
+        return await self.worker.prefill(req)
+
+    async def abort(self, request_id: str) -> bool:
+        return await self.worker.abort(request_id)
+
+    async def stats(self) -> dict:
+        return self.worker.stats()
+
+    async def stop(self) -> None:
+        await self.worker.stop()

@@ -1,0 +1,61 @@
+"""What the router's gRPC service needs from whatever serves requests.
+
+The service validates, tokenizes, admits and streams; a backend runs the
+request. ``RayBackend`` (router/ray_backend.py) runs it on prefill and
+decode pools; tests use a fake with the same interface.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from engine.sampling import SamplingParams
+from engine.sequence import TokenLogprobs
+
+
+@dataclass(frozen=True)
+class GenerateInput:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class TokenDelta:
+    """New tokens of one request (usually one decode step's worth)."""
+
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprobs] | None = None
+
+
+@dataclass
+class GenerateResult:
+    """The last thing a backend yields for a request."""
+
+    finish_reason: str  # "stop" | "length" | "abort"
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    ttft_s: float
+    mean_tpot_s: float
+    prefill_worker: str
+    decode_worker: str
+
+
+class Backend(Protocol):
+    tokenizer: Any  # a Hugging Face tokenizer, or None (token-id prompts only)
+    max_model_len: int
+    vocab_size: int
+
+    def generate(self, inp: GenerateInput) -> AsyncIterator[TokenDelta | GenerateResult]:
+        """Yields deltas, then one GenerateResult. Closing the iterator early
+        (client cancel, deadline) aborts the request on every worker and
+        frees its blocks."""
+        ...
+
+    async def start(self) -> None: ...
+
+    async def shutdown(self) -> None: ...

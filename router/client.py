@@ -1,0 +1,156 @@
+"""A small async client for the router's ``Generate`` API.
+
+    async with TandemClient("127.0.0.1:50051", timeout_s=30) as client:
+        async for response in client.generate("Hello", max_tokens=8):
+            ...
+        completion = await client.complete([1, 2, 3], temperature=0)
+
+Sampling keywords are the ``GenerateRequest`` field names (``max_tokens``,
+``temperature``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``,
+``frequency_penalty``, ``presence_penalty``, ``seed``, ``stop``,
+``stop_token_ids``, ``ignore_eos``, ``logprobs``, ``request_id``); a keyword
+left at None keeps the server default.
+
+Errors surface as ``grpc.aio.AioRpcError``: ``.code()`` is the status
+(INVALID_ARGUMENT, RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED, UNAVAILABLE, ...)
+and ``.details()`` the server's message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+from protos.tandem.v1 import generate_pb2 as pb
+from protos.tandem.v1 import generate_pb2_grpc
+
+MAX_MESSAGE_BYTES = 64 << 20
+
+
+@dataclass
+class Completion:
+    """A whole response, collected from the stream."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    usage: pb.Usage
+    timings: pb.Timings
+    request_id: str = ""
+    logprobs: list[pb.TokenLogprob] = field(default_factory=list)
+
+
+def build_request(
+    prompt: str | Sequence[int], *, stop: str | Sequence[str] | None = None, **sampling: object
+) -> pb.GenerateRequest:
+    """A GenerateRequest; None values are left unset (the server default).
+
+    Raises TypeError for an unknown keyword or a prompt of the wrong type.
+    """
+    if isinstance(prompt, str):
+        request = pb.GenerateRequest(prompt=prompt)
+    elif isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt):
+        request = pb.GenerateRequest(prompt_token_ids=list(prompt))
+    else:
+        raise TypeError("prompt must be a str or a sequence of token ids")
+    if stop is not None:
+        request.stop.extend([stop] if isinstance(stop, str) else stop)
+    fields = pb.GenerateRequest.DESCRIPTOR.fields_by_name
+    for name, value in sampling.items():
+        if name not in fields or name in ("prompt", "prompt_token_ids", "stop"):
+            raise TypeError(f"unknown sampling keyword {name!r}")
+        if value is None:
+            continue
+        if fields[name].is_repeated:
+            getattr(request, name).extend(value)  # type: ignore[call-overload]
+        else:
+            setattr(request, name, value)
+    return request
+
+
+def collect(responses: Sequence[pb.GenerateResponse]) -> Completion:
+    """A Completion from a finished stream (chunks, then one final)."""
+    text: list[str] = []
+    token_ids: list[int] = []
+    logprobs: list[pb.TokenLogprob] = []
+    final: pb.GenerateFinal | None = None
+    for r in responses:
+        if r.HasField("chunk"):
+            text.append(r.chunk.text)
+            token_ids.extend(r.chunk.token_ids)
+            logprobs.extend(r.chunk.logprobs)
+        elif r.HasField("final"):
+            final = r.final
+    if final is None:
+        raise RuntimeError("the stream ended without a final message")
+    return Completion(
+        text="".join(text),
+        token_ids=token_ids,
+        finish_reason=final.finish_reason,
+        usage=final.usage,
+        timings=final.timings,
+        request_id=final.request_id,
+        logprobs=logprobs,
+    )
+
+
+class TandemClient:
+    """Async client over one ``grpc.aio`` channel; use as an async context manager."""
+
+    def __init__(self, target: str, timeout_s: float | None = None) -> None:
+        self.target = target
+        self.timeout_s = timeout_s
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: generate_pb2_grpc.TandemStub | None = None
+
+    async def __aenter__(self) -> TandemClient:
+        self._channel = grpc.aio.insecure_channel(
+            self.target,
+            options=[
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ],
+        )
+        self._stub = generate_pb2_grpc.TandemStub(self._channel)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = self._stub = None
+
+    async def generate(
+        self, prompt: str | Sequence[int], **sampling: object
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        """Stream the responses: chunks, then one final. Leaving the loop early
+        cancels the call (the server aborts the request)."""
+        if self._stub is None:
+            raise RuntimeError("TandemClient is not open; use `async with TandemClient(...)`")
+        call = self._stub.Generate(build_request(prompt, **sampling), timeout=self.timeout_s)
+        try:
+            async for response in call:
+                yield response
+        finally:
+            call.cancel()  # a no-op once the call has finished
+
+    async def complete(self, prompt: str | Sequence[int], **sampling: object) -> Completion:
+        """The whole response, collected."""
+        return collect([r async for r in self.generate(prompt, **sampling)])
+
+
+def generate_sync(
+    target: str, prompt: str | Sequence[int], timeout_s: float | None = None, **sampling: object
+) -> Completion:
+    """One request from synchronous code (a script); not for use inside an event loop."""
+
+    async def run() -> Completion:
+        async with TandemClient(target, timeout_s) as client:
+            return await client.complete(prompt, **sampling)
+
+    return asyncio.run(run())

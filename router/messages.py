@@ -1,0 +1,153 @@
+"""Proto <-> backend types: request validation and tokenization, response messages.
+
+Every refusal is a ``RequestError`` whose message names the offending field.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import grpc
+
+from engine.sampling import SamplingParams
+from protos.tandem.v1 import generate_pb2 as pb
+
+from .backend import Backend, GenerateInput, GenerateResult, TokenDelta
+
+DEFAULT_MAX_TOKENS = 16  # vLLM's default when a request leaves max_tokens unset
+MAX_REQUEST_ID_CHARS = 256
+_TOKENIZE_IN_THREAD_CHARS = 16_384  # longer prompts are tokenized off the event loop
+_SAMPLING_FIELDS = (  # proto fields with explicit presence, same names as SamplingParams
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "frequency_penalty",
+    "presence_penalty",
+    "seed",
+    "logprobs",
+)
+
+
+class RequestError(Exception):
+    """A request refused before it reached the backend."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def _invalid(message: str) -> RequestError:
+    return RequestError(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+def sampling_params(request: pb.GenerateRequest, backend: Backend) -> SamplingParams:
+    """SamplingParams from a request; unset optional fields keep their defaults."""
+    kwargs: dict[str, object] = {
+        name: getattr(request, name) for name in _SAMPLING_FIELDS if request.HasField(name)
+    }
+    kwargs.setdefault("max_tokens", DEFAULT_MAX_TOKENS)
+    try:
+        params = SamplingParams(
+            **kwargs,
+            stop=list(request.stop),
+            stop_token_ids=list(request.stop_token_ids),
+            ignore_eos=request.ignore_eos,
+        )
+        params.validate_for_vocab(backend.vocab_size)
+    except ValueError as e:
+        raise _invalid(str(e)) from None
+    if params.stop and backend.tokenizer is None:
+        raise _invalid("stop strings need a tokenizer; this server has none (use stop_token_ids)")
+    return params
+
+
+async def prompt_token_ids(request: pb.GenerateRequest, backend: Backend) -> list[int]:
+    """The prompt as token ids, checked against the vocabulary and max_model_len."""
+    has_text, has_ids = bool(request.prompt), bool(request.prompt_token_ids)
+    if has_text == has_ids:
+        raise _invalid(
+            "prompt and prompt_token_ids are mutually exclusive"
+            if has_text
+            else "prompt is required: set one of prompt or prompt_token_ids"
+        )
+    field_name = "prompt" if has_text else "prompt_token_ids"
+    if has_text:
+        if backend.tokenizer is None:
+            raise _invalid("prompt text needs a tokenizer; this server has none (send token ids)")
+        ids = await _tokenize(backend.tokenizer, request.prompt)
+        if not ids:
+            raise _invalid("prompt tokenizes to no tokens")
+    else:
+        ids = list(request.prompt_token_ids)
+        vocab = backend.vocab_size
+        bad = next((i for i, t in enumerate(ids) if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise _invalid(
+                f"prompt_token_ids[{bad}] = {ids[bad]} is outside the vocabulary [0, {vocab})"
+            )
+    limit = backend.max_model_len
+    if len(ids) >= limit:
+        raise _invalid(
+            f"{field_name} has {len(ids)} tokens; the limit is {limit - 1} (max_model_len {limit})"
+        )
+    return ids
+
+
+async def _tokenize(tokenizer, text: str) -> list[int]:
+    if len(text) > _TOKENIZE_IN_THREAD_CHARS:
+        return list(await asyncio.to_thread(tokenizer.encode, text))
+    return list(tokenizer.encode(text))
+
+
+def request_id_of(request: pb.GenerateRequest) -> str:
+    """The client's request id, or a fresh one when unset or empty."""
+    rid = request.request_id if request.HasField("request_id") else ""
+    if len(rid) > MAX_REQUEST_ID_CHARS:
+        raise _invalid(f"request_id must have at most {MAX_REQUEST_ID_CHARS} characters")
+    return rid or uuid.uuid4().hex
+
+
+async def to_generate_input(request: pb.GenerateRequest, backend: Backend) -> GenerateInput:
+    """Validate and tokenize a request. Raises RequestError (INVALID_ARGUMENT)."""
+    rid = request_id_of(request)
+    params = sampling_params(request, backend)
+    ids = await prompt_token_ids(request, backend)
+    return GenerateInput(request_id=rid, prompt_token_ids=ids, params=params)
+
+
+def chunk_message(delta: TokenDelta) -> pb.GenerateResponse:
+    chunk = pb.GenerateChunk(token_ids=delta.token_ids, text=delta.text)
+    for lp in delta.logprobs or ():
+        chunk.logprobs.append(
+            pb.TokenLogprob(
+                token_id=lp.token_id,
+                logprob=lp.logprob,
+                top_logprobs=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
+            )
+        )
+    return pb.GenerateResponse(chunk=chunk)
+
+
+def final_message(request_id: str, result: GenerateResult) -> pb.GenerateResponse:
+    return pb.GenerateResponse(
+        final=pb.GenerateFinal(
+            request_id=request_id,
+            finish_reason=result.finish_reason,
+            usage=pb.Usage(
+                prompt_tokens=result.prompt_tokens,
+                cached_tokens=result.cached_tokens,
+                completion_tokens=result.completion_tokens,
+            ),
+            timings=pb.Timings(
+                ttft_s=result.ttft_s,
+                mean_tpot_s=result.mean_tpot_s,
+                prefill_worker=result.prefill_worker,
+                decode_worker=result.decode_worker,
+            ),
+        )
+    )

@@ -1,0 +1,109 @@
+"""Creates and stops the worker actors of a pool through Ray."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from engine.config import EngineConfig
+from engine.transfer import TransferConfig
+from tandem_cli.config import ServeConfig, WorkerResources
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class WorkerHandle:
+    name: str
+    role: str  # "prefill" | "decode" | "colocated"
+    actor: Any
+    info: dict = field(default_factory=dict)  # what the worker's start() returned
+    in_flight: int = 0
+
+
+def gpus_per_worker(resources: WorkerResources) -> float:
+    """The configured GPUs, or one each where the cluster has any."""
+    if resources.num_gpus is not None:
+        return resources.num_gpus
+    return 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
+
+
+def engine_config(config: ServeConfig, resources: WorkerResources, num_gpus: float) -> EngineConfig:
+    return EngineConfig(
+        model=config.model,
+        tokenizer=config.tokenizer,
+        load_format=config.load_format,
+        dtype=config.dtype,
+        device="cuda" if num_gpus > 0 else "cpu",
+        block_size=config.block_size,
+        kv_cache_memory_bytes=config.kv_cache_memory_mb << 20,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_num_seqs=config.max_num_seqs,
+        max_model_len=config.max_model_len,
+        enable_prefix_caching=config.enable_prefix_caching,
+        num_threads=resources.num_threads,
+    )
+
+
+class WorkerPool:
+    """Workers of one role. The actor classes are plain classes made remote here."""
+
+    _ids = itertools.count()
+
+    def __init__(self, role: str, config: ServeConfig, host: str | None = None) -> None:
+        self.role = role
+        self.config = config
+        self.host = host
+        self.workers: list[WorkerHandle] = []
+        self.resources = config.prefill_resources if role == "prefill" else config.decode_resources
+
+    async def scale_to(self, n: int) -> list[WorkerHandle]:
+        """Add workers until there are ``n``; returns the new ones, started."""
+        new = [self._create() for _ in range(n - len(self.workers))]
+        infos = await asyncio.gather(*(w.actor.start.remote() for w in new))
+        for worker, info in zip(new, infos, strict=True):
+            worker.info = info
+        self.workers += new
+        return new
+
+    async def stop(self) -> None:
+        workers, self.workers = self.workers, []
+        await asyncio.gather(*(_stop(w) for w in workers))
+
+    def _create(self) -> WorkerHandle:
+        name = f"{self.role}-{next(self._ids)}"
+        res = self.resources
+        num_gpus = gpus_per_worker(res)
+        options = {
+            "num_cpus": res.num_cpus,
+            "num_gpus": num_gpus,
+            "resources": res.resources or None,
+            "max_restarts": 0,
+            "name": None,
+        }
+        engine = engine_config(self.config, res, num_gpus)
+        transfer = TransferConfig(lease_s=self.config.kv_lease_s)
+        if self.role == "prefill":
+            from prefill_pool.actor import PrefillActor
+
+            actor = ray.remote(PrefillActor).options(**options).remote(name, engine, transfer)
+        else:
+            from decode_pool.actor import DecodeActor
+
+            actor = (
+                ray.remote(DecodeActor).options(**options).remote(name, engine, transfer, self.host)
+            )
+        return WorkerHandle(name, self.role, actor)
+
+
+async def _stop(worker: WorkerHandle) -> None:
+    try:
+        await asyncio.wait_for(worker.actor.stop.remote(), timeout=30)
+    except Exception as exc:  # a dead worker is stopped already
+        log.warning("stopping %s: %s", worker.name, exc)
+    ray.kill(worker.actor)

@@ -1,0 +1,213 @@
+"""The backend that serves requests on Ray pools.
+
+Disaggregated: the prefill worker computes the prompt, samples the first
+token and pushes the KV blocks to the chosen decode worker; the router
+then starts the decode there and reads its tokens from that worker's
+output stream. Colocated: one worker does both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+
+from decode_pool.worker import DecodeRequest
+from engine.loader import resolve_model_dir
+from prefill_pool.worker import PrefillRequest
+from protos.tandem.v1 import worker_pb2, worker_pb2_grpc
+from router.backend import GenerateInput, GenerateResult, TokenDelta
+from router.policies import make_policy
+from router.pool_manager import WorkerHandle, WorkerPool
+from tandem_cli.config import ServeConfig
+
+log = logging.getLogger(__name__)
+
+
+class RayBackend:
+    def __init__(self, config: ServeConfig) -> None:
+        self.config = config
+        self.router_id = f"router-{uuid.uuid4().hex[:8]}"
+        self.colocated = config.mode == "colocated"
+        self.prefill = WorkerPool("prefill", config)
+        self.decode = WorkerPool("colocated" if self.colocated else "decode", config)
+        self.policy = make_policy(config.routing_policy)
+        self.tokenizer = None
+        self.max_model_len = 0
+        self.vocab_size = 0
+        # request id -> (its deltas, the decode worker that streams them)
+        self._queues: dict[str, tuple[asyncio.Queue[worker_pb2.RequestDelta], WorkerHandle]] = {}
+        self._subscriptions: list[asyncio.Task] = []
+        self._channels: list[grpc.aio.Channel] = []
+
+    async def start(self) -> None:
+        from transformers import AutoTokenizer
+
+        model_dir = resolve_model_dir(self.config.model)  # builds the default model once
+        with contextlib.suppress(OSError, ValueError):
+            self.tokenizer = AutoTokenizer.from_pretrained(self.config.tokenizer or model_dir)
+        if not self.colocated:
+            await self.prefill.scale_to(self.config.prefill)
+        await self.decode.scale_to(self.config.decode)
+        workers = self.prefill.workers + self.decode.workers
+        self.max_model_len = min(w.info["max_model_len"] for w in workers)
+        self.vocab_size = workers[0].info["vocab_size"]
+        for worker in self.decode.workers:
+            await self._subscribe(worker)
+
+    async def shutdown(self) -> None:
+        for task in self._subscriptions:
+            task.cancel()
+        for channel in self._channels:
+            await channel.close()
+        await asyncio.gather(self.prefill.stop(), self.decode.stop())
+
+    async def worker_stats(self) -> dict[str, dict]:
+        workers = self.prefill.workers + self.decode.workers
+        stats = await asyncio.gather(*(w.actor.stats.remote() for w in workers))
+        return {w.name: s for w, s in zip(workers, stats, strict=True)}
+
+    async def _subscribe(self, worker: WorkerHandle) -> None:
+        channel = grpc.aio.insecure_channel(worker.info["outputs"])
+        self._channels.append(channel)
+        stream = worker_pb2_grpc.DecodeOutputsStub(channel).Subscribe(
+            worker_pb2.SubscribeRequest(router_id=self.router_id)
+        )
+        await stream.read()  # the empty batch that opens the stream
+        self._subscriptions.append(asyncio.create_task(self._read(worker, stream)))
+
+    async def _read(self, worker: WorkerHandle, stream) -> None:
+        try:
+            while (batch := await stream.read()) is not grpc.aio.EOF:
+                for delta in batch.deltas:
+                    entry = self._queues.get(delta.request_id)
+                    if entry is not None:
+                        entry[0].put_nowait(delta)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.CANCELLED:
+                log.error("output stream of %s broke: %s", worker.name, exc)
+        except Exception:
+            log.exception("reading the output stream of %s failed", worker.name)
+        finally:
+            # Requests on that worker can no longer finish: end them as aborted.
+            for rid, (queue, owner) in list(self._queues.items()):
+                if owner is worker:
+                    queue.put_nowait(
+                        worker_pb2.RequestDelta(
+                            request_id=rid, finished=True, finish_reason="abort"
+                        )
+                    )
+
+    async def generate(self, inp: GenerateInput) -> AsyncIterator[TokenDelta | GenerateResult]:
+        rid = inp.request_id
+        start = time.perf_counter()
+        queue: asyncio.Queue[worker_pb2.RequestDelta] = asyncio.Queue()
+        d = self.policy.pick(self.decode.workers)
+        self._queues[rid] = (queue, d)
+        p = None if self.colocated else self.policy.pick(self.prefill.workers)
+        d.in_flight += 1
+        if p is not None:
+            p.in_flight += 1
+        finished = False
+        first_time = last_time = 0.0
+        n_out = cached = 0
+        try:
+            req = DecodeRequest(rid, self.router_id, inp.prompt_token_ids, [], inp.params)
+            if p is None:
+                await d.actor.start_full.remote(req)
+            else:
+                result = await p.actor.prefill.remote(
+                    PrefillRequest(rid, inp.prompt_token_ids, inp.params, d.info["kv"])
+                )
+                p.in_flight -= 1
+                p_done, p = p, None
+                first = result.first
+                first_time = last_time = time.perf_counter()
+                n_out, cached = first.num_output_tokens, first.num_cached_tokens
+                yield TokenDelta(first.new_token_ids, first.text_delta, first.logprobs)
+                if first.finished:
+                    finished = True
+                    yield self._result(
+                        inp,
+                        first.finish_reason,
+                        cached,
+                        n_out,
+                        start,
+                        first_time,
+                        last_time,
+                        p_done.name,
+                        d.name,
+                    )
+                    return
+                await d.actor.start_decode.remote(
+                    DecodeRequest(
+                        rid, self.router_id, inp.prompt_token_ids, first.new_token_ids, inp.params
+                    )
+                )
+            while True:
+                delta = await queue.get()
+                now = time.perf_counter()
+                if delta.token_ids:
+                    if not first_time:
+                        first_time = now
+                    last_time = now
+                    yield TokenDelta(list(delta.token_ids), delta.text, _logprobs(delta))
+                if delta.num_output_tokens:
+                    n_out = delta.num_output_tokens
+                    cached = cached or delta.num_cached_tokens
+                if delta.finished:
+                    finished = True
+                    prefill_name = p_done.name if not self.colocated else d.name
+                    yield self._result(
+                        inp,
+                        delta.finish_reason,
+                        cached,
+                        n_out,
+                        start,
+                        first_time,
+                        last_time,
+                        prefill_name,
+                        d.name,
+                    )
+                    return
+        finally:
+            del self._queues[rid]
+            d.in_flight -= 1
+            if p is not None:
+                p.in_flight -= 1
+            if not finished:
+                await asyncio.shield(self._abort(rid, p, d))
+
+    async def _abort(self, rid: str, p: WorkerHandle | None, d: WorkerHandle) -> None:
+        calls = [w.actor.abort.remote(rid) for w in (p, d) if w is not None]
+        with contextlib.suppress(Exception):
+            await asyncio.gather(*calls)
+
+    def _result(self, inp, reason, cached, n_out, start, first_time, last_time, p_name, d_name):
+        tpot = (last_time - first_time) / (n_out - 1) if n_out > 1 else 0.0
+        return GenerateResult(
+            finish_reason=reason or "abort",
+            prompt_tokens=len(inp.prompt_token_ids),
+            cached_tokens=cached,
+            completion_tokens=n_out,
+            ttft_s=first_time - start if first_time else 0.0,
+            mean_tpot_s=tpot,
+            prefill_worker=p_name,
+            decode_worker=d_name,
+        )
+
+
+def _logprobs(delta: worker_pb2.RequestDelta):
+    if not delta.logprobs:
+        return None
+    from engine.sequence import TokenLogprobs
+
+    return [
+        TokenLogprobs(lp.token_id, lp.logprob, [(t.token_id, t.logprob) for t in lp.top_logprobs])
+        for lp in delta.logprobs
+    ]

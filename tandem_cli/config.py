@@ -1,0 +1,96 @@
+"""Deployment configuration: flags or a YAML file, validated."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class WorkerResources(BaseModel):
+    """Resources of one worker actor."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    num_gpus: float | None = Field(None, ge=0)
+    """GPUs per worker; None: 1 where the Ray cluster has GPUs, else 0 (CPU threads)."""
+    num_cpus: float = Field(1, gt=0)
+    """CPUs Ray reserves per worker."""
+    num_threads: int = Field(1, ge=1)
+    """torch threads inside the worker (CPU)."""
+    resources: dict[str, float] = Field(default_factory=dict)
+    """Custom Ray resources, to pin a pool to a node type."""
+
+
+class ServeConfig(BaseModel):
+    """Everything `tandem serve` needs. Every field can come from YAML (--config)
+    and most from flags; flags win."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    """Checkpoint directory or hub id; None: the embedded default model."""
+    tokenizer: str | None = None
+    """Tokenizer directory or hub id; defaults to the model's."""
+    load_format: Literal["auto", "dummy"] = "auto"
+    """auto: read the checkpoint's safetensors; dummy: random weights of its config."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Weights and KV cache dtype."""
+    mode: Literal["disaggregated", "colocated"] = "disaggregated"
+    """disaggregated: separate prefill and decode pools; colocated: one pool does both."""
+    prefill: int = Field(1, ge=0)
+    """Prefill workers (disaggregated mode)."""
+    decode: int = Field(1, ge=1)
+    """Decode workers (or colocated workers)."""
+    prefill_resources: WorkerResources = Field(default_factory=WorkerResources)
+    """Resources of each prefill worker."""
+    decode_resources: WorkerResources = Field(default_factory=WorkerResources)
+    """Resources of each decode (or colocated) worker."""
+    host: str = "127.0.0.1"
+    """Address the router's gRPC API binds to."""
+    port: int = Field(50051, ge=0, le=65535)
+    """Router port; 0 picks a free one."""
+    ray_address: str | None = None
+    """Join this Ray cluster; None starts a local one (on loopback when host is loopback)."""
+    block_size: int = Field(16, ge=1)
+    """Tokens per KV block."""
+    kv_cache_memory_mb: int = Field(512, ge=1)
+    """KV pool size of each worker."""
+    max_num_batched_tokens: int = Field(2048, ge=1)
+    """Token budget of one engine step; longer prompts are prefilled in chunks."""
+    max_num_seqs: int = Field(256, ge=1)
+    """Most sequences one worker runs at once."""
+    max_model_len: int | None = Field(None, ge=2)
+    """Longest prompt plus output; None: the model's limit, capped by the KV pool."""
+    enable_prefix_caching: bool = True
+    """Reuse cached KV blocks of earlier requests with the same prefix."""
+    max_queued_requests: int = Field(1024, ge=1)
+    """Requests in flight beyond this get RESOURCE_EXHAUSTED at once."""
+    routing_policy: Literal["round_robin", "least_loaded"] = "least_loaded"
+    """How the router picks a worker in each pool."""
+    grace_period_s: float = Field(30.0, ge=0)
+    """On SIGTERM, time given to requests in flight before the pools stop."""
+    kv_lease_s: float = Field(30.0, gt=0)
+    """Blocks reserved or pinned for a KV transfer are freed after this."""
+    request_timeout_s: float = Field(600.0, gt=0)
+    """Upper bound on one request when the client sets no deadline."""
+
+    @model_validator(mode="after")
+    def _check_pools(self) -> ServeConfig:
+        if self.mode == "disaggregated" and self.prefill < 1:
+            raise ValueError("prefill must be >= 1 in disaggregated mode")
+        return self
+
+    @classmethod
+    def load(cls, path: str | Path | None, **overrides: object) -> ServeConfig:
+        """YAML file (optional) plus overrides (None values are ignored)."""
+        data: dict = {}
+        if path is not None:
+            loaded = yaml.safe_load(Path(path).read_text()) or {}
+            if not isinstance(loaded, dict):
+                raise ValueError(f"{path}: expected a mapping at the top level")
+            data.update(loaded)
+        data.update({k: v for k, v in overrides.items() if v is not None})
+        return cls.model_validate(data)

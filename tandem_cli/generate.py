@@ -1,0 +1,85 @@
+"""``tandem generate``: stream one completion to stdout, usage and timings to stderr."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+import grpc
+
+from protos.tandem.v1 import generate_pb2 as pb
+from router.client import TandemClient
+
+SAMPLING_ARGS = (
+    "request_id",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "frequency_penalty",
+    "presence_penalty",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "logprobs",
+)
+
+
+def command(args: argparse.Namespace) -> int:
+    if (args.prompt is None) == (args.prompt_token_ids is None):
+        print("tandem generate: give a prompt or --prompt-token-ids (not both)", file=sys.stderr)
+        return 2
+    prompt = args.prompt if args.prompt is not None else args.prompt_token_ids
+    sampling = {name: getattr(args, name) for name in SAMPLING_ARGS}
+    wrote: list[str] = []
+    try:
+        final = asyncio.run(_stream(args.target, args.timeout, prompt, sampling, wrote))
+    except grpc.aio.AioRpcError as e:
+        if wrote:  # end the partial output's line
+            print(flush=True)
+        print(f"tandem: error: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    print(summary(final), file=sys.stderr)
+    return 0
+
+
+async def _stream(
+    target: str, timeout_s: float | None, prompt: str | list[int], sampling: dict, wrote: list[str]
+) -> pb.GenerateFinal:
+    out = sys.stdout
+    logprobs: list[pb.TokenLogprob] = []
+    async with TandemClient(target, timeout_s) as client:
+        async for response in client.generate(prompt, **sampling):
+            if response.HasField("chunk"):
+                out.write(response.chunk.text)
+                out.flush()
+                wrote.append(response.chunk.text)
+                logprobs.extend(response.chunk.logprobs)
+            elif response.HasField("final"):
+                out.write("\n")
+                out.flush()
+                for lp in logprobs:
+                    print(format_logprob(lp), file=sys.stderr)
+                return response.final
+    raise RuntimeError("the stream ended without a final message")
+
+
+def format_logprob(lp: pb.TokenLogprob) -> str:
+    top = ", ".join(f"{t.token_id}: {t.logprob:.3f}" for t in lp.top_logprobs)
+    return f"  token {lp.token_id}: {lp.logprob:.3f}" + (f"  (top {top})" if top else "")
+
+
+def summary(final: pb.GenerateFinal) -> str:
+    u, t = final.usage, final.timings
+    return (
+        f"[{final.finish_reason}] {u.prompt_tokens} prompt tokens ({u.cached_tokens} cached), "
+        f"{u.completion_tokens} completion tokens; TTFT {t.ttft_s * 1e3:.1f} ms, "
+        f"TPOT {t.mean_tpot_s * 1e3:.1f} ms; prefill {t.prefill_worker or '-'}, "
+        f"decode {t.decode_worker or '-'}; request {final.request_id}"
+    )

@@ -1,0 +1,101 @@
+"""The ``tandem`` console script: argument parsing and dispatch only."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+DEFAULT_TARGET = "127.0.0.1:50051"
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="stream one completion from a running server")
+    p.add_argument("prompt", nargs="?", help="prompt text")
+    p.add_argument(
+        "--prompt-token-ids",
+        type=_int_list,
+        metavar="ID,ID,...",
+        help="send token ids instead of text",
+    )
+    p.add_argument("--target", default=DEFAULT_TARGET, help="router address (%(default)s)")
+    p.add_argument("--timeout", type=float, metavar="S", help="deadline for the whole request")
+    p.add_argument("--request-id")
+    p.add_argument("--max-tokens", type=int)
+    p.add_argument("--temperature", type=float)
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--min-p", type=float)
+    p.add_argument("--repetition-penalty", type=float)
+    p.add_argument("--frequency-penalty", type=float)
+    p.add_argument("--presence-penalty", type=float)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--stop", action="append", metavar="S", help="stop string (repeatable)")
+    p.add_argument(
+        "--stop-token-id",
+        dest="stop_token_ids",
+        action="append",
+        type=int,
+        metavar="ID",
+        help="stop token id (repeatable)",
+    )
+    p.add_argument("--ignore-eos", action="store_true", default=None)
+    p.add_argument("--logprobs", type=int, metavar="N", help="top alternatives per token")
+
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    # Every default is None so that a value from --config wins over an unset flag.
+    p = sub.add_parser("serve", help="start the pools and the router")
+    p.add_argument("--config", metavar="FILE", help="YAML deployment config; flags override it")
+    p.add_argument(
+        "--model",
+        metavar="ID_OR_PATH",
+        help="checkpoint directory or hub id (default: the embedded model)",
+    )
+    p.add_argument("--prefill", type=int, metavar="N", help="prefill workers")
+    p.add_argument("--decode", type=int, metavar="M", help="decode workers")
+    p.add_argument("--mode", choices=["disaggregated", "colocated"])
+    p.add_argument("--host", metavar="H")
+    p.add_argument("--port", type=int, metavar="P")
+    p.add_argument("--ray-address", metavar="ADDR", help="join this Ray cluster")
+    p.add_argument(
+        "--grace-period",
+        dest="grace_period_s",
+        type=float,
+        metavar="S",
+        help="seconds given to requests in flight on shutdown",
+    )
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tandem", description="Disaggregated LLM serving: prefill and decode pools."
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_generate(sub)
+    _add_serve(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "generate":
+        from tandem_cli import generate
+
+        return generate.command(args)
+    if args.command == "serve":
+        from tandem_cli import serve
+
+        return serve.command(args)
+    raise AssertionError(args.command)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

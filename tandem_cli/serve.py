@@ -1,0 +1,192 @@
+"""``tandem serve``: start Ray (or join a cluster), the pools and the router;
+drain and stop everything on SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ipaddress
+import logging
+import math
+import os
+import signal
+import sys
+from collections.abc import Callable
+
+import yaml
+from pydantic import ValidationError
+
+from router.backend import Backend
+from router.service import RouterServer
+from tandem_cli.config import ServeConfig
+
+log = logging.getLogger(__name__)
+
+# ray.init() swaps 127.0.0.1 for the machine's interface address; another
+# loopback address keeps a local cluster on loopback (/work/shared/NOTES.md).
+LOCAL_RAY_NODE_IP = "127.0.0.2"
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+SERVE_FLAGS = (
+    "model",
+    "prefill",
+    "decode",
+    "mode",
+    "host",
+    "port",
+    "ray_address",
+    "grace_period_s",
+)
+
+
+def command(args: argparse.Namespace) -> int:
+    try:
+        config = config_from_args(args)
+    except (ValueError, OSError, yaml.YAMLError) as e:  # ValidationError is a ValueError
+        print(f"tandem serve: invalid configuration:\n{describe_config_error(e)}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    return run(config)
+
+
+def config_from_args(args: argparse.Namespace) -> ServeConfig:
+    """``--config`` YAML plus the flags that were given (flags win)."""
+    return ServeConfig.load(args.config, **{name: getattr(args, name) for name in SERVE_FLAGS})
+
+
+def describe_config_error(e: Exception) -> str:
+    if not isinstance(e, ValidationError):
+        return f"  {e}"
+    lines = []
+    for err in e.errors():
+        where = ".".join(str(part) for part in err["loc"]) or "(top level)"
+        lines.append(f"  {where}: {err['msg']}")
+    return "\n".join(lines)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def init_ray(config: ServeConfig) -> bool:
+    """Connect to ``config.ray_address``, or start a local Ray cluster sized for
+    the pools (on loopback when the router binds a loopback host).
+
+    Returns True when this call started Ray (the caller then shuts it down).
+    """
+    import ray
+
+    if ray.is_initialized():
+        return False
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if config.ray_address:
+        ray.init(address=config.ray_address)
+        return True
+    pools = [(config.decode, config.decode_resources)]
+    if config.mode == "disaggregated":
+        pools.append((config.prefill, config.prefill_resources))
+    needed_cpus = sum(n * r.num_cpus for n, r in pools)
+    custom: dict[str, float] = {}
+    for n, r in pools:
+        for name, amount in r.resources.items():
+            custom[name] = custom.get(name, 0.0) + n * amount
+    ray.init(
+        num_cpus=max(os.cpu_count() or 1, math.ceil(needed_cpus)),
+        resources=custom or None,
+        include_dashboard=False,
+        _node_ip_address=LOCAL_RAY_NODE_IP if is_loopback(config.host) else None,
+    )
+    return True
+
+
+def run(config: ServeConfig) -> int:
+    """Serve until SIGINT/SIGTERM; returns the exit code (1 when startup failed)."""
+    try:
+        asyncio.run(serve(config))
+    except Exception:
+        log.exception("tandem serve failed")
+        return 1
+    return 0
+
+
+async def serve(
+    config: ServeConfig, *, backend: Backend | None = None, stop: asyncio.Event | None = None
+) -> None:
+    """Serve until ``stop`` is set or a SIGINT/SIGTERM arrives, then drain and stop.
+
+    With no ``backend``, starts Ray (see init_ray) and a ``RayBackend``, and
+    stops both on the way out.
+    """
+    stop = stop or asyncio.Event()
+    server: RouterServer | None = None
+
+    def cut_grace() -> None:
+        if server is not None:
+            server.cut_grace()
+
+    started_ray = backend is None and init_ray(config)
+    # Installed after ray.init (Ray's core worker sets a SIGTERM handler that
+    # must not wrap ours) and kept through ray.shutdown(), so that a second
+    # signal never lands as a KeyboardInterrupt in the middle of it.
+    with _signals_set(stop, cut_grace, config.grace_period_s):
+        try:
+            if backend is None:
+                from router.ray_backend import RayBackend
+
+                backend = RayBackend(config)
+            server = RouterServer(
+                backend,
+                host=config.host,
+                port=config.port,
+                max_queued_requests=config.max_queued_requests,
+                request_timeout_s=config.request_timeout_s,
+            )
+            await server.start()
+            print(
+                f"tandem: serving {config.model or 'the default model'} on {server.address} "
+                f"(prefill {config.prefill}, decode {config.decode}, {config.mode})",
+                flush=True,
+            )
+            try:
+                await stop.wait()
+            finally:
+                await server.stop(config.grace_period_s)  # shuts the backend down too
+        finally:
+            if started_ray:
+                import ray
+
+                ray.shutdown()
+
+
+@contextlib.contextmanager
+def _signals_set(stop: asyncio.Event, cut_grace: Callable[[], None], grace_s: float):
+    """SIGINT/SIGTERM set ``stop``; a second one calls ``cut_grace``."""
+    loop = asyncio.get_running_loop()
+
+    def on_signal(signum: int) -> None:
+        if stop.is_set():
+            print("tandem: second signal, stopping now", file=sys.stderr, flush=True)
+            cut_grace()
+            return
+        print(
+            f"tandem: {signal.Signals(signum).name}, draining (up to {grace_s:g} s)",
+            file=sys.stderr,
+            flush=True,
+        )
+        stop.set()
+
+    signums = (signal.SIGINT, signal.SIGTERM)
+    for signum in signums:
+        loop.add_signal_handler(signum, on_signal, signum)
+    try:
+        yield
+    finally:
+        for signum in signums:
+            loop.remove_signal_handler(signum)

@@ -1,0 +1,165 @@
+"""Test doubles that implement the interfaces of the real pieces."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator
+
+from engine.sequence import TokenLogprobs
+from router.backend import GenerateInput, GenerateResult, TokenDelta
+
+
+class FakeTokenizer:
+    """Byte-level: one token per UTF-8 byte, no special tokens."""
+
+    vocab_size = 256
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode())
+
+    def decode(self, token_ids: list[int]) -> str:
+        return bytes(token_ids).decode(errors="replace")
+
+
+class FakeBackend:
+    """A ``Backend`` that streams scripted words, one per delta.
+
+    Token i of every request is ``words[i % len(words)]`` with id ``i % vocab``.
+    ``gate``, when given, holds every stream before its first delta until it
+    is set; ``pause_after`` holds it after that many deltas until ``resume``
+    is set; ``start_gate`` holds ``start()``. ``fail_after`` raises after
+    that many deltas. Requests whose stream is closed before it finished
+    land in ``aborted``, the others in ``finished``.
+    """
+
+    def __init__(
+        self,
+        *,
+        tokenizer: FakeTokenizer | None = None,
+        max_model_len: int = 64,
+        vocab_size: int = 256,
+        words: tuple[str, ...] = (" alpha", " beta", " gamma", " delta"),
+        delay_s: float = 0.005,
+        gate: asyncio.Event | None = None,
+        pause_after: int | None = None,
+        start_gate: asyncio.Event | None = None,
+        fail_after: int | None = None,
+        end_without_result: bool = False,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.words = words
+        self.delay_s = delay_s
+        self.gate = gate
+        self.pause_after = pause_after
+        self.resume = asyncio.Event()
+        self.start_gate = start_gate
+        self.fail_after = fail_after
+        self.end_without_result = end_without_result
+        self.inputs: list[GenerateInput] = []
+        self.running: set[str] = set()
+        self.finished: list[str] = []
+        self.aborted: list[str] = []
+        self.started = False
+        self.shut_down = False
+        self._changed = asyncio.Condition()
+
+    async def start(self) -> None:
+        if self.start_gate is not None:
+            await self.start_gate.wait()
+        self.started = True
+        await self._notify()
+
+    async def shutdown(self) -> None:
+        self.shut_down = True
+        await self._notify()
+
+    async def wait_for(self, predicate, timeout_s: float = 10.0) -> None:
+        """Wait until ``predicate(self)`` holds (raises TimeoutError after timeout_s)."""
+        async with asyncio.timeout(timeout_s), self._changed:
+            await self._changed.wait_for(lambda: predicate(self))
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    def generate(self, inp: GenerateInput) -> AsyncIterator[TokenDelta | GenerateResult]:
+        return self._generate(inp)
+
+    async def _generate(self, inp: GenerateInput) -> AsyncIterator[TokenDelta | GenerateResult]:
+        rid, params = inp.request_id, inp.params
+        self.inputs.append(inp)
+        self.running.add(rid)
+        done = False
+        try:
+            await self._notify()
+            if self.gate is not None:
+                await self.gate.wait()
+            for i in range(params.max_tokens):
+                if i == self.pause_after:
+                    await self.resume.wait()
+                if self.fail_after is not None and i >= self.fail_after:
+                    raise RuntimeError("scripted backend failure")
+                await asyncio.sleep(self.delay_s)
+                token = i % self.vocab_size
+                yield TokenDelta([token], self.words[i % len(self.words)], _logprobs(token, params))
+            done = True
+            if self.end_without_result:
+                return
+            yield GenerateResult(
+                finish_reason="length",
+                prompt_tokens=len(inp.prompt_token_ids),
+                cached_tokens=0,
+                completion_tokens=params.max_tokens,
+                ttft_s=0.01,
+                mean_tpot_s=0.002,
+                prefill_worker="prefill-0",
+                decode_worker="decode-0",
+            )
+        finally:
+            self.running.discard(rid)
+            (self.finished if done else self.aborted).append(rid)
+            await asyncio.shield(self._notify())
+
+
+def _logprobs(token: int, params) -> list[TokenLogprobs] | None:
+    if params.logprobs is None:
+        return None
+    top = [(token, -0.25), (token + 1, -1.5), (token + 2, -2.0)][: params.logprobs]
+    return [TokenLogprobs(token_id=token, logprob=-0.25, top=top)]
+
+
+class RouterInThread:
+    """A RouterServer over ``backend`` on its own event loop in a thread, for
+    code under test that runs its own loop (``asyncio.run``)."""
+
+    def __init__(self, backend: FakeBackend, **server_kwargs) -> None:
+        self.backend = backend
+        self._server_kwargs = server_kwargs
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
+        self.address = ""
+
+    async def _main(self) -> None:
+        from router.service import RouterServer
+
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        server = RouterServer(self.backend, host="127.0.0.1", port=0, **self._server_kwargs)
+        await server.start()
+        self.address = server.address
+        self._ready.set()
+        await self._stop.wait()
+        await server.stop(0)
+
+    def __enter__(self) -> RouterInThread:
+        self._thread.start()
+        if not self._ready.wait(10):
+            raise TimeoutError("the router did not start")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(10)

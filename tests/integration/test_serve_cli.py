@@ -1,0 +1,89 @@
+"""`tandem serve` as a user runs it: a subprocess that starts its own Ray on
+loopback, answers `tandem generate`, and on SIGTERM drains and leaves no
+process behind."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parents[2]
+STARTUP_S = 180.0
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every live descendant of pid (Linux /proc)."""
+    found: set[int] = set()
+    todo = [pid]
+    while todo:
+        parent = todo.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*"):
+            try:
+                children = (task / "children").read_text().split()
+            except OSError:
+                continue
+            for child in map(int, children):
+                if child not in found:
+                    found.add(child)
+                    todo.append(child)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _wait_line(proc: subprocess.Popen, pattern: str) -> str:
+    deadline = time.monotonic() + STARTUP_S
+    assert proc.stdout is not None
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if re.search(pattern, line):
+            return line
+        if not line and proc.poll() is not None:
+            break
+    raise AssertionError(f"no line matching {pattern!r}; exit code {proc.poll()}")
+
+
+def test_serve_generate_then_sigterm_leaves_nothing_behind():
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "tandem_cli.main", "serve", "--port", "0", "--grace-period", "10"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        line = _wait_line(proc, r"tandem: serving .* on 127\.0\.0\.1:\d+")
+        address = re.search(r"on (127\.0\.0\.1:\d+)", line).group(1)
+        tree = _descendants(proc.pid)
+        assert tree, "Ray should run in child processes"
+        gen_args = ["def f(x):", "--target", address, "--max-tokens", "4", "--timeout", "60"]
+        gen = subprocess.run(
+            [sys.executable, "-m", "tandem_cli.main", "generate", *gen_args],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert gen.returncode == 0, gen.stderr
+        assert "4 completion tokens" in gen.stderr
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 0
+        deadline = time.monotonic() + 30
+        while (left := {p for p in tree if _alive(p)}) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert left == set()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
