@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import grpc
 
+from engine.index import KVEvent
 from engine.sequence import RequestOutput
 from protos.tandem.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
 
@@ -55,8 +56,15 @@ class OutputStreams(worker_pb2_grpc.DecodeOutputsServicer):
     def requests_of(self, router_id: str) -> list[str]:
         return [r for r, owner in self._owner.items() if owner == router_id]
 
-    def publish(self, outputs: list[RequestOutput]) -> None:
+    def publish(self, outputs: list[RequestOutput], events: list[KVEvent]) -> None:
         batches: dict[str, worker_pb2.StepBatch] = {}
+        if events:  # every router keeps an index: each one gets the cache events
+            pb_events = [
+                worker_pb2.CacheEvent(worker=e.worker, stored=e.stored, removed=e.removed)
+                for e in events
+            ]
+            for router in self._queues:
+                batches[router] = worker_pb2.StepBatch(cache_events=pb_events)
         for out in outputs:
             router = self._owner.get(out.request_id)
             if router is None:

@@ -18,7 +18,7 @@ from engine.config import EngineConfig
 from engine.sampling import SamplingParams
 from engine.sequence import RequestOutput
 from engine.transfer import GrpcKVServer, TransferConfig
-from engine.worker_base import EngineWorker
+from engine.worker_base import EngineWorker, IndexSettings
 from protos.tandem.v1 import worker_pb2_grpc
 
 
@@ -43,11 +43,15 @@ class DecodeWorker(EngineWorker):
         name: str,
         config: EngineConfig,
         transfer: TransferConfig | None = None,
+        index: IndexSettings | None = None,
         host: str = "127.0.0.1",
     ) -> None:
-        super().__init__(name, config)
+        super().__init__(name, config, index)
         self.host = host
-        self.kv_server = GrpcKVServer(self.store, transfer, host=host, port=0)
+        self.transfer = transfer or TransferConfig()
+        self.kv_server = GrpcKVServer(self.store, self.transfer, host=host, port=0)
+        # request id -> (prefix blocks of this pool pinned for it, lease timer)
+        self._pinned: dict[str, tuple[list[int], asyncio.TimerHandle]] = {}
         self.streams = OutputStreams(self._router_gone)
         self._server: grpc.aio.Server | None = None
         self.addresses: WorkerAddresses | None = None
@@ -69,15 +73,43 @@ class DecodeWorker(EngineWorker):
         if self._server is not None:
             await self._server.stop(1.0)
         await self.kv_server.stop(1.0)
-        for rid in await self.loop.acall(lambda e: e.request_ids()):
+        for rid in list(self._pinned) + await self.loop.acall(lambda e: e.request_ids()):
             await self.abort(rid)
         self.stop_loop()
 
+    async def reserve_prefix(self, request_id: str, block_hashes: list[bytes]) -> int:
+        """Pin the longest prefix of ``block_hashes`` this pool holds for a request
+        whose other blocks a prefill worker will push; returns how many. The pin
+        lasts until start_decode, abort, or the transfer lease passes."""
+
+        def pin(engine) -> list[int]:
+            pool = engine.block_pool
+            blocks = []
+            for block_hash in block_hashes:  # hashes bind the tokens: no token check needed
+                block = pool.block_for_hash(block_hash)
+                if block is None:
+                    break
+                blocks.append(block)
+            pool.take(blocks)
+            return blocks
+
+        blocks = await self.loop.acall(pin)
+        if blocks:
+            timer = asyncio.get_running_loop().call_later(
+                self.transfer.lease_s, self._unpin_soon, request_id
+            )
+            self._pinned[request_id] = (blocks, timer)
+        return len(blocks)
+
     async def start_decode(self, req: DecodeRequest) -> None:
-        """Continue a request whose blocks a prefill worker pushed here."""
-        blocks = self.kv_server.claim(req.request_id)
-        if blocks is None:
+        """Continue a request whose blocks a prefill worker pushed here (after
+        the prefix blocks pinned for it by reserve_prefix, if any)."""
+        prefix = self._take_pins(req.request_id)
+        claimed = self.kv_server.claim(req.request_id)
+        if claimed is None:
+            await self.loop.acall(lambda e: e.block_pool.free(prefix))
             raise LookupError(f"no KV blocks arrived for request {req.request_id!r}")
+        blocks = prefix + claimed
         self._own(req)
         try:
             await self.loop.acall(
@@ -106,7 +138,21 @@ class DecodeWorker(EngineWorker):
 
     async def abort(self, request_id: str) -> bool:
         self.streams.disown(request_id)
+        pinned = self._take_pins(request_id)
+        if pinned:
+            await self.loop.acall(lambda e: e.block_pool.free(pinned))
         return await super().abort(request_id)
+
+    def _take_pins(self, request_id: str) -> list[int]:
+        blocks, timer = self._pinned.pop(request_id, ([], None))
+        if timer is not None:
+            timer.cancel()
+        return blocks
+
+    def _unpin_soon(self, request_id: str) -> None:
+        blocks = self._take_pins(request_id)
+        if blocks:
+            self.loop.call(lambda e: e.block_pool.free(blocks))
 
     def _own(self, req: DecodeRequest) -> None:
         if not self.streams.has_router(req.router_id):
@@ -114,7 +160,7 @@ class DecodeWorker(EngineWorker):
         self.streams.own(req.request_id, req.router_id)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        self.streams.publish(outputs)
+        self.streams.publish(outputs, self.drain_events())
 
     def _router_gone(self, router_id: str) -> None:
         for rid in self.streams.requests_of(router_id):

@@ -4,7 +4,8 @@ The engine is not thread-safe. Its thread steps it whenever there is work
 and runs the calls that others submit (add, abort, export, attach) between
 steps, all under ``lock``; a KV transfer server shares that lock for its
 pool bookkeeping. Each step's outputs go to ``on_outputs`` from the engine
-thread: the owner hands them to its event loop.
+thread: the owner hands them to its event loop. So do the prefix cache's
+changes (block hashes stored and evicted), for the block index.
 """
 
 from __future__ import annotations
@@ -30,10 +31,12 @@ class EngineLoop:
         engine: LLMEngine,
         on_outputs: Callable[[list[RequestOutput]], None],
         name: str = "engine",
+        on_cache_events: Callable[[list[bytes], list[bytes]], None] | None = None,
     ) -> None:
         self.engine = engine
         self.lock = threading.RLock()
         self._on_outputs = on_outputs
+        self._on_cache_events = on_cache_events
         self._calls: queue.SimpleQueue[tuple[Callable[[LLMEngine], object], Future]] = (
             queue.SimpleQueue()
         )
@@ -70,6 +73,9 @@ class EngineLoop:
             with self.lock:
                 busy = self.engine.has_unfinished()
                 outputs = self._step() if busy else []
+                stored, removed = self.engine.block_pool.drain_events()
+            if (stored or removed) and self._on_cache_events is not None:
+                self._on_cache_events(stored, removed)
             if outputs:
                 self._on_outputs(outputs)
             if not busy:

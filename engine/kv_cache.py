@@ -71,7 +71,9 @@ class BlockPool:
         self._hash_of: dict[int, BlockHash] = {}
         self._tokens_of: dict[int, tuple[int, ...]] = {}
         self._block_of: dict[BlockHash, int] = {}
-        self.removed_hashes: list[BlockHash] = []  # evicted since last drain
+        # Hashes cached (True) or evicted (False) since the last drain; the
+        # last change of each hash wins, so a drain is the net change.
+        self._changes: dict[BlockHash, bool] = {}
 
     @property
     def num_free(self) -> int:
@@ -123,6 +125,7 @@ class BlockPool:
         self._hash_of[block] = block_hash
         self._tokens_of[block] = tuple(token_ids)
         self._block_of[block_hash] = block
+        self._changes[block_hash] = True
         return True
 
     def match_prefix(
@@ -168,9 +171,16 @@ class BlockPool:
                 raise RuntimeError(f"block {block} is neither in use nor cached")
             self._take(block)
 
-    def drain_removed(self) -> list[BlockHash]:
-        out, self.removed_hashes = self.removed_hashes, []
-        return out
+    def drain_events(self) -> tuple[list[BlockHash], list[BlockHash]]:
+        """(stored, removed): the net change of the cache since the last drain,
+        for the block index."""
+        changes, self._changes = self._changes, {}
+        stored = [h for h, cached in changes.items() if cached]
+        return stored, [h for h, cached in changes.items() if not cached]
+
+    def cached_hashes(self) -> list[BlockHash]:
+        """Every hash the cache holds now (a snapshot for the block index)."""
+        return list(self._block_of)
 
     def _take(self, block: int) -> None:
         if self.ref_counts[block] == 0:
@@ -181,7 +191,7 @@ class BlockPool:
         block_hash = self._hash_of.pop(block)
         del self._tokens_of[block]
         del self._block_of[block_hash]
-        self.removed_hashes.append(block_hash)
+        self._changes[block_hash] = False
 
 
 class KVCache:

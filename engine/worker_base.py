@@ -5,24 +5,76 @@ into the worker's event loop."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from engine.engine_loop import EngineLoop
+from engine.index import EventPublisher, KVEvent
 from engine.llm_engine import LLMEngine
 from engine.sequence import RequestOutput
 from engine.transfer import PoolBlockStore
 
 
+class BufferedEvents:
+    """An EventPublisher that keeps events until the worker hands them to the
+    router with its replies (the in-process index's feed)."""
+
+    def __init__(self) -> None:
+        self._events: list[KVEvent] = []
+        self._lock = threading.Lock()
+
+    def publish(self, event: KVEvent) -> None:
+        with self._lock:
+            self._events.append(event)
+
+    def drain(self) -> list[KVEvent]:
+        with self._lock:
+            out, self._events = self._events, []
+        return out
+
+    def close(self) -> None:
+        self.drain()
+
+
+@dataclass(frozen=True)
+class IndexSettings:
+    """Where a worker publishes its prefix cache's changes."""
+
+    redis_url: str | None = None  # None: buffered, handed to the router with replies
+    deployment: str = "default"
+    heartbeat_s: float = 2.0
+    ttl_s: float = 10.0
+
+
 class EngineWorker:
-    def __init__(self, name: str, config: EngineConfig) -> None:
+    def __init__(self, name: str, config: EngineConfig, index: IndexSettings | None = None) -> None:
         self.name = name
         self.engine = LLMEngine(config)
-        self.loop = EngineLoop(self.engine, self._on_outputs, name=f"{name}-engine")
+        self.publisher = self._make_publisher(index or IndexSettings())
+        self.loop = EngineLoop(
+            self.engine, self._on_outputs, f"{name}-engine", self._on_cache_events
+        )
         self.store = PoolBlockStore(self.engine.block_pool, self.engine.kv_cache, self.loop.lock)
         self._aio: asyncio.AbstractEventLoop | None = None
         self._listeners: dict[str, Callable[[RequestOutput], None]] = {}
         self.initial_free_blocks = self.engine.block_pool.num_free
+
+    def _make_publisher(self, index: IndexSettings) -> EventPublisher:
+        if index.redis_url is None:
+            return BufferedEvents()
+        from engine.index import RedisEventPublisher, redis_prefix
+
+        prefix = redis_prefix(index.deployment, self.engine.kv_layout.model_fingerprint)
+        return RedisEventPublisher(
+            index.redis_url,
+            prefix,
+            self.name,
+            heartbeat_s=index.heartbeat_s,
+            ttl_s=index.ttl_s,
+            snapshot=self.cached_hashes,
+        )
 
     def start_loop(self) -> None:
         self._aio = asyncio.get_running_loop()
@@ -30,6 +82,7 @@ class EngineWorker:
 
     def stop_loop(self) -> None:
         self.loop.stop()
+        self.publisher.close()
 
     def listen(self, request_id: str, callback: Callable[[RequestOutput], None]) -> None:
         """Call ``callback`` (in the event loop) with each output of the request."""
@@ -61,6 +114,17 @@ class EngineWorker:
             "num_steps": self.loop.num_steps,
             "num_preemptions": engine.scheduler.num_preemptions,
         }
+
+    def drain_events(self) -> list[KVEvent]:
+        """Cache events not yet handed to a router (in-process index only)."""
+        return self.publisher.drain() if isinstance(self.publisher, BufferedEvents) else []
+
+    def cached_hashes(self) -> list[bytes]:
+        with self.loop.lock:
+            return self.engine.block_pool.cached_hashes()
+
+    def _on_cache_events(self, stored: list[bytes], removed: list[bytes]) -> None:
+        self.publisher.publish(KVEvent(self.name, tuple(stored), tuple(removed)))
 
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
         if self._aio is not None:

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 from engine.config import EngineConfig
 from engine.transfer import TransferConfig
+from engine.worker_base import IndexSettings
 from prefill_pool.worker import PrefillRequest, PrefillResult, PrefillWorker
 
 
 class PrefillActor:
     """Created by the pool manager with ``ray.remote(...)`` and its resources."""
 
-    def __init__(self, name: str, config: EngineConfig, transfer: TransferConfig) -> None:
-        self.worker = PrefillWorker(name, config, transfer)
+    def __init__(
+        self, name: str, config: EngineConfig, transfer: TransferConfig, index: IndexSettings
+    ) -> None:
+        self.worker = PrefillWorker(name, config, transfer, index)
 
     async def start(self) -> dict:
         await self.worker.start()

@@ -12,6 +12,7 @@ import ray
 
 from engine.config import EngineConfig
 from engine.transfer import TransferConfig
+from engine.worker_base import IndexSettings
 from tandem_cli.config import ServeConfig, WorkerResources
 
 log = logging.getLogger(__name__)
@@ -87,16 +88,21 @@ class WorkerPool:
             "name": None,
         }
         engine = engine_config(self.config, res, num_gpus)
+        index = IndexSettings(redis_url=self.config.redis_url, deployment=self.config.deployment)
         transfer = TransferConfig(lease_s=self.config.kv_lease_s)
         if self.role == "prefill":
             from prefill_pool.actor import PrefillActor
 
-            actor = ray.remote(PrefillActor).options(**options).remote(name, engine, transfer)
+            actor = (
+                ray.remote(PrefillActor).options(**options).remote(name, engine, transfer, index)
+            )
         else:
             from decode_pool.actor import DecodeActor
 
             actor = (
-                ray.remote(DecodeActor).options(**options).remote(name, engine, transfer, self.host)
+                ray.remote(DecodeActor)
+                .options(**options)
+                .remote(name, engine, transfer, index, self.host)
             )
         return WorkerHandle(name, self.role, actor)
 

@@ -18,12 +18,15 @@ from collections.abc import AsyncIterator
 import grpc
 
 from decode_pool.worker import DecodeRequest
+from engine.hashing import root_hash
+from engine.index import BlockIndex, InMemoryIndex, KVEvent
 from engine.loader import resolve_model_dir
 from prefill_pool.worker import PrefillRequest
 from protos.tandem.v1 import worker_pb2, worker_pb2_grpc
 from router.backend import GenerateInput, GenerateResult, TokenDelta
 from router.policies import make_policy
 from router.pool_manager import WorkerHandle, WorkerPool
+from router.prefix_routing import PrefixRouter
 from tandem_cli.config import ServeConfig
 
 log = logging.getLogger(__name__)
@@ -44,6 +47,8 @@ class RayBackend:
         self._queues: dict[str, tuple[asyncio.Queue[worker_pb2.RequestDelta], WorkerHandle]] = {}
         self._subscriptions: list[asyncio.Task] = []
         self._channels: list[grpc.aio.Channel] = []
+        self.index: BlockIndex | None = None
+        self.routing: PrefixRouter | None = None
 
     async def start(self) -> None:
         from transformers import AutoTokenizer
@@ -57,12 +62,35 @@ class RayBackend:
         workers = self.prefill.workers + self.decode.workers
         self.max_model_len = min(w.info["max_model_len"] for w in workers)
         self.vocab_size = workers[0].info["vocab_size"]
+        self.index = self._make_index(workers[0].info["model_fingerprint"])
+        self.routing = PrefixRouter(
+            self.index,
+            self.config.block_size,
+            root_hash(workers[0].info["model_fingerprint"], self.config.block_size),
+            self.policy,
+            enabled=self.config.prefix_routing and self.config.enable_prefix_caching,
+            load_weight_blocks=self.config.load_weight_blocks,
+            local_prefill_tokens=self.config.local_prefill_tokens,
+        )
         for worker in self.decode.workers:
             await self._subscribe(worker)
+
+    def _make_index(self, fingerprint: str) -> BlockIndex:
+        if self.config.redis_url is None:
+            return InMemoryIndex()
+        from engine.index import RedisIndex, redis_prefix
+
+        return RedisIndex(self.config.redis_url, redis_prefix(self.config.deployment, fingerprint))
+
+    def _apply_events(self, events) -> None:
+        for e in events:
+            self.index.apply(KVEvent(e.worker, tuple(e.stored), tuple(e.removed)))
 
     async def shutdown(self) -> None:
         for task in self._subscriptions:
             task.cancel()
+        if self.index is not None:
+            self.index.close()
         for channel in self._channels:
             await channel.close()
         await asyncio.gather(self.prefill.stop(), self.decode.stop())
@@ -84,6 +112,7 @@ class RayBackend:
     async def _read(self, worker: WorkerHandle, stream) -> None:
         try:
             while (batch := await stream.read()) is not grpc.aio.EOF:
+                self._apply_events(batch.cache_events)
                 for delta in batch.deltas:
                     entry = self._queues.get(delta.request_id)
                     if entry is not None:
@@ -107,12 +136,16 @@ class RayBackend:
         rid = inp.request_id
         start = time.perf_counter()
         queue: asyncio.Queue[worker_pb2.RequestDelta] = asyncio.Queue()
-        d = self.policy.pick(self.decode.workers)
+        assert self.routing is not None, "backend not started"
+        plan = self.routing.plan(
+            inp.prompt_token_ids, self.prefill.workers, self.decode.workers, self.colocated
+        )
+        d, p = plan.decode, plan.prefill
         self._queues[rid] = (queue, d)
-        p = None if self.colocated else self.policy.pick(self.prefill.workers)
         d.in_flight += 1
         if p is not None:
             p.in_flight += 1
+        p_name = p.name if p is not None else d.name
         finished = False
         first_time = last_time = 0.0
         n_out = cached = 0
@@ -121,11 +154,16 @@ class RayBackend:
             if p is None:
                 await d.actor.start_full.remote(req)
             else:
+                skip = 0
+                if plan.decode_cached_blocks:
+                    wanted = plan.hashes[: plan.decode_cached_blocks]
+                    skip = await d.actor.reserve_prefix.remote(rid, wanted)
                 result = await p.actor.prefill.remote(
-                    PrefillRequest(rid, inp.prompt_token_ids, inp.params, d.info["kv"])
+                    PrefillRequest(rid, inp.prompt_token_ids, inp.params, d.info["kv"], skip)
                 )
+                self._apply_events(result.cache_events)
                 p.in_flight -= 1
-                p_done, p = p, None
+                p = None
                 first = result.first
                 first_time = last_time = time.perf_counter()
                 n_out, cached = first.num_output_tokens, first.num_cached_tokens
@@ -133,16 +171,10 @@ class RayBackend:
                 if first.finished:
                     finished = True
                     yield self._result(
-                        inp,
-                        first.finish_reason,
-                        cached,
-                        n_out,
-                        start,
-                        first_time,
-                        last_time,
-                        p_done.name,
-                        d.name,
-                    )
+                        inp, first.finish_reason, cached, n_out, start,
+                        first_time, last_time, p_name, d.name,
+                    )  # fmt: skip
+                    await asyncio.shield(self._abort(rid, None, d))  # drop the prefix pin
                     return
                 await d.actor.start_decode.remote(
                     DecodeRequest(
@@ -162,7 +194,6 @@ class RayBackend:
                     cached = cached or delta.num_cached_tokens
                 if delta.finished:
                     finished = True
-                    prefill_name = p_done.name if not self.colocated else d.name
                     yield self._result(
                         inp,
                         delta.finish_reason,
@@ -171,7 +202,7 @@ class RayBackend:
                         start,
                         first_time,
                         last_time,
-                        prefill_name,
+                        p_name,
                         d.name,
                     )
                     return

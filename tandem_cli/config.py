@@ -70,6 +70,19 @@ class ServeConfig(BaseModel):
     """Requests in flight beyond this get RESOURCE_EXHAUSTED at once."""
     routing_policy: Literal["round_robin", "least_loaded"] = "least_loaded"
     """How the router picks a worker in each pool."""
+    redis_url: str | None = None
+    """Block index in Redis (e.g. redis://127.0.0.1:6379/0), shared by several routers;
+    None: an in-process index in the router."""
+    deployment: str = Field("default", min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
+    """Name of this deployment: its Redis keys are prefixed with it (and the model)."""
+    prefix_routing: bool = True
+    """Route requests to workers that hold their prefix (KV-aware routing)."""
+    load_weight_blocks: float = Field(4.0, ge=0)
+    """KV-aware routing: one request in flight on a worker costs as much as this many
+    cached prefix blocks are worth."""
+    local_prefill_tokens: int = Field(256, ge=0)
+    """When a decode worker holds a request's prefix and at most this many prompt tokens
+    are left to compute, it prefills them itself (no transfer); 0 turns this off."""
     grace_period_s: float = Field(30.0, ge=0)
     """On SIGTERM, time given to requests in flight before the pools stop."""
     kv_lease_s: float = Field(30.0, gt=0)

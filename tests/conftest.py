@@ -30,3 +30,7 @@ def checkpoint_factory(tmp_path_factory):
 @pytest.fixture(scope="session")
 def llama_dir(checkpoint_factory) -> Path:
     return checkpoint_factory("llama")
+
+
+# A throwaway redis-server per test (tests that stop or restart Redis use it).
+from tests.redis_server import redis_server  # noqa: E402, F401

@@ -46,7 +46,9 @@ def reference():
 
 @pytest.fixture(scope="module")
 def disagg(ray_cluster):
-    deployment = Deployment(_config(prefill=2, decode=2))
+    # Plain disaggregation: every request prefilled on the prefill pool
+    # (KV-aware routing and local prefill have their own tests).
+    deployment = Deployment(_config(prefill=2, decode=2, prefix_routing=False))
     yield deployment
     try:
         assert _wait_no_leaks(deployment) == {}

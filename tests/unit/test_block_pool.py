@@ -69,9 +69,10 @@ def test_free_blocks_are_used_before_cached_ones_then_lru_eviction():
     pool.free(a)  # tail first: block 1 then block 0 become evictable
     pool.free(b)  # then block 2
     assert pool.num_free == 4
+    assert pool.drain_events() == ([ha[0], ha[1], hb[0]], [])
     assert pool.allocate(1) == [3]  # the never-cached block goes first
     assert pool.allocate(1) == [1]  # then the least recently freed cached block
-    assert pool.drain_removed() == [ha[1]]
+    assert pool.drain_events() == ([], [ha[1]])
     assert pool.allocate(2) == [0, 2]
     assert pool.num_cached == 0
 
@@ -87,6 +88,19 @@ def test_match_takes_blocks_out_of_eviction_and_refreshes_lru():
     assert pool.match_prefix(hx, [[1, 1]]) == x  # x is in use again
     pool.free(x)  # and now the most recently used
     assert pool.allocate(2) == [2, y[0]]  # free block first, then LRU: y before x
+
+
+def test_events_are_the_net_change_since_the_last_drain():
+    pool = BlockPool(1, block_size=2)
+    h1, h2 = _hashes([1, 1]), _hashes([2, 2])
+    (b,) = pool.allocate(1)
+    pool.cache(b, h1[0], [1, 1])
+    pool.free([b])
+    assert pool.allocate(1) == [b]  # evicts h1
+    pool.cache(b, h2[0], [2, 2])
+    assert pool.drain_events() == ([h2[0]], [h1[0]])  # h1 stored then evicted: net removed
+    assert pool.cached_hashes() == [h2[0]]
+    assert pool.drain_events() == ([], [])
 
 
 def test_hashes_are_chained_and_stable():

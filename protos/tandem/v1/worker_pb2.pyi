@@ -14,10 +14,22 @@ class SubscribeRequest(_message.Message):
     def __init__(self, router_id: _Optional[str] = ...) -> None: ...
 
 class StepBatch(_message.Message):
-    __slots__ = ("deltas",)
+    __slots__ = ("deltas", "cache_events")
     DELTAS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_EVENTS_FIELD_NUMBER: _ClassVar[int]
     deltas: _containers.RepeatedCompositeFieldContainer[RequestDelta]
-    def __init__(self, deltas: _Optional[_Iterable[_Union[RequestDelta, _Mapping]]] = ...) -> None: ...
+    cache_events: _containers.RepeatedCompositeFieldContainer[CacheEvent]
+    def __init__(self, deltas: _Optional[_Iterable[_Union[RequestDelta, _Mapping]]] = ..., cache_events: _Optional[_Iterable[_Union[CacheEvent, _Mapping]]] = ...) -> None: ...
+
+class CacheEvent(_message.Message):
+    __slots__ = ("worker", "stored", "removed")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    worker: str
+    stored: _containers.RepeatedScalarFieldContainer[bytes]
+    removed: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, worker: _Optional[str] = ..., stored: _Optional[_Iterable[bytes]] = ..., removed: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class RequestDelta(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "logprobs", "finished", "finish_reason", "num_output_tokens", "num_cached_tokens")

@@ -1,0 +1,38 @@
+"""The block index: which worker's KV cache holds which prefix blocks.
+
+``InMemoryIndex`` is the default (one machine, no server). The Redis
+backend (``RedisIndex`` for routers, ``RedisEventPublisher`` for workers)
+is imported lazily, so the in-process index needs no redis client.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from engine.index.base import HASH_SIZE, BlockIndex, EventPublisher, KVEvent
+from engine.index.memory import InMemoryIndex, InProcessPublisher
+
+if TYPE_CHECKING:
+    from engine.index.redis_index import RedisEventPublisher, RedisIndex, redis_prefix
+
+__all__ = [
+    "HASH_SIZE",
+    "BlockIndex",
+    "EventPublisher",
+    "InMemoryIndex",
+    "InProcessPublisher",
+    "KVEvent",
+    "RedisEventPublisher",
+    "RedisIndex",
+    "redis_prefix",
+]
+
+_LAZY = {"RedisEventPublisher", "RedisIndex", "redis_prefix"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        from engine.index import redis_index
+
+        return getattr(redis_index, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

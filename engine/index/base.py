@@ -1,0 +1,79 @@
+"""The block index interfaces: what workers write and what routers read.
+
+A worker's KV cache holds blocks named by their chained hash (16 bytes, see
+``engine.hashing``). Workers report what their cache gained (``stored``) and
+lost (``removed``) as :class:`KVEvent` values through an
+:class:`EventPublisher`; routers ask a :class:`BlockIndex`, for a request's
+hash chain, how many leading blocks each worker holds.
+
+The index is advice, never truth: an entry may be stale (a block evicted
+after the event was sent), which costs the caller a cache miss, never an
+error. ``lookup`` never raises.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+HASH_SIZE = 16
+"""Bytes in one block hash (``engine.hashing``: blake2b-128)."""
+
+
+@dataclass(frozen=True)
+class KVEvent:
+    """One change to one worker's cached blocks.
+
+    Applied in this order: ``reset`` (drop all of the worker's entries),
+    then ``removed``, then ``stored``. A worker that restarted or cleared its
+    cache sends ``reset=True`` with its full content in ``stored``.
+    """
+
+    worker: str
+    stored: tuple[bytes, ...] = ()
+    removed: tuple[bytes, ...] = ()
+    reset: bool = False
+
+
+@runtime_checkable
+class BlockIndex(Protocol):
+    """What a router reads."""
+
+    def apply(self, event: KVEvent) -> None:
+        """Apply one event in-process (events piggybacked to the router)."""
+        ...
+
+    def lookup(self, hashes: Sequence[bytes]) -> dict[str, int]:
+        """Worker -> number of LEADING hashes of ``hashes`` it holds.
+
+        Only workers holding at least the first hash appear. Never raises;
+        returns ``{}`` when the index is unhealthy.
+        """
+        ...
+
+    def drop_worker(self, worker: str) -> None:
+        """Forget every entry of ``worker`` (it died or left)."""
+        ...
+
+    def workers(self) -> set[str]:
+        """The workers the index currently knows."""
+        ...
+
+    @property
+    def healthy(self) -> bool:
+        """False while a backend is unreachable: route by load only then."""
+        ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class EventPublisher(Protocol):
+    """What a worker writes to."""
+
+    def publish(self, event: KVEvent) -> None:
+        """Hand an event over. Never raises into the engine, never blocks long."""
+        ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,149 @@
+"""Prefix caching across pools, end to end through the router.
+
+A request that shares most of its prompt with an earlier one is routed to
+the workers holding that prefix, computes only the rest, reports the cached
+tokens in its usage, and gives the same greedy output as a cold run. Turn 2
+of a conversation reuses the decode worker's blocks of turn 1 (prompt and
+answer). With the index in Redis, restarting Redis fails no request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from engine import LLM, SamplingParams
+from router.client import TandemClient
+from tandem_cli.config import ServeConfig
+from tandem_cli.deployment import Deployment
+from tests.redis_server import RedisServer
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+BS = 16
+GREEDY = {"temperature": 0, "max_tokens": 16, "ignore_eos": True}
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    import torch
+
+    return torch.randint(10, 30000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(None, kv_cache_memory_bytes=32 << 20, enable_prefix_caching=False)
+
+
+def _reference(llm, prompt, max_tokens=16):
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return llm.generate([prompt], params)[0].token_ids
+
+
+def _complete(address, prompt, **sampling):
+    async def run():
+        async with TandemClient(address) as client:
+            return await client.complete(prompt, **sampling)
+
+    return asyncio.run(run())
+
+
+def _wait_no_leaks(deployment, timeout_s=30):
+    deadline = time.monotonic() + timeout_s
+    while (leaks := deployment.leaked_blocks()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return leaks
+
+
+@pytest.fixture(scope="module")
+def deployment(ray_cluster):
+    # local_prefill_tokens=0: every prompt goes through the prefill pool, so the
+    # prefill side's reuse and the decode side's "only the blocks it lacks" show.
+    d = Deployment(ServeConfig(prefill=2, decode=2, kv_cache_memory_mb=32, local_prefill_tokens=0))
+    yield d
+    try:
+        assert _wait_no_leaks(d) == {}
+    finally:
+        d.stop()
+
+
+def test_shared_prefix_is_cached_and_output_unchanged(deployment, llm):
+    shared = _tokens(576, 1)  # 36 blocks: 90% of the 640-token prompts below
+    first = _complete(deployment.address, shared + _tokens(64, 2), **GREEDY)
+    assert first.usage.cached_tokens == 0
+    prompt = shared + _tokens(64, 3)
+    second = _complete(deployment.address, prompt, **GREEDY)
+    assert second.usage.cached_tokens >= 0.9 * len(prompt)
+    assert second.timings.prefill_worker == first.timings.prefill_worker  # routed to the prefix
+    assert second.token_ids == _reference(llm, prompt)  # same as a cold run
+    assert _wait_no_leaks(deployment) == {}
+
+
+def test_decode_receives_only_the_blocks_it_lacks(deployment, llm):
+    def pushed() -> int:
+        return sum(s.get("kv_bytes_pushed", 0) for s in deployment.worker_stats().values())
+
+    shared = _tokens(320, 4)  # 20 blocks
+    before = pushed()
+    _complete(deployment.address, shared + _tokens(40, 5), **GREEDY)
+    cold_bytes = pushed() - before  # 23 blocks: 22 full and a partial one
+    prompt = shared + _tokens(40, 6)
+    before = pushed()
+    out = _complete(deployment.address, prompt, **GREEDY)
+    warm_bytes = pushed() - before  # only the 3 blocks past the shared prefix
+    assert out.token_ids == _reference(llm, prompt)
+    assert 0 < warm_bytes < cold_bytes * 4 / 23
+
+
+def test_multi_turn_reuses_the_decode_side_blocks(ray_cluster, llm):
+    d = Deployment(ServeConfig(prefill=1, decode=1, kv_cache_memory_mb=32))
+    try:
+        turn1 = _tokens(100, 7)
+        answer = _complete(d.address, turn1, temperature=0, max_tokens=40, ignore_eos=True)
+        turn2 = turn1 + answer.token_ids + _tokens(20, 8)
+        out = _complete(d.address, turn2, **GREEDY)
+        # The decode worker holds turn 1's prompt and answer blocks (all but the
+        # last answer token's KV) and prefills only the new tail itself.
+        assert out.usage.cached_tokens == (len(turn1) + 40 - 1) // BS * BS
+        assert out.timings.prefill_worker == out.timings.decode_worker
+        assert out.token_ids == _reference(llm, turn2)
+        assert _wait_no_leaks(d) == {}
+    finally:
+        d.stop()
+
+
+def test_redis_restart_during_load_fails_no_request(ray_cluster, llm):
+    with RedisServer() as redis:
+        d = Deployment(ServeConfig(prefill=1, decode=1, kv_cache_memory_mb=32, redis_url=redis.url))
+        try:
+            shared = _tokens(160, 9)
+            prompts = [shared + _tokens(24, 100 + i) for i in range(24)]
+
+            async def load():
+                async with TandemClient(d.address) as client:
+                    results = []
+                    for i in range(0, len(prompts), 4):
+                        batch = prompts[i : i + 4]
+                        results += await asyncio.gather(
+                            *(client.complete(p, **GREEDY) for p in batch)
+                        )
+                    return results
+
+            restarter = threading.Timer(1.0, redis.restart)
+            restarter.start()
+            outs = asyncio.run(load())
+            restarter.join()
+            assert [o.token_ids for o in outs] == [_reference(llm, p) for p in prompts]
+            # After the restart the index rebuilds itself and routing by prefix resumes.
+            deadline = time.monotonic() + 30
+            while not d.backend.index.healthy and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert d.backend.index.healthy
+            again = _complete(d.address, prompts[0], **GREEDY)
+            assert again.usage.cached_tokens >= len(shared) // BS * BS
+            assert _wait_no_leaks(d) == {}
+        finally:
+            d.stop()
