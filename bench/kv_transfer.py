@@ -3,9 +3,11 @@
     python bench/kv_transfer.py [--mib 256] [--reps 3] [--skip-model]
 
 Between two processes on 127.0.0.1, in the same run:
-1. push MiB of KV blocks with tandem's gRPC transfer (checksummed, into the
-   receiver's pool), and send the same number of bytes over a raw TCP
-   socket (sendall / recv_into);
+1. push MiB of KV blocks with tandem's transfer (checksummed, into the
+   receiver's pool; chunks over the raw TCP data connection the gRPC call
+   negotiates, the default), the same over the gRPC stream alone
+   (``data_channel=False``), and send the same number of bytes over a raw
+   TCP socket (sendall / recv_into);
 2. push the KV of a 2,048-token prompt of a SmolLM2-135M-shaped model
    (random weights) and compare with that model's prefill of the prompt.
 The last line is a JSON object with the figures (medians over --reps).
@@ -26,6 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.kv_cache import KVLayout
+from engine.transfer import TransferConfig
 from engine.transfer.peer import Peer, PeerSpec
 
 LAYOUT = KVLayout("bench", "float32", 8, 16, 4, 64)  # 256 KiB per block
@@ -80,9 +83,9 @@ def raw_tcp_mb_s(nbytes: int, reps: int) -> list[float]:
     return out[1:]
 
 
-def tandem_mb_s(num_blocks: int, reps: int) -> list[float]:
-    sender = Peer(PeerSpec(num_blocks, LAYOUT, seed=1))
-    receiver = Peer(PeerSpec(num_blocks, LAYOUT, seed=2))
+def tandem_mb_s(num_blocks: int, reps: int, config: TransferConfig) -> list[float]:
+    sender = Peer(PeerSpec(num_blocks, LAYOUT, seed=1, config=config))
+    receiver = Peer(PeerSpec(num_blocks, LAYOUT, seed=2, config=config))
     out = []
     try:
         _ = sender.address, receiver.address
@@ -138,10 +141,12 @@ def main() -> None:
     args = parser.parse_args()
     num_blocks = args.mib * (1 << 20) // LAYOUT.block_bytes
     nbytes = num_blocks * LAYOUT.block_bytes
-    tandem = tandem_mb_s(num_blocks, args.reps)
+    tandem = tandem_mb_s(num_blocks, args.reps, TransferConfig())
     raw = raw_tcp_mb_s(nbytes, args.reps)
+    grpc_only = tandem_mb_s(num_blocks, args.reps, TransferConfig(data_channel=False))
     print(f"tandem push MB/s: {[round(x) for x in tandem]}")
     print(f"raw TCP MB/s:     {[round(x) for x in raw]}")
+    print(f"gRPC only MB/s:   {[round(x) for x in grpc_only]}")
     result: dict = {
         "bytes": nbytes,
         "tandem_mb_s": round(statistics.median(tandem)),
@@ -149,6 +154,8 @@ def main() -> None:
     }
     result["ratio"] = round(result["tandem_mb_s"] / result["raw_tcp_mb_s"], 3)
     result["target_ratio"] = 0.6
+    result["grpc_only_mb_s"] = round(statistics.median(grpc_only))
+    result["grpc_only_ratio"] = round(result["grpc_only_mb_s"] / result["raw_tcp_mb_s"], 3)
     if not args.skip_model:
         result["smollm2_135m_2048"] = smollm2_prompt(2048)
         print(f"SmolLM2-135M shape: {result['smollm2_135m_2048']}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import secrets
 from collections.abc import Callable, Iterator, Sequence
 from itertools import chain
 
@@ -12,6 +13,14 @@ import grpc
 from protos.tandem.v1 import kv_transfer_pb2 as pb
 
 from . import wire
+from .datachannel import (
+    DATA_PORT_KEY,
+    DATA_TOKEN_KEY,
+    PUSH_REFUSED_KEY,
+    TOKEN_BYTES,
+    DataSender,
+    split_address,
+)
 from .grpc_server import GRPC_OPTIONS, PULL_METHOD, PUSH_METHOD
 from .interface import (
     BlockSink,
@@ -59,18 +68,49 @@ class GrpcKVClient(KVTransferClient):
             blocks.token_ids,
             self.config.chunk_bytes,
         )
+        timeout = timeout_s or self.config.timeout_s
+        token = secrets.token_bytes(TOKEN_BYTES) if self.config.data_channel else None
         call = self._channel(address).stream_unary(
             PUSH_METHOD,
             request_serializer=_identity,
             response_deserializer=pb.PushReply.FromString,
-        )(timeout=timeout_s or self.config.timeout_s)
+        )(timeout=timeout, metadata=((DATA_TOKEN_KEY, token.hex()),) if token else None)
         loop = asyncio.get_running_loop()
-        messages = self._filtered(chain(sender.messages(), [wire.encode_commit()]))
-        next_msg = loop.run_in_executor(self._executor, next, messages, None)
+        messages = sender.messages()
+        pending: asyncio.Future | None = None  # the worker thread's job in flight
+        data: DataSender | None = None
         try:
-            while (msg := await next_msg) is not None:
-                next_msg = loop.run_in_executor(self._executor, next, messages, None)
-                await call.write(msg)
+            await self._write(call, next(messages))  # the header
+            # The server answers the header with initial metadata once it has
+            # checked the layout and reserved the blocks; no chunk is sent
+            # before (a refused push fails here, with the server's status).
+            metadata = await call.initial_metadata()
+            if call.done() or _metadata_value(metadata, PUSH_REFUSED_KEY) is not None:
+                await call.done_writing()
+                await call  # refused: raises with the server's status
+            port = _metadata_value(metadata, DATA_PORT_KEY)
+            if token is not None and port is not None:
+                data = DataSender(
+                    split_address(address), int(port), token, sender, timeout, self._filter
+                )
+                pending = loop.run_in_executor(self._executor, data.run)
+                try:
+                    await asyncio.wait([pending])  # shielded: finally stops it
+                    pending.result()
+                except OSError as e:
+                    if not data.connected:
+                        raise TransferError(
+                            grpc.StatusCode.UNAVAILABLE, f"data connection refused: {e}"
+                        ) from e
+                    # The server dropped the connection: the call's status says why.
+                else:
+                    await self._write(call, wire.encode_commit())
+            else:
+                messages = chain(messages, [wire.encode_commit()])
+                pending = loop.run_in_executor(self._executor, self._next, messages)
+                while (msg := await pending) is not None:
+                    pending = loop.run_in_executor(self._executor, self._next, messages)
+                    await call.write(msg)
             await call.done_writing()
             reply = await call
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as e:
@@ -79,12 +119,29 @@ class GrpcKVClient(KVTransferClient):
             code, details = await call.code(), await call.details()
             raise TransferError(code, details or "") from e
         finally:
-            if not next_msg.done():
-                await asyncio.wait([next_msg])  # the gather reads pinned blocks
+            if pending is not None and not pending.done():
+                if data is not None:
+                    data.abort()
+                await asyncio.wait([pending])  # the thread reads pinned blocks
+                if not pending.cancelled():
+                    pending.exception()  # already failing: its error is not the news
             sender.close(succeeded=call.done() and not call.cancelled())
             if not call.done():
                 call.cancel()
         return PushResult(reply.request_id, list(reply.block_ids), sender.bytes_sent)
+
+    async def _write(self, call, msg: bytes) -> None:
+        out = msg if self._filter is None else self._filter(msg)
+        if out is not None:
+            await call.write(out)
+
+    def _next(self, messages: Iterator[bytes]) -> bytes | None:
+        """The next message that passes the filter, or None at the end."""
+        for msg in messages:
+            out = msg if self._filter is None else self._filter(msg)
+            if out is not None:
+                return out
+        return None
 
     async def pull(
         self,
@@ -134,8 +191,9 @@ class GrpcKVClient(KVTransferClient):
             self._channels[address] = channel
         return channel
 
-    def _filtered(self, messages: Iterator[bytes]) -> Iterator[bytes]:
-        for msg in messages:
-            out = msg if self._filter is None else self._filter(msg)
-            if out is not None:
-                yield out
+
+def _metadata_value(metadata, key: str) -> str | None:
+    for k, v in metadata or ():
+        if k == key:
+            return v if isinstance(v, str) else v.decode()
+    return None

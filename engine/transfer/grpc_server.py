@@ -2,22 +2,33 @@
 
 Methods are registered as generic handlers with our own (de)serializers so
 chunk payloads bypass the protobuf library (see wire.py); the bytes on the
-wire are exactly the messages kv_transfer.proto defines.
+wire are exactly the messages kv_transfer.proto defines. A push's chunks may
+instead come over a raw TCP data connection the call negotiates
+(datachannel.py); the call still carries header, commit and status.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 
 import grpc
 
 from protos.tandem.v1 import kv_transfer_pb2 as pb
 
 from . import wire
-from .interface import KVTransferServer, TransferConfig, TransferError
+from .datachannel import (
+    DATA_PORT_KEY,
+    DATA_TOKEN_KEY,
+    PUSH_REFUSED_KEY,
+    TOKEN_BYTES,
+    DataServer,
+    IncomingData,
+)
+from .interface import KVTransferServer, TransferConfig, TransferError, TransferState
 from .pool_store import PoolBlockStore
-from .service import KVTransferService
+from .service import IncomingPush, KVTransferService
 
 SERVICE = "tandem.v1.KVTransfer"
 PUSH_METHOD = f"/{SERVICE}/PushBlocks"
@@ -54,6 +65,7 @@ class GrpcKVServer(KVTransferServer):
         self._bind = f"{host}:{port}"
         self._host = host
         self._server: grpc.aio.Server | None = None
+        self._data: DataServer | None = None
         self._executor = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="kv-recv")
         self.address = ""
 
@@ -79,6 +91,8 @@ class GrpcKVServer(KVTransferServer):
         await server.start()
         self._server = server
         self.address = f"{self._host}:{port}"
+        if self.service.config.data_channel:
+            self._data = DataServer(self._host.strip("[]"))
         self.service.start_reaper()
 
     async def stop(self, grace_s: float | None = None) -> None:
@@ -86,6 +100,9 @@ class GrpcKVServer(KVTransferServer):
             await self._server.stop(grace_s)
             self._server = None
         await self.service.close()
+        if self._data is not None:
+            self._data.stop()
+            self._data = None
         self._executor.shutdown(wait=True)
 
     async def wait_for_termination(self) -> None:
@@ -97,17 +114,58 @@ class GrpcKVServer(KVTransferServer):
 
     async def _push(self, requests, context: grpc.aio.ServicerContext) -> pb.PushReply:
         push = self.service.open_push(_canceller())
+        stream = aiter(requests)
         try:
-            async for msg in requests:
-                reply = await push.on_message_async(msg, self._executor)
+            async for msg in stream:
+                accepting = push.state is TransferState.PENDING
+                try:
+                    reply = await push.on_message_async(msg, self._executor)
+                except TransferError:
+                    # grpc may hand a client that still has a write pending
+                    # INTERNAL instead of the status: where the client is
+                    # about to half-close (it awaits the answer to its
+                    # header, or has sent its commit), end the call after.
+                    if accepting:
+                        await context.send_initial_metadata(((PUSH_REFUSED_KEY, "1"),))
+                    if accepting or msg is wire.COMMIT:
+                        await _until_half_closed(stream)
+                    raise
                 if reply is not None:
+                    await _until_half_closed(stream)
                     return reply
+                if accepting:  # the header passed: say so, with a data port if asked
+                    await context.send_initial_metadata(self._accept(push, context))
+            await push.receiver.drain()  # a failed data connection says why it ended
             raise TransferError(grpc.StatusCode.ABORTED, "stream ended before commit")
         except TransferError as e:
             await context.abort(e.code, e.message)
+        except asyncio.CancelledError:
+            if not push.expired:
+                raise
+            # Cancelled by its lease, not by the client: tell the client why.
+            await context.abort(
+                grpc.StatusCode.ABORTED,
+                f"no progress for {self.service.config.lease_s} s: blocks released",
+            )
         finally:
             push.close()
         raise AssertionError("unreachable")
+
+    def _accept(
+        self, push: IncomingPush, context: grpc.aio.ServicerContext
+    ) -> tuple[tuple[str, str], ...]:
+        token = None
+        for key, value in context.invocation_metadata() or ():
+            if key == DATA_TOKEN_KEY and isinstance(value, str):
+                with contextlib.suppress(ValueError):
+                    token = bytes.fromhex(value)
+        if token is None or len(token) != TOKEN_BYTES or self._data is None:
+            return ()
+        incoming = IncomingData(self._data, token, push.receiver, push.renew)
+        if not self._data.expect(token, incoming):
+            return ()  # a token in use: this push's chunks come over gRPC
+        push.receiver.expect_data(incoming)
+        return ((DATA_PORT_KEY, str(self._data.port)),)
 
     async def _pull(self, request: pb.PullRequest, context: grpc.aio.ServicerContext) -> None:
         try:
@@ -121,6 +179,14 @@ class GrpcKVServer(KVTransferServer):
             succeeded = True
         finally:
             pull.close(succeeded)
+
+
+async def _until_half_closed(stream, timeout_s: float = 10.0) -> None:
+    """Wait for the client to end its stream, discarding anything it still sends."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(timeout_s):
+            async for _ in stream:
+                pass
 
 
 def _canceller():

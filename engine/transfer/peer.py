@@ -120,6 +120,7 @@ class _Handler:
                 t.copy_(torch.rand(t.shape, generator=gen))
         self.store = PoolBlockStore(pool, cache)
         self.server = GrpcKVServer(self.store, spec.config)
+        self.client = GrpcKVClient(spec.config)
 
     async def serve(self, conn) -> None:
         await self.server.start()
@@ -134,6 +135,7 @@ class _Handler:
                 conn.send(("error", (e.code.name, e.message)))
             except Exception as e:
                 conn.send(("error", ("UNKNOWN", f"{type(e).__name__}: {e}")))
+        await self.client.close()
         await self.server.stop(0)
 
     # ---- pool ----
@@ -197,27 +199,27 @@ class _Handler:
                 return bytes(broken)
             return msg
 
-        client = GrpcKVClient(self.spec.config, message_filter=tamper)
         blocks = KVBlocks(
             request_id,
             block_ids,
             block_hashes or [None] * len(block_ids),
             token_ids or [],
         )
+        if stall_after is None and corrupt_message is None:
+            client = self.client  # kept, like a prefill worker's: its channels stay up
+        else:
+            client = GrpcKVClient(self.spec.config, message_filter=tamper)
         try:
             start = time.perf_counter()
             result = await client.push(address, self.store, blocks)
             return result.remote_block_ids, result.bytes_sent, time.perf_counter() - start
         finally:
-            await client.close()
+            if client is not self.client:
+                await client.close()
 
     async def do_pull(self, address: str, block_hashes: list[bytes]) -> tuple[list[int], int]:
-        client = GrpcKVClient(self.spec.config)
-        try:
-            result = await client.pull(address, self.store, block_hashes)
-            return result.block_ids, result.bytes_received
-        finally:
-            await client.close()
+        result = await self.client.pull(address, self.store, block_hashes)
+        return result.block_ids, result.bytes_received
 
     # ---- engine ----
 

@@ -31,6 +31,14 @@ class PoolBlockStore:
         self._dtype = cache.layers[0].dtype
         # One block of one layer: [2, 1, block_size, kv_heads, head_dim].
         self._block_shape = (2, 1, *cache.layers[0].shape[2:])
+        # Each layer's bytes, for ``buffers``; None where they are not in
+        # ordinary contiguous host memory (an accelerator's cache).
+        self._layer_bytes: list[memoryview] | None = None
+        if all(t.device.type == "cpu" and t.is_contiguous() for t in cache.layers):
+            self._layer_bytes = [
+                memoryview(t.view(-1).view(torch.uint8).numpy()) for t in cache.layers
+            ]
+        self._half_block_bytes = self.layout.block_bytes_per_layer // 2  # K or V of one block
 
     @property
     def num_free(self) -> int:
@@ -95,6 +103,28 @@ class PoolBlockStore:
     def unpin(self, block_ids: Sequence[int]) -> None:
         self.release(block_ids)
 
+    # Both
+
+    def buffers(
+        self, block_ids: Sequence[int], layer_start: int, layer_end: int
+    ) -> list[memoryview] | None:
+        """Views of the blocks' memory laid out as a chunk's payload (see
+        kv_transfer.proto): for each layer, K then V, each over the blocks in
+        order, one view per run of consecutive ids. Writing through them
+        writes the blocks. None when the cache is not in host memory."""
+        if self._layer_bytes is None:
+            return None
+        runs = _runs(block_ids)
+        size = self._half_block_bytes
+        values_at = self.cache.num_blocks
+        views = []
+        for layer in self._layer_bytes[layer_start:layer_end]:
+            for base in (0, values_at):
+                for first, count in runs:
+                    lo = (base + first) * size
+                    views.append(layer[lo : lo + count * size])
+        return views
+
     def _index(self, block_ids: Sequence[int]) -> torch.Tensor:
         return torch.as_tensor(block_ids, dtype=torch.long)
 
@@ -102,3 +132,14 @@ class PoolBlockStore:
         """``buf`` as [layers, 2, len(block_ids), block_size, kv_heads, head_dim]."""
         shape = (2, len(block_ids), *self._block_shape[2:])
         return tensor_view(buf, self._dtype).view(-1, *shape)
+
+
+def _runs(block_ids: Sequence[int]) -> list[tuple[int, int]]:
+    """(first id, length) of each run of consecutive ids, in order."""
+    runs: list[list[int]] = []
+    for block in block_ids:
+        if runs and block == runs[-1][0] + runs[-1][1]:
+            runs[-1][1] += 1
+        else:
+            runs.append([block, 1])
+    return [(first, count) for first, count in runs]

@@ -7,7 +7,9 @@ the transfer, which releases every reserved block exactly once.
 
 ``on_message_async`` overlaps the checksum and copy of one chunk (in a
 worker thread; both release the GIL) with reading the next; blocks are
-released only once that copy has finished.
+released only once that copy has finished. A push whose chunks come over a
+data connection (datachannel.py, ``expect_data``) treats that connection's
+thread the same way: it is the write in flight until it has ended.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import zlib
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import grpc
 import numpy as np
@@ -23,6 +27,9 @@ from protos.tandem.v1 import kv_transfer_pb2 as pb
 
 from .interface import BlockSink, TransferError, TransferState
 from .wire import COMMIT, Chunk, Malformed, Message, layout_from_proto
+
+if TYPE_CHECKING:
+    from .datachannel import IncomingData
 
 _INVALID = grpc.StatusCode.INVALID_ARGUMENT
 
@@ -39,6 +46,7 @@ class KVReceiver:
         self._seen: np.ndarray | None = None  # [num_layers, num_blocks] chunks written
         self._block_layer_bytes = sink.layout.block_bytes_per_layer
         self._inflight: concurrent.futures.Future[None] | None = None
+        self._data: IncomingData | None = None
 
     def on_message(self, msg: Message) -> bool:
         """Apply one message; True once a commit message has been applied."""
@@ -106,7 +114,11 @@ class KVReceiver:
         inflight = self._inflight
         if inflight is None:
             return
-        await asyncio.wrap_future(inflight)
+        # Shielded: cancelling the wait must not cancel the write (which a
+        # running future refuses anyway); fail() then defers the release.
+        waiter = asyncio.wrap_future(inflight)
+        waiter.add_done_callback(_retrieve)  # the outcome is read from ``inflight``
+        await asyncio.wait([waiter])
         self._inflight = None
         try:
             inflight.result()
@@ -119,20 +131,54 @@ class KVReceiver:
         self.write_chunk(chunk)
 
     def check_chunk(self, chunk: Chunk) -> None:
+        self.check_span(
+            chunk.layer_start,
+            chunk.layer_end,
+            chunk.block_start,
+            chunk.block_end,
+            len(chunk.data),
+            chunk.block_hashes,
+        )
+
+    def check_span(
+        self,
+        ls: int,
+        le: int,
+        bs: int,
+        be: int,
+        nbytes: int,
+        block_hashes: tuple[bytes, ...] | None = None,
+    ) -> None:
+        """Check a chunk's place and size (and its hashes, if it names them)
+        and mark it arrived; the payload is checked and written afterwards."""
         if self.state is not TransferState.TRANSFERRING or self._seen is None:
             raise TransferError(_INVALID, "chunk before header")
-        ls, le, bs, be = chunk.layer_start, chunk.layer_end, chunk.block_start, chunk.block_end
         if not (0 <= ls < le <= self._seen.shape[0] and 0 <= bs < be <= self._seen.shape[1]):
             raise TransferError(_INVALID, f"chunk range layers {ls}:{le} blocks {bs}:{be}")
         if self._seen[ls:le, bs:be].any():
             raise TransferError(_INVALID, f"chunk layers {ls}:{le} blocks {bs}:{be} sent twice")
-        if tuple(self.block_hashes[bs:be]) != chunk.block_hashes:
+        if block_hashes is not None and tuple(self.block_hashes[bs:be]) != block_hashes:
             raise TransferError(_INVALID, f"chunk blocks {bs}:{be} carry other hashes")
         expected = (le - ls) * (be - bs) * self._block_layer_bytes
-        if len(chunk.data) != expected:
-            raise TransferError(_INVALID, f"chunk has {len(chunk.data)} bytes, expected {expected}")
+        if nbytes != expected:
+            raise TransferError(_INVALID, f"chunk has {nbytes} bytes, expected {expected}")
         self._seen[ls:le, bs:be] = True
         self.bytes_received += expected
+
+    def sink_buffers(
+        self, block_ids: Sequence[int], layer_start: int, layer_end: int
+    ) -> list[memoryview] | None:
+        """Writable views of the blocks in wire order, if the sink offers them."""
+        buffers = getattr(self.sink, "buffers", None)
+        return None if buffers is None else buffers(block_ids, layer_start, layer_end)
+
+    def expect_data(self, incoming: IncomingData) -> None:
+        """The chunks come over a data connection (datachannel.py): until it
+        ends, it is this transfer's chunk write in flight."""
+        if self._inflight is not None:
+            raise TransferError(grpc.StatusCode.INTERNAL, "data connection with a write in flight")
+        self._data = incoming
+        self._inflight = incoming.done
 
     def write_chunk(self, chunk: Chunk) -> None:
         """Verify the checksum and copy into the blocks; thread-safe."""
@@ -161,6 +207,8 @@ class KVReceiver:
 
     def fail(self) -> None:
         """Release every reserved block; safe to call more than once."""
+        if self._data is not None:
+            self._data.abort()  # sets the in-flight future now, or once its thread stopped
         if self.state is TransferState.TRANSFERRING:
             inflight = self._inflight
             if inflight is not None and not inflight.done():
@@ -172,3 +220,8 @@ class KVReceiver:
                 self.sink.release(self.block_ids)
         if self.state is not TransferState.SUCCEEDED:
             self.state = TransferState.FAILED
+
+
+def _retrieve(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()

@@ -50,14 +50,39 @@ class KVSender:
             total_bytes=self.total_bytes,
         )
 
+    def spans(self) -> list[tuple[int, int, int, int]]:
+        layout = self.source.layout
+        return plan_chunks(
+            layout.num_layers, len(self.block_ids), layout.block_bytes_per_layer, self.chunk_bytes
+        )
+
+    def chunks(self) -> Iterator[tuple[tuple[int, int, int, int], list[memoryview]]]:
+        """Each chunk's span and payload as views, in wire order.
+
+        Views of the pinned blocks themselves where the source offers them
+        (``buffers``), else of a staging buffer that the next chunk reuses:
+        use the views before asking for the next chunk.
+        """
+        layout = self.source.layout
+        buffers = getattr(self.source, "buffers", None)
+        staging: memoryview | None = None
+        for span in self.spans():
+            ls, le, bs, be = span
+            blocks = self.block_ids[bs:be]
+            views = buffers(blocks, ls, le) if buffers is not None else None
+            if views is None:
+                size = (le - ls) * len(blocks) * layout.block_bytes_per_layer
+                if staging is None or staging.nbytes < size:
+                    staging = memoryview(bytearray(size))
+                self.source.read_into(blocks, ls, le, staging[:size])
+                views = [staging[:size]]
+            yield span, views
+
     def messages(self) -> Iterator[bytes]:
         """The encoded header, then each chunk, gathered only when asked for."""
         layout = self.source.layout
         yield encode_header(self.header())
-        spans = plan_chunks(
-            layout.num_layers, len(self.block_ids), layout.block_bytes_per_layer, self.chunk_bytes
-        )
-        for span in spans:
+        for span in self.spans():
             ls, le, bs, be = span
             blocks = self.block_ids[bs:be]
             size = (le - ls) * len(blocks) * layout.block_bytes_per_layer

@@ -91,6 +91,7 @@ class IncomingPush:
         self._service = service
         self._cancel = cancel
         self.receiver = KVReceiver(service.store)
+        self.expired = False
         self._lease = service.leases.grant(service.config.lease_s, self._expire)
 
     @property
@@ -110,6 +111,10 @@ class IncomingPush:
         self._lease.renew()
         first = self.receiver.state is TransferState.PENDING
         return self._after(first, await self.receiver.on_message_async(msg, executor))
+
+    def renew(self) -> None:
+        """Progress made elsewhere (a data connection's chunk); thread-safe."""
+        self._lease.renew()
 
     def _after(self, first: bool, done: bool) -> pb.PushReply | None:
         request_id = self.receiver.request_id
@@ -145,6 +150,7 @@ class IncomingPush:
         service._open_pushes.add(request_id)
 
     def _expire(self) -> None:
+        self.expired = True
         self.close()
         self._cancel()
 

@@ -2,11 +2,15 @@
 
 Every peer is its own process (engine/transfer/peer.py). Each test checks
 that the free block counts of every pool it touched return to their
-starting values: no path may strand blocks.
+starting values: no path may strand blocks. The transfer tests run twice:
+chunks over the data connection (the default), and over the gRPC stream
+(receivers with the data channel off; clients that ask for one fall back).
 """
 
 from __future__ import annotations
 
+import asyncio
+import socket
 import time
 from collections.abc import Callable
 
@@ -14,15 +18,25 @@ import grpc
 import pytest
 import torch
 
-from engine.kv_cache import KVLayout
-from engine.transfer import TransferConfig, TransferError
+from engine.kv_cache import BlockPool, KVCache, KVLayout
+from engine.transfer import (
+    GrpcKVServer,
+    PoolBlockStore,
+    TransferConfig,
+    TransferError,
+    datachannel,
+    wire,
+)
+from engine.transfer.grpc_server import PUSH_METHOD
 from engine.transfer.peer import Peer, PeerSpec
+from protos.tandem.v1 import kv_transfer_pb2 as pb
 
 pytestmark = pytest.mark.integration
 
 LAYOUT = KVLayout("fp-test", "float32", 8, 16, 4, 64)  # 256 KiB per block
 BIG = 1024  # blocks: 256 MiB
 SMALL_CHUNKS = TransferConfig(chunk_bytes=256 << 10)
+CPU = torch.device("cpu")
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float = 60) -> bool:
@@ -34,13 +48,23 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float = 60) -> bool:
     return predicate()
 
 
-@pytest.fixture(scope="module")
-def peers():
+@pytest.fixture(scope="module", params=["data", "grpc"])
+def peers(request):
+    data = request.param == "data"
     specs = {
-        "sender": PeerSpec(BIG + 64, LAYOUT, seed=1),
-        "receiver": PeerSpec(BIG + 64, LAYOUT, seed=2, config=TransferConfig(lease_s=120)),
-        "short_lease": PeerSpec(64, LAYOUT, seed=3, config=TransferConfig(lease_s=1.0)),
-        "other_layout": PeerSpec(64, KVLayout("fp-test", "float32", 8, 16, 2, 64), seed=4),
+        "sender": PeerSpec(BIG + 64, LAYOUT, seed=1, config=TransferConfig(data_channel=data)),
+        "receiver": PeerSpec(
+            BIG + 64, LAYOUT, seed=2, config=TransferConfig(lease_s=120, data_channel=data)
+        ),
+        "short_lease": PeerSpec(
+            64, LAYOUT, seed=3, config=TransferConfig(lease_s=1.0, data_channel=data)
+        ),
+        "other_layout": PeerSpec(
+            64,
+            KVLayout("fp-test", "float32", 8, 16, 2, 64),
+            seed=4,
+            config=TransferConfig(data_channel=data),
+        ),
     }
     started = {name: Peer(spec) for name, spec in specs.items()}
     try:
@@ -53,7 +77,11 @@ def peers():
 
 
 @pytest.fixture(autouse=True)
-def pools_return_to_start(peers):
+def pools_return_to_start(request):
+    if "peers" not in request.fixturenames:
+        yield
+        return
+    peers = request.getfixturevalue("peers")
     before = {name: p.call("num_free") for name, p in peers.items()}
     yield
     for name, p in peers.items():
@@ -151,6 +179,49 @@ def test_lease_expiry_frees_stalled_and_unclaimed_transfers(peers):
         assert short.call("claim", "unclaimed") is None
     finally:
         sender.call("release", blocks)
+
+
+def test_data_connection_is_offered_and_an_abandoned_one_frees_the_blocks():
+    """In one process: the server offers a data port once the header passed;
+    a stray connection with a wrong token is dropped; a push whose data
+    connection never comes is freed by its lease."""
+
+    async def go():
+        store = PoolBlockStore(BlockPool(16, LAYOUT.block_size), KVCache(LAYOUT, 16, CPU))
+        config = TransferConfig(lease_s=0.5, reap_interval_s=0.05)
+        server = GrpcKVServer(store, config)
+        await server.start()
+        channel = grpc.aio.insecure_channel(server.address)
+        try:
+            token = bytes(range(16))
+            call = channel.stream_unary(
+                PUSH_METHOD,
+                request_serializer=lambda b: b,
+                response_deserializer=pb.PushReply.FromString,
+            )(metadata=((datachannel.DATA_TOKEN_KEY, token.hex()),), timeout=30)
+            header = pb.TransferHeader(
+                layout=wire.layout_to_proto(LAYOUT),
+                request_id="abandoned",
+                num_blocks=4,
+                total_bytes=4 * LAYOUT.block_bytes,
+            )
+            await call.write(wire.encode_header(header))
+            metadata = dict(await call.initial_metadata())
+            port = int(metadata[datachannel.DATA_PORT_KEY])
+            assert store.num_free == 12
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as stray:
+                stray.sendall(b"TKV1" + bytes(16))  # a wrong token
+                assert stray.recv(1) == b""  # dropped
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await call  # the lease expires: blocks freed, call ended
+            assert err.value.code() == grpc.StatusCode.ABORTED
+            assert store.num_free == 16
+            assert server.claim("abandoned") is None
+        finally:
+            await channel.close()
+            await server.stop(0)
+
+    asyncio.run(go())
 
 
 def _prompt(n: int, seed: int) -> list[int]:

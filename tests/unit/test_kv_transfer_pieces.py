@@ -4,7 +4,10 @@ the sender/receiver/service logic through the in-process mover."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
+import socket
+import threading
 import zlib
 
 import grpc
@@ -24,9 +27,12 @@ from engine.transfer import (
     PoolBlockStore,
     TransferConfig,
     TransferError,
+    datachannel,
     wire,
 )
 from engine.transfer.lease import LeaseTable
+from engine.transfer.receiver import KVReceiver
+from engine.transfer.sender import KVSender
 from protos import codegen
 from protos.tandem.v1 import kv_transfer_pb2 as pb
 
@@ -276,3 +282,168 @@ def test_codegen_check_passes_and_detects_drift(tmp_path, monkeypatch):
     stub.write_text(stub.read_text() + "\n# edited by hand\n")
     assert codegen.check() == ["protos/tandem/v1/kv_transfer_pb2.pyi"]
     assert codegen.main(["--check"]) == 1
+
+
+# ---- the data channel's pieces, over a socketpair (no network) ----
+
+
+@given(
+    ids=st.lists(st.integers(0, 31), min_size=1, max_size=12, unique=True),
+    layers=st.tuples(st.integers(0, 2), st.integers(1, 3)),
+)
+def test_pool_buffers_are_the_chunk_payload_in_wire_order(ids, layers):
+    ls, le = min(layers[0], layers[1] - 1), layers[1]
+    store = make_store(seed=5)
+    size = (le - ls) * len(ids) * LAYOUT.block_bytes_per_layer
+    gathered = bytearray(size)
+    store.read_into(ids, ls, le, memoryview(gathered))
+    views = store.buffers(ids, ls, le)
+    assert b"".join(views) == gathered
+    # Writing through the views is writing the blocks.
+    other = make_store(seed=6)
+    for view, chunk in zip(other.buffers(ids, ls, le), _split_like(views, gathered), strict=True):
+        view[:] = chunk
+    regathered = bytearray(size)
+    other.read_into(ids, ls, le, memoryview(regathered))
+    assert regathered == gathered
+
+
+def _split_like(views, data):
+    out, at = [], 0
+    for view in views:
+        out.append(data[at : at + view.nbytes])
+        at += view.nbytes
+    return out
+
+
+def test_vectored_send_and_receive_move_every_byte():
+    rng = np.random.default_rng(0)
+    sizes = [int(s) for s in rng.integers(0, 3000, 1500)]  # more views than one sendmsg takes
+    payload = rng.integers(0, 256, sum(sizes), dtype=np.uint8).tobytes()
+    src = [memoryview(b) for b in _split_like([memoryview(bytes(s)) for s in sizes], payload)]
+    dst = [memoryview(bytearray(s)) for s in sizes]
+    a, b = socket.socketpair()
+    with a, b:
+        sender = threading.Thread(target=datachannel.send_buffers, args=(a, src))
+        sender.start()
+        datachannel.recv_into_buffers(b, dst)
+        sender.join()
+        assert b"".join(dst) == payload
+        a.close()
+        with pytest.raises(ConnectionError):
+            datachannel.recv_into_buffers(b, [memoryview(bytearray(1))])
+
+
+class _Registry:
+    def unregister(self, token, incoming) -> None:
+        self.unregistered = token
+
+
+class DataPair:
+    """A sender's DataSender and a receiver's IncomingData joined by a socketpair."""
+
+    def __init__(self, n: int, chunk_bytes: int = 1024, frame_filter=None) -> None:
+        self.src, self.dst = make_store(seed=1), make_store(seed=2)
+        self.free = (self.src.num_free, self.dst.num_free)
+        self.src_ids = self.src.reserve(n)
+        self.src.pin(self.src_ids)  # as a client's push does
+        self.sender = KVSender(self.src, "r", self.src_ids, [None] * n, [], chunk_bytes)
+        self.receiver = KVReceiver(self.dst)
+        self.receiver.on_header(self.sender.header())
+        self.registry = _Registry()
+        self.incoming = datachannel.IncomingData(
+            self.registry, b"t" * 16, self.receiver, lambda: None
+        )
+        self.receiver.expect_data(self.incoming)
+        self.data = datachannel.DataSender("", 0, b"t" * 16, self.sender, 10.0, frame_filter)
+
+    def run(self, skip_preamble: bool = True) -> None:
+        a, b = socket.socketpair()
+        assert self.incoming.attach(b)
+
+        def send() -> None:
+            with contextlib.suppress(OSError):
+                self.data.send_on(a)
+
+        sender = threading.Thread(target=send)
+        sender.start()
+        preamble = memoryview(bytearray(20))
+        datachannel.recv_exact(b, preamble)
+        assert bytes(preamble) == b"TKV1" + b"t" * 16
+        self.incoming.serve(b)
+        sender.join()
+
+    def close(self) -> None:
+        self.sender.close()
+        self.src.release(self.src_ids)
+
+
+def test_data_channel_fills_the_reserved_blocks():
+    async def go():
+        pair = DataPair(5)
+        await asyncio.to_thread(pair.run)
+        await pair.receiver.drain()
+        blocks = pair.receiver.commit()
+        assert torch.equal(
+            pair.dst.cache.read_blocks(blocks), pair.src.cache.read_blocks(pair.src_ids)
+        )
+        assert pair.sender.bytes_sent == pair.receiver.bytes_received == 5 * LAYOUT.block_bytes
+        pair.dst.release(blocks)
+        pair.close()
+        assert (pair.src.num_free, pair.dst.num_free) == pair.free
+
+    run(go())
+
+
+@pytest.mark.parametrize(
+    ("frame_filter", "code"),
+    [
+        (_flip_message(2), grpc.StatusCode.DATA_LOSS),
+        (_drop_message(2), grpc.StatusCode.INVALID_ARGUMENT),  # a chunk missing at commit
+        (lambda msg: bytes(len(msg)), grpc.StatusCode.INVALID_ARGUMENT),  # not a frame
+    ],
+)
+def test_broken_data_connection_fails_and_frees_the_blocks(frame_filter, code):
+    async def go():
+        pair = DataPair(6, frame_filter=frame_filter)
+        await asyncio.to_thread(pair.run)
+        with pytest.raises(TransferError) as err:
+            await pair.receiver.drain()
+            pair.receiver.commit()
+        assert err.value.code == code
+        pair.receiver.fail()
+        pair.close()
+        assert (pair.src.num_free, pair.dst.num_free) == pair.free
+
+    run(go())
+
+
+def test_failing_before_the_data_connection_arrives_frees_the_blocks():
+    async def go():
+        pair = DataPair(3)
+        pair.receiver.fail()
+        assert pair.incoming.done.done() and pair.registry.unregistered == b"t" * 16
+        assert not pair.incoming.attach(socket.socketpair()[0])
+        pair.close()
+        assert (pair.src.num_free, pair.dst.num_free) == pair.free
+
+    run(go())
+
+
+def test_failing_mid_connection_frees_the_blocks_only_after_the_thread_stops():
+    async def go():
+        pair = DataPair(4)
+        a, b = socket.socketpair()
+        assert pair.incoming.attach(b)
+        serving = asyncio.get_running_loop().run_in_executor(None, pair.incoming.serve, b)
+        pair.receiver.fail()  # the thread may still write into the blocks: release deferred
+        assert pair.dst.num_free == pair.free[1] - 4
+        await serving
+        with pytest.raises(TransferError):
+            pair.incoming.done.result()
+        await asyncio.sleep(0)  # the deferred release runs on the loop
+        a.close()
+        pair.close()
+        assert (pair.src.num_free, pair.dst.num_free) == pair.free
+
+    run(go())
