@@ -12,9 +12,18 @@ class PrefillActor:
     """Created by the pool manager with ``ray.remote(...)`` and its resources."""
 
     def __init__(
-        self, name: str, config: EngineConfig, transfer: TransferConfig, index: IndexSettings
+        self,
+        name: str,
+        config: EngineConfig,
+        transfer: TransferConfig,
+        index: IndexSettings,
+        host: str | None,
     ) -> None:
-        self.worker = PrefillWorker(name, config, transfer, index)
+        import ray
+
+        # Bind to the address Ray gives this node, so peers on other nodes reach it.
+        host = host or ray.util.get_node_ip_address()
+        self.worker = PrefillWorker(name, config, transfer, index, host)
 
     async def start(self) -> dict:
         await self.worker.start()

@@ -9,6 +9,7 @@ worker's prefix cache.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -16,8 +17,10 @@ from engine.config import EngineConfig
 from engine.index import KVEvent
 from engine.sampling import SamplingParams
 from engine.sequence import RequestOutput
-from engine.transfer import GrpcKVClient, KVBlocks, TransferConfig
+from engine.transfer import GrpcKVClient, GrpcKVServer, KVBlocks, TransferConfig, TransferError
 from engine.worker_base import EngineWorker, IndexSettings
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -27,6 +30,8 @@ class PrefillRequest:
     params: SamplingParams
     decode_kv_address: str  # where to push the blocks
     skip_blocks: int = 0  # leading blocks the decode worker holds already (not pushed)
+    pull_from: str | None = None  # KV address of a worker holding more of the prefix
+    pull_hashes: list[bytes] = field(default_factory=list)  # the blocks to fetch from it
 
 
 @dataclass(frozen=True)
@@ -46,29 +51,60 @@ class PrefillWorker(EngineWorker):
         config: EngineConfig,
         transfer: TransferConfig | None = None,
         index: IndexSettings | None = None,
+        host: str = "127.0.0.1",
     ) -> None:
         super().__init__(name, config, index)
         self.transfer_config = transfer or TransferConfig()
         self._client: GrpcKVClient | None = None
+        # Serves pulls of this worker's cached prefix blocks by other workers.
+        self.kv_server = GrpcKVServer(self.store, self.transfer_config, host=host, port=0)
         self.kv_bytes_pushed = 0
+        self.kv_bytes_pulled = 0
 
     async def start(self) -> None:
         self.start_loop()
         self._client = GrpcKVClient(self.transfer_config)
+        await self.kv_server.start()
+
+    def describe(self) -> dict:
+        return {**super().describe(), "kv": self.kv_server.address}
 
     async def stop(self) -> None:
         if self._client is not None:
             await self._client.close()
+        await self.kv_server.stop(1.0)
         self.stop_loop()
 
     def stats(self) -> dict[str, int]:
-        return {**super().stats(), "kv_bytes_pushed": self.kv_bytes_pushed}
+        return {
+            **super().stats(),
+            "kv_bytes_pushed": self.kv_bytes_pushed,
+            "kv_bytes_pulled": self.kv_bytes_pulled,
+        }
+
+    async def _pull_prefix(self, req: PrefillRequest) -> list[int]:
+        """Fetch prefix blocks from the worker that holds them, into this pool's
+        prefix cache; returns them (referenced until the prompt is admitted).
+        A failed pull only costs the recompute."""
+        if not req.pull_from or not req.pull_hashes:
+            return []
+        assert self._client is not None, "worker not started"
+        try:
+            pulled = await self._client.pull(
+                req.pull_from, self.store, req.pull_hashes, request_id=req.request_id
+            )
+        except TransferError as exc:
+            log.warning("pull for %s from %s failed: %s", req.request_id, req.pull_from, exc)
+            return []
+        self.kv_bytes_pulled += pulled.bytes_received
+        return pulled.block_ids
 
     async def prefill(self, req: PrefillRequest) -> PrefillResult:
         rid = req.request_id
         first: asyncio.Future[RequestOutput] = asyncio.get_running_loop().create_future()
         self.listen(rid, lambda out: first.done() or first.set_result(out))
         start = time.perf_counter()
+        pulled = await self._pull_prefix(req)
         try:
             await self.loop.acall(
                 lambda e: e.add_request(rid, req.prompt_token_ids, req.params, prefill_only=True)
@@ -79,6 +115,8 @@ class PrefillWorker(EngineWorker):
             raise
         finally:
             self.unlisten(rid)
+            if pulled:  # the request holds its own references by now
+                await asyncio.shield(self.loop.acall(lambda e: e.block_pool.free(pulled)))
         prefilled = time.perf_counter()
         if out.finished:
             return PrefillResult(rid, out, 0, prefilled - start, 0.0, self.drain_events())

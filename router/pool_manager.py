@@ -94,7 +94,9 @@ class WorkerPool:
             from prefill_pool.actor import PrefillActor
 
             actor = (
-                ray.remote(PrefillActor).options(**options).remote(name, engine, transfer, index)
+                ray.remote(PrefillActor)
+                .options(**options)
+                .remote(name, engine, transfer, index, self.host)
             )
         else:
             from decode_pool.actor import DecodeActor

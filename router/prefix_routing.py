@@ -13,7 +13,7 @@ worker's own prefix cache decides what is reused, so the cost is a miss.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.hashing import BlockHash, hash_blocks
 from engine.index import BlockIndex
@@ -27,6 +27,8 @@ class RoutePlan:
     decode: WorkerHandle
     decode_cached_blocks: int  # the index's count of the prompt's blocks on `decode`
     hashes: list[BlockHash]  # of the prompt's full blocks
+    pull_from: WorkerHandle | None = None  # holds more of the prefix than `prefill`
+    pull_hashes: list[BlockHash] = field(default_factory=list)  # what to pull from it
 
 
 class PrefixRouter:
@@ -40,6 +42,7 @@ class PrefixRouter:
         enabled: bool = True,
         load_weight_blocks: float = 4.0,
         local_prefill_tokens: int = 256,
+        pull_min_blocks: int = 2,
     ) -> None:
         self.index = index
         self.block_size = block_size
@@ -48,6 +51,7 @@ class PrefixRouter:
         self.enabled = enabled
         self.load_weight = load_weight_blocks
         self.local_prefill_tokens = local_prefill_tokens
+        self.pull_min_blocks = pull_min_blocks
 
     def plan(
         self,
@@ -64,8 +68,31 @@ class PrefixRouter:
         local = colocated or (
             d_blocks > 0 and self.local_prefill_tokens > 0 and uncached <= self.local_prefill_tokens
         )
-        p = None if local else self._best(prefill, cached)
-        return RoutePlan(p, d, d_blocks, hashes)
+        if local:
+            return RoutePlan(None, d, d_blocks, hashes)
+        p = self._best(prefill, cached)
+        plan = RoutePlan(p, d, d_blocks, hashes)
+        return self._with_pull(plan, [*prefill, *decode], cached)
+
+    def _with_pull(
+        self, plan: RoutePlan, workers: Sequence[WorkerHandle], cached: dict[str, int]
+    ) -> RoutePlan:
+        """Pull the prefix from the worker holding most of it when the chosen
+        prefill worker lacks at least pull_min_blocks of it: moving a block's KV
+        costs far less than pushing its tokens through every layer again."""
+        assert plan.prefill is not None
+        have = cached.get(plan.prefill.name, 0)
+        holders = [w for w in workers if w is not plan.prefill and "kv" in w.info]
+        if not self.pull_min_blocks or not holders:
+            return plan
+        holder = max(holders, key=lambda w: cached.get(w.name, 0))
+        most = cached.get(holder.name, 0)
+        if most - have < self.pull_min_blocks:
+            return plan
+        return RoutePlan(
+            plan.prefill, plan.decode, plan.decode_cached_blocks, plan.hashes,
+            holder, plan.hashes[have:most],
+        )  # fmt: skip
 
     def _best(self, workers: Sequence[WorkerHandle], cached: dict[str, int]) -> WorkerHandle:
         if not cached:

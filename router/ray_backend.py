@@ -71,6 +71,7 @@ class RayBackend:
             enabled=self.config.prefix_routing and self.config.enable_prefix_caching,
             load_weight_blocks=self.config.load_weight_blocks,
             local_prefill_tokens=self.config.local_prefill_tokens,
+            pull_min_blocks=self.config.pull_min_blocks,
         )
         for worker in self.decode.workers:
             await self._subscribe(worker)
@@ -158,8 +159,17 @@ class RayBackend:
                 if plan.decode_cached_blocks:
                     wanted = plan.hashes[: plan.decode_cached_blocks]
                     skip = await d.actor.reserve_prefix.remote(rid, wanted)
+                pull_from = plan.pull_from.info["kv"] if plan.pull_from is not None else None
                 result = await p.actor.prefill.remote(
-                    PrefillRequest(rid, inp.prompt_token_ids, inp.params, d.info["kv"], skip)
+                    PrefillRequest(
+                        rid,
+                        inp.prompt_token_ids,
+                        inp.params,
+                        d.info["kv"],
+                        skip,
+                        pull_from,
+                        plan.pull_hashes,
+                    )
                 )
                 self._apply_events(result.cache_events)
                 p.in_flight -= 1

@@ -83,6 +83,9 @@ class ServeConfig(BaseModel):
     local_prefill_tokens: int = Field(256, ge=0)
     """When a decode worker holds a request's prefix and at most this many prompt tokens
     are left to compute, it prefills them itself (no transfer); 0 turns this off."""
+    pull_min_blocks: int = Field(2, ge=0)
+    """A prefill worker pulls prefix blocks (PullBlocks) from the worker holding most of
+    the prompt when it lacks at least this many of them; 0 turns pulls off."""
     grace_period_s: float = Field(30.0, ge=0)
     """On SIGTERM, time given to requests in flight before the pools stop."""
     kv_lease_s: float = Field(30.0, gt=0)

@@ -59,6 +59,16 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, metavar="P")
     p.add_argument("--ray-address", metavar="ADDR", help="join this Ray cluster")
     p.add_argument(
+        "--redis-url",
+        metavar="URL",
+        help="keep the block index in Redis (shared by several routers)",
+    )
+    p.add_argument(
+        "--load-format",
+        choices=["auto", "dummy"],
+        help="dummy: random weights of the model's config (benchmarks)",
+    )
+    p.add_argument(
         "--grace-period",
         dest="grace_period_s",
         type=float,

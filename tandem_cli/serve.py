@@ -35,6 +35,8 @@ SERVE_FLAGS = (
     "host",
     "port",
     "ray_address",
+    "redis_url",
+    "load_format",
     "grace_period_s",
 )
 

@@ -147,3 +147,22 @@ def test_redis_restart_during_load_fails_no_request(ray_cluster, llm):
             assert _wait_no_leaks(d) == {}
         finally:
             d.stop()
+
+
+def test_prefix_on_a_busy_worker_is_pulled_not_recomputed(deployment, llm):
+    shared = _tokens(480, 10)  # 30 blocks
+    first = _complete(deployment.address, shared + _tokens(30, 11), **GREEDY)
+    backend = deployment.backend
+    holder = next(w for w in backend.prefill.workers if w.name == first.timings.prefill_worker)
+    holder.in_flight += 1000  # looks overloaded: routing must pick the other worker
+    try:
+        prompt = shared + _tokens(30, 12)
+        out = _complete(deployment.address, prompt, **GREEDY)
+    finally:
+        holder.in_flight -= 1000
+    assert out.timings.prefill_worker != holder.name
+    assert out.usage.cached_tokens >= len(shared)  # pulled blocks count as cached
+    assert out.token_ids == _reference(llm, prompt)
+    pulled = deployment.worker_stats()[out.timings.prefill_worker]["kv_bytes_pulled"]
+    assert pulled > 0
+    assert _wait_no_leaks(deployment) == {}
