@@ -29,13 +29,39 @@ class PrefillSlice:
 
 
 @dataclass
+class DecodeGroup:
+    """One-token sequences of similar length, attended as one padded batch."""
+
+    start: int  # first of them in the packed batch
+    size: int
+    block_tables: torch.Tensor  # [size, max_blocks] long, padded with block 0
+    mask: torch.Tensor | None  # [size, 1, 1, max_blocks * block_size] bool; None if size 1
+    length: int  # for size 1: the sequence's length (cut instead of masked)
+
+
+@dataclass
 class AttentionMetadata:
     slots: torch.Tensor  # [num_tokens] long: flat slot of each new token
     num_decode: int  # the first num_decode tokens are one-token sequences
-    decode_block_tables: torch.Tensor | None  # [num_decode, max_blocks] long
-    decode_mask: torch.Tensor | None  # [num_decode, 1, 1, max_blocks * block_size] bool
-    decode_len: int  # for num_decode == 1: that sequence's length (no mask needed)
+    decode_groups: list[DecodeGroup]
     prefills: list[PrefillSlice]
+
+
+# A decode batch is split where padding would grow past this factor, so that
+# short sequences do not pay for the longest one's context.
+_MAX_PADDING = 1.5
+_MIN_GROUP = 8
+
+
+def _group_bounds(num_blocks: list[int]) -> list[tuple[int, int]]:
+    """[start, end) ranges over sequences sorted by length."""
+    bounds, start = [], 0
+    for i in range(1, len(num_blocks)):
+        if i - start >= _MIN_GROUP and num_blocks[i] > _MAX_PADDING * num_blocks[start]:
+            bounds.append((start, i))
+            start = i
+    bounds.append((start, len(num_blocks)))
+    return bounds
 
 
 def build_metadata(
@@ -46,22 +72,23 @@ def build_metadata(
     slots: list[int],
     device: torch.device,
 ) -> AttentionMetadata:
-    """Tensors shared by every layer of one step."""
-    tables = mask = None
-    if decode_tables:
-        width = max(len(t) for t in decode_tables)
-        padded = [t + [0] * (width - len(t)) for t in decode_tables]
-        tables = torch.tensor(padded, device=device)
-        if len(decode_tables) > 1:
+    """Tensors shared by every layer of one step. Decode sequences come
+    sorted by length, shortest first."""
+    groups = []
+    for start, end in _group_bounds([len(t) for t in decode_tables]) if decode_tables else []:
+        tables = decode_tables[start:end]
+        width = len(tables[-1])
+        padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=device)
+        mask = None
+        if end - start > 1:
             positions = torch.arange(width * block_size, device=device)
-            lens = torch.tensor(decode_lens, device=device)
+            lens = torch.tensor(decode_lens[start:end], device=device)
             mask = (positions[None, :] < lens[:, None])[:, None, None, :]
+        groups.append(DecodeGroup(start, end - start, padded, mask, decode_lens[start]))
     return AttentionMetadata(
         slots=torch.tensor(slots, device=device),
         num_decode=len(decode_tables),
-        decode_block_tables=tables,
-        decode_mask=mask,
-        decode_len=decode_lens[0] if decode_lens else 0,
+        decode_groups=groups,
         prefills=prefills,
     )
 
@@ -79,34 +106,32 @@ def paged_attention(
     flat[0].index_copy_(0, meta.slots, k)
     flat[1].index_copy_(0, meta.slots, v)
     n, heads, head_dim = q.shape
-    if not meta.prefills:  # all decode: no scatter into a packed output
-        return _decode(q, cache.layers[layer], meta, scale).view(n, heads * head_dim)
+    kv = cache.layers[layer]
+    groups = meta.decode_groups
+    if not meta.prefills and len(groups) == 1:  # the common decode step: no scatter
+        return _decode(q, kv, groups[0], scale).view(n, heads * head_dim)
     out = q.new_empty(n, heads, head_dim)
-    if meta.num_decode:
-        d = meta.num_decode
-        out[:d] = _decode(q[:d], cache.layers[layer], meta, scale)
+    for g in groups:
+        rows = slice(g.start, g.start + g.size)
+        out[rows] = _decode(q[rows], kv, g, scale)
     for s in meta.prefills:
-        out[s.start : s.start + s.num_tokens] = _prefill(q, k, v, cache.layers[layer], s, scale)
+        out[s.start : s.start + s.num_tokens] = _prefill(q, k, v, kv, s, scale)
     return out.view(n, heads * head_dim)
 
 
-def _decode(
-    q: torch.Tensor, kv: torch.Tensor, meta: AttentionMetadata, scale: float
-) -> torch.Tensor:
+def _decode(q: torch.Tensor, kv: torch.Tensor, g: DecodeGroup, scale: float) -> torch.Tensor:
     # kv: [2, num_blocks, block_size, kv_heads, head_dim]
     b, heads, head_dim = q.shape
     kv_heads = kv.shape[3]
-    tables = meta.decode_block_tables
-    kv = kv.index_select(1, tables.view(-1))  # [2, b * max_blocks, block_size, kv_heads, head_dim]
+    kv = kv.index_select(1, g.block_tables.view(-1))  # [2, b * max_blocks, block_size, ...]
     kv = kv.view(2, b, -1, kv_heads, head_dim)  # [2, b, tokens, kv_heads, head_dim]
-    mask = meta.decode_mask
-    if mask is None:  # one sequence: cut to its length instead of masking
-        kv = kv[:, :, : meta.decode_len]
+    if g.mask is None:  # one sequence: cut to its length instead of masking
+        kv = kv[:, :, : g.length]
     keys, values = kv[0], kv[1]
     # Grouped-query trick: the query heads of one kv head act as its queries.
     qg = q.view(b, kv_heads, heads // kv_heads, head_dim)
     out = F.scaled_dot_product_attention(
-        qg, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, scale=scale
+        qg, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=g.mask, scale=scale
     )
     return out.reshape(b, heads, head_dim)
 

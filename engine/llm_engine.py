@@ -187,7 +187,8 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
-        batch.sort(key=lambda s: s.num_tokens != 1)  # one-token sequences first
+        # One-token sequences first, shortest context first (see attention.py).
+        batch.sort(key=lambda s: (s.num_tokens != 1, s.seq.num_computed))
         sample_rows, hidden = self._forward(batch)
         outputs = []
         to_sample = []
