@@ -14,12 +14,11 @@
      in-process and through Redis (from bench/index_lookup.py), plus the cost
      of hashing the prompt's blocks that comes with every lookup.
 
-The default model has max_position_embeddings 2048 and the router rejects a
-prompt of max_model_len tokens, so the measured prompts have 2,040 tokens and
-8 output tokens (2,040 + 8 = 2,048), the 1,843-token prefix being 90.3% of
-them. A request that ends on its first token skips the KV push (and never
-reaches the decode worker, whose cache the local path needs), so every request
-here decodes a few tokens; TTFT includes the push, as in real serving.
+The measured prompts have 2,048 tokens and 8 output tokens, the 1,843-token
+prefix being 90% of them. A request that ends on its first token skips the KV
+push (and never reaches the decode worker, whose cache the local path needs),
+so every request here decodes a few tokens; TTFT includes the push, as in real
+serving.
 The last line is one JSON object with the figures.
 
   python bench/prefix_cache.py
@@ -51,7 +50,7 @@ from tandem_cli.deployment import Deployment
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK = 16
-MEASURED_TOKENS = 2040  # max_model_len (2048) - OUT_TOKENS
+MEASURED_TOKENS = 2048
 OUT_TOKENS = 8
 PREFIX_TOKENS = 1843  # 90% of 2,048
 REPEATS = 3
@@ -341,7 +340,7 @@ def main() -> None:
         results["index_lookup"] = bench_index_lookup()
     except Exception as e:  # keep the rest of the run
         results["index_lookup"] = {"error": repr(e)}
-    results["index_lookup"]["prompt_hashing_2040_tokens"] = bench_prompt_hashing()
+    results["index_lookup"]["prompt_hashing_2048_tokens"] = bench_prompt_hashing()
     log("index lookup:", json.dumps(results["index_lookup"]))
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")

@@ -2,11 +2,15 @@
 same run, default tiny model.
 
   1. TPOT through the router (disaggregated, 1 prefill + 1 decode) vs the
-     bare engine's decode step, at 1 and at 64 streams (target <= 1.10x);
+     bare engine's decode step, at 1 and at 64 streams (target <= 1.10x).
+     Reported both as the mean TPOT of the final messages (it includes the
+     steps slowed by other requests' prefill and KV arrival) and as the
+     median inter-token latency seen by the client;
   2. output tokens/s for 16 concurrent greedy requests of 256 prompt tokens
      and 64 output tokens: disaggregated (1 + 1), colocated (1 worker), and
      Hugging Face generate in static batches (target: disaggregated >= 1.5x HF).
-The last line is one JSON object with the figures.
+The router runs as `tandem serve` in its own process, as in production; the
+client runs here. The last line is one JSON object with the figures.
 
   python bench/serving.py
 """
@@ -21,9 +25,14 @@ from pathlib import Path
 sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import asyncio
+import contextlib
 import json
 import os
+import re
+import signal
 import statistics
+import subprocess
+import tempfile
 import time
 
 import torch
@@ -31,9 +40,8 @@ import torch
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.default_model import default_model_path
 from router.client import TandemClient
-from tandem_cli.config import ServeConfig
-from tandem_cli.deployment import Deployment
 
+ROOT = Path(__file__).resolve().parents[1]
 OUT_TOKENS = 64
 PROMPT_TOKENS = 256
 
@@ -41,6 +49,59 @@ PROMPT_TOKENS = 256
 def prompts(n: int, length: int, seed: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(10, 30000, (length,), generator=gen).tolist() for _ in range(n)]
+
+
+@contextlib.contextmanager
+def serve(*flags: str):
+    """`tandem serve` in a subprocess; yields its address."""
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+        f.write("kv_cache_memory_mb: 256\nport: 0\n")
+    cmd = [sys.executable, "-m", "tandem_cli.main", "serve", "--config", f.name, *flags]
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            match = re.search(r"tandem: serving .* on (\S+:\d+)", line)
+            if match:
+                yield match.group(1)
+                break
+            if not line and proc.poll() is not None:
+                raise RuntimeError(f"tandem serve exited with {proc.returncode}")
+        else:
+            raise RuntimeError("tandem serve did not start in time")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        os.unlink(f.name)
+
+
+async def run_streams(address: str, batch: list[list[int]]) -> tuple[float, list, list[float]]:
+    """Wall time, final messages, and every inter-token gap seen by the client."""
+    gaps: list[float] = []
+
+    async def one(client: TandemClient, prompt: list[int]):
+        last, final = None, None
+        sampling = {"temperature": 0, "max_tokens": OUT_TOKENS, "ignore_eos": True}
+        async for r in client.generate(prompt, **sampling):
+            now = time.perf_counter()
+            if r.HasField("chunk"):
+                if last is not None:
+                    gaps.extend([(now - last) / len(r.chunk.token_ids)] * len(r.chunk.token_ids))
+                last = now
+            else:
+                final = r.final
+        return final
+
+    async with TandemClient(address) as client:
+        start = time.perf_counter()
+        finals = await asyncio.gather(*(one(client, p) for p in batch))
+        return time.perf_counter() - start, finals, gaps
 
 
 def engine_step_ms(streams: int) -> float:
@@ -58,28 +119,10 @@ def engine_step_ms(streams: int) -> float:
     return statistics.median(steps) * 1e3
 
 
-async def router_run(address: str, batch: list[list[int]]) -> tuple[float, list]:
-    async with TandemClient(address) as client:
-        start = time.perf_counter()
-        outs = await asyncio.gather(
-            *(
-                client.complete(p, temperature=0, max_tokens=OUT_TOKENS, ignore_eos=True)
-                for p in batch
-            )
-        )
-        return time.perf_counter() - start, outs
-
-
-def router_tpot_ms(address: str, streams: int) -> float:
-    asyncio.run(router_run(address, prompts(2, 64, seed=99)))  # warm up
-    _, outs = asyncio.run(router_run(address, prompts(streams, 64, seed=streams)))
-    return statistics.mean(o.timings.mean_tpot_s for o in outs) * 1e3
-
-
-def hf_static_tok_s(batch: list[list[int]], size: int) -> float:
+def hf_static_tok_s(batch: list[list[int]], size: int, threads: int) -> float:
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(threads)
     model = AutoModelForCausalLM.from_pretrained(default_model_path()).eval()
     config = GenerationConfig(
         max_new_tokens=OUT_TOKENS, min_new_tokens=OUT_TOKENS, do_sample=False, pad_token_id=0
@@ -92,38 +135,35 @@ def hf_static_tok_s(batch: list[list[int]], size: int) -> float:
 
 
 def main() -> None:
-    import ray
-
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    ray.init(num_cpus=4, _node_ip_address="127.0.0.2", include_dashboard=False)
     batch = prompts(16, PROMPT_TOKENS, seed=7)
     results: dict = {}
-    try:
-        disagg = Deployment(ServeConfig(prefill=1, decode=1, kv_cache_memory_mb=256))
-        try:
-            for streams in (1, 64):
-                router = router_tpot_ms(disagg.address, streams)
-                bare = engine_step_ms(streams)
-                results[f"tpot_{streams}"] = {
-                    "router_ms": round(router, 3),
-                    "engine_step_ms": round(bare, 3),
-                    "ratio": round(router / bare, 3),
-                }
-                print(streams, results[f"tpot_{streams}"], flush=True)
-            elapsed, _ = asyncio.run(router_run(disagg.address, batch))
-            results["disaggregated_tok_s"] = round(16 * OUT_TOKENS / elapsed, 1)
-        finally:
-            disagg.stop()
-        colocated = Deployment(ServeConfig(mode="colocated", decode=1, kv_cache_memory_mb=256))
-        try:
-            asyncio.run(router_run(colocated.address, prompts(2, 64, seed=99)))
-            elapsed, _ = asyncio.run(router_run(colocated.address, batch))
-            results["colocated_tok_s"] = round(16 * OUT_TOKENS / elapsed, 1)
-        finally:
-            colocated.stop()
-    finally:
-        ray.shutdown()
-    results["hf_static_tok_s"] = {str(s): round(hf_static_tok_s(batch, s), 1) for s in (8, 16)}
+    with serve("--prefill", "1", "--decode", "1") as address:
+        asyncio.run(run_streams(address, prompts(2, 64, seed=99)))  # warm up
+        for streams in (1, 64):
+            _, finals, gaps = asyncio.run(run_streams(address, prompts(streams, 64, streams)))
+            bare = engine_step_ms(streams)
+            tpot = statistics.mean(f.timings.mean_tpot_s for f in finals) * 1e3
+            itl = statistics.median(gaps) * 1e3
+            results[f"tpot_{streams}"] = {
+                "router_mean_tpot_ms": round(tpot, 3),
+                "client_median_itl_ms": round(itl, 3),
+                "engine_step_ms": round(bare, 3),
+                "tpot_ratio": round(tpot / bare, 3),
+                "itl_ratio": round(itl / bare, 3),
+            }
+            print(streams, results[f"tpot_{streams}"], flush=True)
+        elapsed, _, _ = asyncio.run(run_streams(address, batch))
+        results["disaggregated_tok_s"] = round(16 * OUT_TOKENS / elapsed, 1)
+    with serve("--mode", "colocated", "--decode", "1") as address:
+        asyncio.run(run_streams(address, prompts(2, 64, seed=99)))
+        elapsed, _, _ = asyncio.run(run_streams(address, batch))
+        results["colocated_tok_s"] = round(16 * OUT_TOKENS / elapsed, 1)
+    print(results, flush=True)
+    results["hf_static_tok_s"] = {
+        f"batch{s}_threads{t}": round(hf_static_tok_s(batch, s, t), 1)
+        for s in (8, 16)
+        for t in (1, 2)
+    }
     hf_best = max(results["hf_static_tok_s"].values())
     results["disaggregated_vs_hf"] = round(results["disaggregated_tok_s"] / hf_best, 2)
     results["colocated_vs_hf"] = round(results["colocated_tok_s"] / hf_best, 2)

@@ -21,6 +21,8 @@ from engine.transfer import GrpcKVServer, TransferConfig
 from engine.worker_base import EngineWorker, IndexSettings
 from protos.tandem.v1 import worker_pb2_grpc
 
+_LATE_PUSH_CHECKS = 10
+
 
 @dataclass(frozen=True)
 class DecodeRequest:
@@ -141,7 +143,21 @@ class DecodeWorker(EngineWorker):
         pinned = self._take_pins(request_id)
         if pinned:
             await self.loop.acall(lambda e: e.block_pool.free(pinned))
+        self._free_pushed_blocks(request_id, attempts=_LATE_PUSH_CHECKS)
         return await super().abort(request_id)
+
+    def _free_pushed_blocks(self, request_id: str, attempts: int) -> None:
+        """Free blocks pushed for an aborted request. A push still in flight
+        commits after the abort: look again a few times rather than leave its
+        blocks to the lease."""
+        blocks = self.kv_server.claim(request_id)
+        if blocks:
+            self.loop.call(lambda e: e.block_pool.free(blocks))
+        elif attempts > 1:
+            delay = self.transfer.lease_s / _LATE_PUSH_CHECKS
+            asyncio.get_running_loop().call_later(
+                delay, self._free_pushed_blocks, request_id, attempts - 1
+            )
 
     def _take_pins(self, request_id: str) -> list[int]:
         blocks, timer = self._pinned.pop(request_id, ([], None))

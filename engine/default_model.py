@@ -56,6 +56,8 @@ DEFAULT_SEED = 0
 
 # Bump when the format of a cached artefact changes, so stale caches are ignored.
 _FORMAT_VERSION = 1
+# The default model's own version: bump when its config changes (2: 4096 positions).
+_MODEL_VERSION = 2
 _COMPLETE_MARKER = ".tandem-complete"
 _CORPUS_CAP_BYTES = 12 * 1024 * 1024
 
@@ -302,7 +304,7 @@ def _default_config(ids: dict[str, int]) -> PretrainedConfig:
         num_attention_heads=8,
         num_key_value_heads=4,
         vocab_size=ids["vocab_size"],
-        max_position_embeddings=2048,
+        max_position_embeddings=4096,
         bos_token_id=ids["bos_token_id"],
         eos_token_id=ids["eos_token_id"],
         pad_token_id=ids["pad_token_id"],
@@ -313,7 +315,8 @@ def _default_config(ids: dict[str, int]) -> PretrainedConfig:
 
 def default_model_path() -> Path:
     """The default model's directory (``tandem-tiny-llama``), built once and cached."""
-    target = cache_dir() / "models" / f"{DEFAULT_MODEL_NAME}-{_py_tag()}-v{_FORMAT_VERSION}"
+    name = f"{DEFAULT_MODEL_NAME}-{_py_tag()}-v{_FORMAT_VERSION}.{_MODEL_VERSION}"
+    target = cache_dir() / "models" / name
     if _is_complete(target):
         return target
     tokenizer_dir = default_tokenizer_path()

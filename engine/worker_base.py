@@ -92,7 +92,13 @@ class EngineWorker:
         self._listeners.pop(request_id, None)
 
     async def abort(self, request_id: str) -> bool:
-        return await self.loop.acall(lambda e: e.abort(request_id))
+        """Drop the request and free its blocks; whoever waits on its outputs
+        gets a finished "abort" output."""
+        found = await self.loop.acall(lambda e: e.abort(request_id))
+        callback = self._listeners.get(request_id)
+        if callback is not None:
+            callback(RequestOutput.aborted(request_id))
+        return found
 
     def describe(self) -> dict:
         """What the router needs to know about this worker."""

@@ -118,7 +118,9 @@ class PrefillWorker(EngineWorker):
             if pulled:  # the request holds its own references by now
                 await asyncio.shield(self.loop.acall(lambda e: e.block_pool.free(pulled)))
         prefilled = time.perf_counter()
-        if out.finished:
+        if out.finish_reason == "abort":  # the abort may have come before the add: drop it
+            await asyncio.shield(self.loop.acall(lambda e: e.abort(rid)))
+        if out.finished:  # ended by its first token, or aborted: nothing to push
             return PrefillResult(rid, out, 0, prefilled - start, 0.0, self.drain_events())
         try:
             export = await self.loop.acall(lambda e: e.export_kv(rid, with_data=False))

@@ -134,7 +134,9 @@ class RayBackend:
                     )
 
     async def generate(self, inp: GenerateInput) -> AsyncIterator[TokenDelta | GenerateResult]:
-        rid = inp.request_id
+        # Workers see a fresh id per attempt, so a client that reuses its request
+        # id can never meet blocks or outputs of an earlier request on a worker.
+        rid = f"{inp.request_id}#{uuid.uuid4().hex[:12]}"
         start = time.perf_counter()
         queue: asyncio.Queue[worker_pb2.RequestDelta] = asyncio.Queue()
         assert self.routing is not None, "backend not started"

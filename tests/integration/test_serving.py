@@ -9,6 +9,7 @@ requests.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import grpc
@@ -32,7 +33,8 @@ TEXTS = [
 
 
 def _config(**overrides) -> ServeConfig:
-    base = {"kv_cache_memory_mb": 32, "max_queued_requests": 128}
+    # A long lease: blocks must come back through the abort paths, not the lease.
+    base = {"kv_cache_memory_mb": 32, "max_queued_requests": 128, "kv_lease_s": 120}
     return ServeConfig(**{**base, **overrides})
 
 
@@ -131,6 +133,22 @@ def test_cancel_mid_stream_frees_blocks(disagg):
     assert _wait_no_leaks(disagg) == {}
 
 
+@pytest.mark.parametrize("delay_s", [0.0, 0.05, 0.2])
+def test_cancel_during_prefill_frees_blocks(disagg, delay_s):
+    prompt = list(range(100, 1900))  # a long prompt: cancelled during prefill or transfer
+
+    async def run():
+        async with TandemClient(disagg.address) as client:
+            task = asyncio.ensure_future(client.complete(prompt, temperature=0, max_tokens=8))
+            await asyncio.sleep(delay_s)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    asyncio.run(run())
+    assert _wait_no_leaks(disagg, timeout_s=60) == {}
+
+
 def test_deadline_exceeded_frees_blocks(disagg):
     async def run():
         async with TandemClient(disagg.address, timeout_s=0.3) as client:
@@ -171,7 +189,7 @@ def test_admission_limit_rejects_at_once(disagg):
         ({"prompt": "hi", "temperature": -1.0}, "temperature"),
         ({"prompt": "hi", "top_p": 0.0}, "top_p"),
         ({"prompt_token_ids": [1, 10**6]}, "prompt_token_ids"),
-        ({"prompt": "word " * 3000}, "prompt"),
+        ({"prompt": "word " * 5000}, "prompt"),
     ],
 )
 def test_bad_input_is_invalid_argument(disagg, request_kwargs, field):
