@@ -21,12 +21,13 @@ from decode_pool.worker import DecodeRequest
 from engine.hashing import root_hash
 from engine.index import BlockIndex, InMemoryIndex, KVEvent
 from engine.loader import resolve_model_dir
+from engine.sequence import RequestOutput, TokenLogprobs
 from prefill_pool.worker import PrefillRequest
 from protos.tandem.v1 import worker_pb2, worker_pb2_grpc
 from router.backend import GenerateInput, GenerateResult, TokenDelta
 from router.policies import make_policy
 from router.pool_manager import WorkerHandle, WorkerPool
-from router.prefix_routing import PrefixRouter
+from router.prefix_routing import PrefixRouter, RoutePlan
 from tandem_cli.config import ServeConfig
 
 log = logging.getLogger(__name__)
@@ -137,56 +138,29 @@ class RayBackend:
         # Workers see a fresh id per attempt, so a client that reuses its request
         # id can never meet blocks or outputs of an earlier request on a worker.
         rid = f"{inp.request_id}#{uuid.uuid4().hex[:12]}"
-        start = time.perf_counter()
-        queue: asyncio.Queue[worker_pb2.RequestDelta] = asyncio.Queue()
         assert self.routing is not None, "backend not started"
         plan = self.routing.plan(
             inp.prompt_token_ids, self.prefill.workers, self.decode.workers, self.colocated
         )
         d, p = plan.decode, plan.prefill
+        progress = _Progress(inp, p.name if p is not None else d.name, d.name)
+        queue: asyncio.Queue[worker_pb2.RequestDelta] = asyncio.Queue()
         self._queues[rid] = (queue, d)
         d.in_flight += 1
         if p is not None:
             p.in_flight += 1
-        p_name = p.name if p is not None else d.name
-        finished = False
-        first_time = last_time = 0.0
-        n_out = cached = 0
         try:
-            req = DecodeRequest(rid, self.router_id, inp.prompt_token_ids, [], inp.params)
             if p is None:
+                req = DecodeRequest(rid, self.router_id, inp.prompt_token_ids, [], inp.params)
                 await d.actor.start_full.remote(req)
             else:
-                skip = 0
-                if plan.decode_cached_blocks:
-                    wanted = plan.hashes[: plan.decode_cached_blocks]
-                    skip = await d.actor.reserve_prefix.remote(rid, wanted)
-                pull_from = plan.pull_from.info["kv"] if plan.pull_from is not None else None
-                result = await p.actor.prefill.remote(
-                    PrefillRequest(
-                        rid,
-                        inp.prompt_token_ids,
-                        inp.params,
-                        d.info["kv"],
-                        skip,
-                        pull_from,
-                        plan.pull_hashes,
-                    )
-                )
-                self._apply_events(result.cache_events)
+                first = await self._prefill(rid, inp, plan)
                 p.in_flight -= 1
                 p = None
-                first = result.first
-                first_time = last_time = time.perf_counter()
-                n_out, cached = first.num_output_tokens, first.num_cached_tokens
-                yield TokenDelta(first.new_token_ids, first.text_delta, first.logprobs)
+                yield progress.first(first)
                 if first.finished:
-                    finished = True
-                    yield self._result(
-                        inp, first.finish_reason, cached, n_out, start,
-                        first_time, last_time, p_name, d.name,
-                    )  # fmt: skip
                     await asyncio.shield(self._abort(rid, None, d))  # drop the prefix pin
+                    yield progress.result(first.finish_reason)
                     return
                 await d.actor.start_decode.remote(
                     DecodeRequest(
@@ -195,61 +169,89 @@ class RayBackend:
                 )
             while True:
                 delta = await queue.get()
-                now = time.perf_counter()
                 if delta.token_ids:
-                    if not first_time:
-                        first_time = now
-                    last_time = now
-                    yield TokenDelta(list(delta.token_ids), delta.text, _logprobs(delta))
-                if delta.num_output_tokens:
-                    n_out = delta.num_output_tokens
-                    cached = cached or delta.num_cached_tokens
+                    yield progress.delta(delta)
+                progress.count(delta)
                 if delta.finished:
-                    finished = True
-                    yield self._result(
-                        inp,
-                        delta.finish_reason,
-                        cached,
-                        n_out,
-                        start,
-                        first_time,
-                        last_time,
-                        p_name,
-                        d.name,
-                    )
+                    yield progress.result(delta.finish_reason)
                     return
         finally:
             del self._queues[rid]
             d.in_flight -= 1
             if p is not None:
                 p.in_flight -= 1
-            if not finished:
+            if not progress.finished:
                 await asyncio.shield(self._abort(rid, p, d))
+
+    async def _prefill(self, rid: str, inp: GenerateInput, plan: RoutePlan) -> RequestOutput:
+        """Prefill on the plan's prefill worker, which pushes the KV blocks the
+        decode worker lacks; returns the first token's output."""
+        d, p = plan.decode, plan.prefill
+        assert p is not None
+        skip = 0
+        if plan.decode_cached_blocks:  # pin what the decode worker has: it is not pushed
+            wanted = plan.hashes[: plan.decode_cached_blocks]
+            skip = await d.actor.reserve_prefix.remote(rid, wanted)
+        pull_from = plan.pull_from.info["kv"] if plan.pull_from is not None else None
+        request = PrefillRequest(
+            rid, inp.prompt_token_ids, inp.params, d.info["kv"], skip, pull_from, plan.pull_hashes
+        )
+        result = await p.actor.prefill.remote(request)
+        self._apply_events(result.cache_events)
+        return result.first
 
     async def _abort(self, rid: str, p: WorkerHandle | None, d: WorkerHandle) -> None:
         calls = [w.actor.abort.remote(rid) for w in (p, d) if w is not None]
         with contextlib.suppress(Exception):
             await asyncio.gather(*calls)
 
-    def _result(self, inp, reason, cached, n_out, start, first_time, last_time, p_name, d_name):
-        tpot = (last_time - first_time) / (n_out - 1) if n_out > 1 else 0.0
+
+class _Progress:
+    """What the router measures and counts for one request."""
+
+    def __init__(self, inp: GenerateInput, prefill_worker: str, decode_worker: str) -> None:
+        self.inp = inp
+        self.workers = (prefill_worker, decode_worker)
+        self.start = time.perf_counter()
+        self.first_time = self.last_time = 0.0
+        self.num_output = self.cached = 0
+        self.finished = False
+
+    def first(self, out: RequestOutput) -> TokenDelta:
+        self.first_time = self.last_time = time.perf_counter()
+        self.num_output, self.cached = out.num_output_tokens, out.num_cached_tokens
+        return TokenDelta(out.new_token_ids, out.text_delta, out.logprobs)
+
+    def delta(self, delta: worker_pb2.RequestDelta) -> TokenDelta:
+        now = time.perf_counter()
+        self.first_time = self.first_time or now
+        self.last_time = now
+        return TokenDelta(list(delta.token_ids), delta.text, _logprobs(delta))
+
+    def count(self, delta: worker_pb2.RequestDelta) -> None:
+        if delta.num_output_tokens:
+            self.num_output = delta.num_output_tokens
+            self.cached = self.cached or delta.num_cached_tokens
+
+    def result(self, reason: str | None) -> GenerateResult:
+        self.finished = True
+        n = self.num_output
+        tpot = (self.last_time - self.first_time) / (n - 1) if n > 1 else 0.0
         return GenerateResult(
             finish_reason=reason or "abort",
-            prompt_tokens=len(inp.prompt_token_ids),
-            cached_tokens=cached,
-            completion_tokens=n_out,
-            ttft_s=first_time - start if first_time else 0.0,
+            prompt_tokens=len(self.inp.prompt_token_ids),
+            cached_tokens=self.cached,
+            completion_tokens=n,
+            ttft_s=self.first_time - self.start if self.first_time else 0.0,
             mean_tpot_s=tpot,
-            prefill_worker=p_name,
-            decode_worker=d_name,
+            prefill_worker=self.workers[0],
+            decode_worker=self.workers[1],
         )
 
 
-def _logprobs(delta: worker_pb2.RequestDelta):
+def _logprobs(delta: worker_pb2.RequestDelta) -> list[TokenLogprobs] | None:
     if not delta.logprobs:
         return None
-    from engine.sequence import TokenLogprobs
-
     return [
         TokenLogprobs(lp.token_id, lp.logprob, [(t.token_id, t.logprob) for t in lp.top_logprobs])
         for lp in delta.logprobs

@@ -62,7 +62,13 @@ def _wait_no_leaks(deployment, timeout_s=30):
 def deployment(ray_cluster):
     # local_prefill_tokens=0: every prompt goes through the prefill pool, so the
     # prefill side's reuse and the decode side's "only the blocks it lacks" show.
-    d = Deployment(ServeConfig(prefill=2, decode=2, kv_cache_memory_mb=32, local_prefill_tokens=0))
+    # A long lease: pinned and pushed blocks must come back through the request's
+    # own paths, not the lease.
+    d = Deployment(
+        ServeConfig(
+            prefill=2, decode=2, kv_cache_memory_mb=32, local_prefill_tokens=0, kv_lease_s=120
+        )
+    )
     yield d
     try:
         assert _wait_no_leaks(d) == {}
@@ -79,6 +85,9 @@ def test_shared_prefix_is_cached_and_output_unchanged(deployment, llm):
     assert second.usage.cached_tokens >= 0.9 * len(prompt)
     assert second.timings.prefill_worker == first.timings.prefill_worker  # routed to the prefix
     assert second.token_ids == _reference(llm, prompt)  # same as a cold run
+    # Ending on its first token: the prefix pinned on the decode worker is let go.
+    one = _complete(deployment.address, shared + _tokens(64, 4), temperature=0, max_tokens=1)
+    assert one.finish_reason == "length" and len(one.token_ids) == 1
     assert _wait_no_leaks(deployment) == {}
 
 
