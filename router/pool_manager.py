@@ -72,8 +72,32 @@ class WorkerPool:
         self.workers += new
         return new
 
+    def take_out(self, n: int) -> list[WorkerHandle]:
+        """Remove ``n`` workers from routing (the least loaded, newest first);
+        the caller drains and stops them."""
+        if not 0 <= n <= len(self.workers):
+            raise ValueError(f"cannot remove {n} of {len(self.workers)} {self.role} workers")
+        order = sorted(reversed(self.workers), key=lambda w: w.in_flight)
+        gone = order[:n]
+        self.workers = [w for w in self.workers if w not in gone]
+        return gone
+
     async def stop(self) -> None:
         workers, self.workers = self.workers, []
+        await asyncio.gather(*(_stop(w) for w in workers))
+
+    @staticmethod
+    async def drain(workers: list[WorkerHandle], timeout_s: float) -> None:
+        """Wait until the router has nothing in flight on ``workers``, or the timeout."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while any(w.in_flight for w in workers):
+            if asyncio.get_running_loop().time() > deadline:
+                log.warning("drain timed out for %s", [w.name for w in workers])
+                return
+            await asyncio.sleep(0.05)
+
+    @staticmethod
+    async def stop_workers(workers: list[WorkerHandle]) -> None:
         await asyncio.gather(*(_stop(w) for w in workers))
 
     def _create(self) -> WorkerHandle:

@@ -46,8 +46,9 @@ class RayBackend:
         self.vocab_size = 0
         # request id -> (its deltas, the decode worker that streams them)
         self._queues: dict[str, tuple[asyncio.Queue[worker_pb2.RequestDelta], WorkerHandle]] = {}
-        self._subscriptions: list[asyncio.Task] = []
-        self._channels: list[grpc.aio.Channel] = []
+        self._subscriptions: dict[str, asyncio.Task] = {}  # decode worker name -> reader
+        self._scale_lock = asyncio.Lock()
+        self._channels: dict[str, grpc.aio.Channel] = {}  # decode worker name -> channel
         self.index: BlockIndex | None = None
         self.routing: PrefixRouter | None = None
 
@@ -89,13 +90,61 @@ class RayBackend:
             self.index.apply(KVEvent(e.worker, tuple(e.stored), tuple(e.removed)))
 
     async def shutdown(self) -> None:
-        for task in self._subscriptions:
+        for task in self._subscriptions.values():
             task.cancel()
         if self.index is not None:
             self.index.close()
-        for channel in self._channels:
+        for channel in self._channels.values():
             await channel.close()
         await asyncio.gather(self.prefill.stop(), self.decode.stop())
+
+    async def scale(
+        self, prefill: int | None, decode: int | None, drain_timeout_s: float = 30.0
+    ) -> tuple[int, int]:
+        """Resize the pools; removed workers drain before they stop, so no
+        request in flight is dropped. Returns (prefill, decode) afterwards."""
+        if self.colocated and prefill:
+            raise ValueError("prefill must be 0 or unset in colocated mode")
+        if decode is not None and decode < 1:
+            raise ValueError("decode must be >= 1")
+        if not self.colocated and prefill is not None and prefill < 1:
+            raise ValueError("prefill must be >= 1 in disaggregated mode")
+        async with self._scale_lock:
+            gone = []
+            for pool, n in ((self.prefill, prefill), (self.decode, decode)):
+                if n is None or (self.colocated and pool is self.prefill):
+                    continue
+                if n > len(pool.workers):
+                    for worker in await pool.scale_to(n):
+                        if pool is self.decode:
+                            await self._subscribe(worker)
+                else:
+                    gone += pool.take_out(len(pool.workers) - n)
+            await WorkerPool.drain(gone, drain_timeout_s)
+            for worker in gone:
+                self.index.drop_worker(worker.name)
+                task = self._subscriptions.pop(worker.name, None)
+                if task is not None:
+                    task.cancel()
+                channel = self._channels.pop(worker.name, None)
+                if channel is not None:
+                    await channel.close()
+            await WorkerPool.stop_workers(gone)
+            return len(self.prefill.workers), len(self.decode.workers)
+
+    async def worker_status(self) -> list[dict]:
+        workers = self.prefill.workers + self.decode.workers
+        stats = await asyncio.gather(*(w.actor.stats.remote() for w in workers))
+        return [
+            {
+                "name": w.name,
+                "role": w.role,
+                "in_flight": w.in_flight,
+                "free_blocks": s["free_blocks"],
+                "total_blocks": s["total_blocks"],
+            }
+            for w, s in zip(workers, stats, strict=True)
+        ]
 
     async def worker_stats(self) -> dict[str, dict]:
         workers = self.prefill.workers + self.decode.workers
@@ -104,12 +153,12 @@ class RayBackend:
 
     async def _subscribe(self, worker: WorkerHandle) -> None:
         channel = grpc.aio.insecure_channel(worker.info["outputs"])
-        self._channels.append(channel)
+        self._channels[worker.name] = channel
         stream = worker_pb2_grpc.DecodeOutputsStub(channel).Subscribe(
             worker_pb2.SubscribeRequest(router_id=self.router_id)
         )
         await stream.read()  # the empty batch that opens the stream
-        self._subscriptions.append(asyncio.create_task(self._read(worker, stream)))
+        self._subscriptions[worker.name] = asyncio.create_task(self._read(worker, stream))
 
     async def _read(self, worker: WorkerHandle, stream) -> None:
         try:

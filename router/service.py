@@ -22,9 +22,11 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from protos.tandem.v1 import admin_pb2_grpc, generate_pb2_grpc
 from protos.tandem.v1 import generate_pb2 as pb
-from protos.tandem.v1 import generate_pb2_grpc
 
+from .admin import SERVICE_NAME as ADMIN_SERVICE
+from .admin import AdminService
 from .backend import Backend, GenerateInput, GenerateResult, TokenDelta
 from .messages import RequestError, chunk_message, final_message, to_generate_input
 
@@ -183,8 +185,11 @@ class RouterServer:
         max_queued_requests: int = 1024,
         request_timeout_s: float = 600.0,
         max_message_bytes: int = MAX_MESSAGE_BYTES,
+        drain_timeout_s: float = 30.0,
     ) -> None:
         self.backend = backend
+        self.drain_timeout_s = drain_timeout_s
+        """How long a worker removed by Admin.Scale may drain, by default."""
         self.host = host
         self.service = TandemService(
             backend, max_queued_requests=max_queued_requests, request_timeout_s=request_timeout_s
@@ -207,8 +212,10 @@ class RouterServer:
         )
         generate_pb2_grpc.add_TandemServicer_to_server(self.service, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        admin = AdminService(self.backend, self.drain_timeout_s)
+        admin_pb2_grpc.add_AdminServicer_to_server(admin, server)
         reflection.enable_server_reflection(
-            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+            (SERVICE_NAME, ADMIN_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
         )
         port = server.add_insecure_port(f"{self.host}:{self.port}")
         if port == 0:

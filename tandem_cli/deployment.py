@@ -30,6 +30,7 @@ class Deployment:
             port=0,
             max_queued_requests=config.max_queued_requests,
             request_timeout_s=config.request_timeout_s,
+            drain_timeout_s=config.grace_period_s,
         )
         self.run(self.server.start(), timeout=300)
         self.address = self.server.address

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import sys
 from collections.abc import Sequence
 
@@ -91,7 +93,17 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_generate(sub)
     _add_serve(sub)
+    for name in _PLUGGED:
+        importlib.import_module(f"tandem_cli.{name}_cmd").add_parser(sub)
     return parser
+
+
+# Commands whose module defines both add_parser(sub) and command(args).
+_PLUGGED = [
+    name
+    for name in ("bench", "plan", "scale")
+    if importlib.util.find_spec(f"tandem_cli.{name}_cmd") is not None
+]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -104,6 +116,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from tandem_cli import serve
 
         return serve.command(args)
+    if args.command in _PLUGGED:
+        return importlib.import_module(f"tandem_cli.{args.command}_cmd").command(args)
     raise AssertionError(args.command)
 
 

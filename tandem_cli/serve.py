@@ -149,6 +149,7 @@ async def serve(
                 port=config.port,
                 max_queued_requests=config.max_queued_requests,
                 request_timeout_s=config.request_timeout_s,
+                drain_timeout_s=config.grace_period_s,
             )
             await server.start()
             print(

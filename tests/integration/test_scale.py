@@ -1,0 +1,86 @@
+"""Pools resized at run time under load: no request fails, outputs stay exact,
+removed workers drain first, and the workers left hold no stranded blocks."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from engine import LLM, SamplingParams
+from router.client import TandemClient
+from tandem_cli.config import ServeConfig
+from tandem_cli.deployment import Deployment
+from tandem_cli.main import main
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+def _prompt(i: int) -> list[int]:
+    return [10 + (i * 7919 + j * 104729) % 30000 for j in range(20 + i % 40)]
+
+
+def test_resize_under_load_fails_no_request(ray_cluster, capsys):
+    d = Deployment(ServeConfig(prefill=1, decode=1, kv_cache_memory_mb=32, kv_lease_s=120))
+    try:
+        stop = threading.Event()
+        sent: list[list[int]] = []
+        results: list = []
+
+        async def load():  # 4 streams at a time until told to stop (at most 400 requests)
+            async with TandemClient(d.address) as client:
+
+                async def stream(k: int):
+                    i = k
+                    while not stop.is_set() and i < 400:
+                        prompt = _prompt(i)
+                        out = await client.complete(
+                            prompt, temperature=0, max_tokens=24, ignore_eos=True
+                        )
+                        sent.append(prompt)
+                        results.append(out)
+                        i += 4
+
+                await asyncio.gather(*(stream(k) for k in range(4)))
+
+        first_workers = {w.name for w in d.backend.prefill.workers + d.backend.decode.workers}
+        loader = threading.Thread(target=lambda: asyncio.run(load()))
+        loader.start()
+        time.sleep(1.0)
+        assert main(["scale", "--target", d.address, "--prefill", "2", "--decode", "2"]) == 0
+        assert "prefill 2, decode 2" in capsys.readouterr().out
+        time.sleep(2.0)  # the load reaches the new workers
+        assert main(["scale", "--target", d.address, "--prefill", "1", "--decode", "1"]) == 0
+        time.sleep(1.0)
+        stop.set()
+        loader.join(timeout=300)
+        assert not loader.is_alive()
+        llm = LLM(None, kv_cache_memory_bytes=32 << 20)
+        reference = llm.generate(
+            sent, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+        )
+        assert [r.token_ids for r in results] == [r.token_ids for r in reference]
+        served_by = {r.timings.decode_worker for r in results} | {
+            r.timings.prefill_worker for r in results
+        }
+        assert served_by - first_workers  # the added workers took part
+        assert len(d.backend.prefill.workers) == 1 and len(d.backend.decode.workers) == 1
+        deadline = time.monotonic() + 30
+        while (leaks := d.leaked_blocks()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert leaks == {}
+    finally:
+        d.stop()
+
+
+def test_scale_refuses_bad_sizes(ray_cluster, capsys):
+    d = Deployment(ServeConfig(mode="colocated", decode=1, kv_cache_memory_mb=32))
+    try:
+        assert main(["scale", "--target", d.address, "--decode", "0"]) == 1
+        assert "INVALID_ARGUMENT" in capsys.readouterr().err
+        assert main(["scale", "--target", d.address, "--prefill", "2"]) == 1
+        assert main(["scale", "--target", d.address]) == 2
+    finally:
+        d.stop()
