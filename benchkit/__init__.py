@@ -1,0 +1,1 @@
+"""Benchmark kit behind `tandem bench`: workloads, a load runner, metrics, reports, plots."""

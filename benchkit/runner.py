@@ -1,0 +1,199 @@
+"""Replay a workload against a router and record what the client sees.
+
+Open loop (``rate``): conversations start at gamma/Poisson arrival times
+whether or not earlier ones have finished. Closed loop (``concurrency``):
+that many workers each run one conversation at a time. Turns of a
+conversation go back to back: turn k+1 is sent when turn k's answer is in.
+
+``num_requests`` counts requests (turns), so a run sends exactly that many
+(the last conversation may be cut short); with ``duration_s`` no request
+starts after that many seconds. Requests in flight are always awaited.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import grpc
+
+from benchkit.metrics import OK, FinalInfo, RequestRecord
+from benchkit.workload import Conversation, Prompt, interarrival_gaps, next_turn_prompt
+from router.client import TandemClient
+
+
+@dataclass
+class LoadSpec:
+    rate: float | None = None  # requests (conversations) per second; open loop
+    burstiness: float = 1.0
+    concurrency: int | None = None  # closed loop
+    num_requests: int | None = None
+    duration_s: float | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if (self.rate is None) == (self.concurrency is None):
+            raise ValueError("give exactly one of rate and concurrency")
+        if self.num_requests is None and self.duration_s is None:
+            raise ValueError("give num_requests or duration_s (or both)")
+
+
+class _Budget:
+    def __init__(self, num_requests: int | None, duration_s: float | None, start: float) -> None:
+        self.left = num_requests
+        self.deadline = None if duration_s is None else start + duration_s
+
+    def expired(self) -> bool:
+        return self.deadline is not None and time.perf_counter() >= self.deadline
+
+    def over(self, at: float) -> bool:
+        """Whether nothing may start at time ``at``."""
+        return self.left == 0 or (self.deadline is not None and at >= self.deadline)
+
+    def take(self, want: int) -> int:
+        """Reserve up to ``want`` requests; 0 when the run is over."""
+        if self.expired():
+            return 0
+        if self.left is None:
+            return want
+        got = min(want, self.left)
+        self.left -= got
+        return got
+
+
+async def send_one(
+    client: TandemClient,
+    prompt: Prompt,
+    max_tokens: int,
+    *,
+    temperature: float,
+    index: int = 0,
+    conversation: int = 0,
+    turn: int = 0,
+) -> tuple[RequestRecord, Prompt]:
+    """One streamed request: its record and its answer (token ids for a
+    token-id prompt, text for a text prompt)."""
+    rec = RequestRecord(
+        send_time=time.perf_counter(),
+        index=index,
+        conversation=conversation,
+        turn=turn,
+        input_len=0 if isinstance(prompt, str) else len(prompt),
+    )
+    ids: list[int] = []
+    text: list[str] = []
+    try:
+        async for r in client.generate(
+            prompt, temperature=temperature, max_tokens=max_tokens, ignore_eos=True
+        ):
+            now = time.perf_counter()
+            if r.HasField("chunk"):
+                rec.chunks.append((now, len(r.chunk.token_ids)))
+                ids.extend(r.chunk.token_ids)
+                text.append(r.chunk.text)
+            elif r.HasField("final"):
+                u, t = r.final.usage, r.final.timings
+                rec.final = FinalInfo(
+                    prompt_tokens=u.prompt_tokens,
+                    cached_tokens=u.cached_tokens,
+                    completion_tokens=u.completion_tokens,
+                    ttft_s=t.ttft_s,
+                    mean_tpot_s=t.mean_tpot_s,
+                    prefill_worker=t.prefill_worker,
+                    decode_worker=t.decode_worker,
+                    finish_reason=r.final.finish_reason,
+                )
+        rec.end_time = time.perf_counter()
+        if rec.final is None:
+            rec.status, rec.error = "NO_FINAL", "the stream ended without a final message"
+        elif rec.final.finish_reason == "abort":
+            rec.status, rec.error = "ABORTED", "finish_reason=abort"
+    except grpc.aio.AioRpcError as e:
+        rec.end_time = time.perf_counter()
+        rec.status, rec.error = e.code().name, e.details() or ""
+    except Exception as e:  # a client-side failure still counts as a failed request
+        rec.end_time = time.perf_counter()
+        rec.status, rec.error = type(e).__name__, str(e)
+    return rec, ("".join(text) if isinstance(prompt, str) else ids)
+
+
+async def run_load(
+    target: str,
+    conversations: Iterator[Conversation],
+    load: LoadSpec,
+    *,
+    temperature: float = 0.0,
+    timeout_s: float | None = None,
+    on_done: Callable[[RequestRecord], None] | None = None,
+) -> list[RequestRecord]:
+    """Run one load against ``target``; the records in completion order."""
+    records: list[RequestRecord] = []
+    counter = iter(range(1 << 62))
+    start = time.perf_counter()
+    budget = _Budget(load.num_requests, load.duration_s, start)
+
+    async with TandemClient(target, timeout_s=timeout_s) as client:
+
+        async def conversation(conv: Conversation, n_turns: int) -> None:
+            prompt: Prompt = conv.turns[0].message
+            answer: Prompt = []
+            for k in range(n_turns):
+                if k > 0:
+                    if budget.expired():
+                        return
+                    prompt = next_turn_prompt(prompt, answer, conv.turns[k].message)
+                rec, answer = await send_one(
+                    client,
+                    prompt,
+                    conv.turns[k].max_tokens,
+                    temperature=temperature,
+                    index=next(counter),
+                    conversation=conv.index,
+                    turn=k,
+                )
+                records.append(rec)
+                if on_done is not None:
+                    on_done(rec)
+                if rec.status != OK:
+                    return
+
+        if load.concurrency is not None:
+
+            async def worker() -> None:
+                for conv in conversations:
+                    n = budget.take(len(conv.turns))
+                    if n == 0:
+                        return
+                    await conversation(conv, n)
+
+            await asyncio.gather(*(worker() for _ in range(load.concurrency)))
+        else:
+            assert load.rate is not None
+            gaps = interarrival_gaps(load.rate, load.burstiness, load.seed)
+            tasks = []
+            next_at = start
+            for conv in conversations:
+                if budget.over(next_at):
+                    break
+                delay = next_at - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                n = budget.take(len(conv.turns))
+                if n == 0:
+                    break
+                tasks.append(asyncio.create_task(conversation(conv, n)))
+                next_at += next(gaps)
+            await asyncio.gather(*tasks)
+    return records
+
+
+async def wait_ready(target: str, timeout_s: float = 10.0) -> bool:
+    """Whether a gRPC channel to ``target`` connects within ``timeout_s``."""
+    async with grpc.aio.insecure_channel(target) as channel:
+        try:
+            await asyncio.wait_for(channel.channel_ready(), timeout_s)
+        except TimeoutError:
+            return False
+    return True

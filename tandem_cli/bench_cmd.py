@@ -1,0 +1,322 @@
+"""``tandem bench``: replay a workload against a running router and report
+TTFT, TPOT, ITL, E2E, throughput and goodput (see ``benchkit``)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import math
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+DEFAULT_TARGET = "127.0.0.1:50051"
+DEFAULT_RATE = 4.0
+DEFAULT_NUM_REQUESTS = 120
+
+
+def _positive_float(text: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not x > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return x
+
+
+def _positive_int(text: str) -> int:
+    try:
+        x = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if x < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return x
+
+
+def _rates(text: str) -> list[float]:
+    rates = [_positive_float(t.strip()) for t in text.split(",") if t.strip()]
+    if not rates:
+        raise argparse.ArgumentTypeError("expected comma-separated rates, e.g. 1,2,4")
+    return rates
+
+
+def _length(text: str):
+    from benchkit.workload import parse_length
+
+    try:
+        return parse_length(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _ratio(text: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}") from None
+    if not 0.0 <= x <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}")
+    return x
+
+
+def _slo(text: str) -> dict[str, float]:
+    from benchkit.metrics import parse_slo
+
+    try:
+        return parse_slo(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="replay a workload against a running router and report latencies",
+        description=(
+            "Replay a workload against a running tandem router. Without workload "
+            f"options: Poisson arrivals at {DEFAULT_RATE:g} req/s, {DEFAULT_NUM_REQUESTS} "
+            "requests, input 64:256 and output 32:64 random tokens."
+        ),
+    )
+    p.add_argument("--target", default=DEFAULT_TARGET, help="router address (%(default)s)")
+    load = p.add_mutually_exclusive_group()
+    load.add_argument(
+        "--rate",
+        type=_positive_float,
+        metavar="R",
+        help=f"open loop: R requests/s (inf: all at once; default {DEFAULT_RATE:g})",
+    )
+    load.add_argument(
+        "--rate-sweep",
+        type=_rates,
+        metavar="R1,R2,...",
+        help="one open-loop run per rate, in turn (each with seed+i)",
+    )
+    load.add_argument(
+        "--concurrency", type=_positive_int, metavar="N", help="closed loop: N requests in flight"
+    )
+    p.add_argument(
+        "--burstiness",
+        type=_positive_float,
+        default=1.0,
+        metavar="B",
+        help="gamma arrivals of shape B: 1 is Poisson, smaller is burstier (%(default)s)",
+    )
+    p.add_argument(
+        "--num-requests",
+        type=_positive_int,
+        metavar="N",
+        help=f"requests per run (default {DEFAULT_NUM_REQUESTS} unless --duration)",
+    )
+    p.add_argument(
+        "--duration", type=_positive_float, metavar="S", help="start no request after S seconds"
+    )
+    p.add_argument(
+        "--input-len",
+        type=_length,
+        default="64:256",
+        metavar="N|LO:HI",
+        help="prompt tokens, fixed or uniform (%(default)s)",
+    )
+    p.add_argument(
+        "--output-len",
+        type=_length,
+        default="32:64",
+        metavar="N|LO:HI",
+        help="max_tokens (EOS ignored), fixed or uniform (%(default)s)",
+    )
+    p.add_argument(
+        "--dataset",
+        metavar="FILE.jsonl",
+        help='prompts from JSONL: {"prompt": ...} or {"prompt_token_ids": [...]}, '
+        'optional "max_tokens"',
+    )
+    p.add_argument(
+        "--shared-prefix-ratio",
+        type=_ratio,
+        default=0.0,
+        metavar="F",
+        help="that share of each synthetic prompt is a prefix common to all (%(default)s)",
+    )
+    p.add_argument(
+        "--turns",
+        type=_positive_int,
+        default=1,
+        metavar="K",
+        help="K-turn conversations: each turn = history + answers + a new message",
+    )
+    p.add_argument("--seed", type=int, default=0, help="workload seed (%(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0, help="(%(default)s)")
+    p.add_argument(
+        "--timeout",
+        type=_positive_float,
+        default=300.0,
+        metavar="S",
+        help="deadline of each request (%(default)s)",
+    )
+    p.add_argument(
+        "--slo",
+        type=_slo,
+        metavar="ttft_ms=X,tpot_ms=Y",
+        help="goodput limits (keys: ttft_ms, tpot_ms, e2e_ms, itl_ms)",
+    )
+    p.add_argument(
+        "--out", metavar="DIR", help="report folder (default bench-results/<timestamp>/)"
+    )
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+def _conversations(args: argparse.Namespace, rows: list[dict] | None, seed: int) -> Iterator:
+    from benchkit import workload
+
+    if rows is not None:
+        return workload.dataset_conversations(rows, args.output_len, seed=seed, turns=args.turns)
+    return workload.synthetic_conversations(
+        args.input_len,
+        args.output_len,
+        seed=seed,
+        shared_prefix_ratio=args.shared_prefix_ratio,
+        turns=args.turns,
+    )
+
+
+def _label(load) -> str:
+    if load.concurrency is not None:
+        return f"concurrency={load.concurrency}"
+    label = f"rate={load.rate:g}"
+    return (
+        label
+        if load.burstiness == 1.0 or math.isinf(load.rate)
+        else f"{label} B={load.burstiness:g}"
+    )
+
+
+def _progress(total: int | None, label: str, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(
+        total=total,
+        desc=label,
+        unit="req",
+        file=sys.stderr,
+        disable=not enabled,
+        dynamic_ncols=True,
+        mininterval=0.5,
+    )
+
+
+def command(args: argparse.Namespace) -> int:
+    from benchkit import metrics, plots, report, workload
+    from benchkit.runner import LoadSpec, run_load, wait_ready
+
+    rows = None
+    if args.dataset:
+        if args.shared_prefix_ratio:
+            print("tandem bench: --shared-prefix-ratio is for synthetic prompts", file=sys.stderr)
+            return 2
+        try:
+            rows = workload.load_jsonl(args.dataset)
+        except (OSError, ValueError) as e:
+            print(f"tandem bench: {e}", file=sys.stderr)
+            return 2
+        if args.turns > 1 and len({type(r["prompt"]) for r in rows}) > 1:
+            print("tandem bench: --turns needs all prompts text or all token ids", file=sys.stderr)
+            return 2
+
+    num_requests = args.num_requests
+    if num_requests is None and args.duration is None:
+        num_requests = DEFAULT_NUM_REQUESTS
+    limits = {"num_requests": num_requests, "duration_s": args.duration}
+    if args.concurrency is not None:
+        loads = [LoadSpec(concurrency=args.concurrency, seed=args.seed, **limits)]
+    else:
+        rates = args.rate_sweep or [args.rate or DEFAULT_RATE]
+        loads = [
+            LoadSpec(rate=r, burstiness=args.burstiness, seed=args.seed + i, **limits)
+            for i, r in enumerate(rates)
+        ]
+
+    if not asyncio.run(wait_ready(args.target)):
+        print(f"tandem bench: cannot reach {args.target}", file=sys.stderr)
+        return 1
+
+    out_dir = (
+        Path(args.out)
+        if args.out
+        else (Path.cwd() / "bench-results" / dt.datetime.now().strftime("%Y%m%d-%H%M%S"))
+    )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    slo = args.slo or {}
+    runs, run_records = [], []
+    for load in loads:
+        label = _label(load)
+        bar = _progress(load.num_requests, label, not args.no_progress)
+        failed = 0
+
+        def done(rec, bar=bar) -> None:
+            nonlocal failed
+            failed += not rec.ok
+            bar.update(1)
+            if failed:
+                bar.set_postfix(failed=failed, refresh=False)
+
+        try:
+            records = asyncio.run(
+                run_load(
+                    args.target,
+                    _conversations(args, rows, load.seed),
+                    load,
+                    temperature=args.temperature,
+                    timeout_s=args.timeout,
+                    on_done=done,
+                )
+            )
+        finally:
+            bar.close()
+        runs.append(
+            {
+                "label": label,
+                "load": {
+                    "rate": load.rate,
+                    "burstiness": load.burstiness if load.rate is not None else None,
+                    "concurrency": load.concurrency,
+                    "num_requests": load.num_requests,
+                    "duration_s": load.duration_s,
+                    "seed": load.seed,
+                },
+                "summary": metrics.summarize(records, slo),
+                "requests": report.request_rows(records),
+            }
+        )
+        run_records.append((label, records))
+
+    doc = {
+        "tool": "tandem bench",
+        "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "target": args.target,
+        "workload": {
+            "dataset": args.dataset,
+            "input_len": None if rows else [args.input_len.low, args.input_len.high],
+            "output_len": [args.output_len.low, args.output_len.high],
+            "shared_prefix_ratio": args.shared_prefix_ratio,
+            "turns": args.turns,
+            "temperature": args.temperature,
+            "seed": args.seed,
+        },
+        "runs": runs,
+    }
+    json_path = report.write_json(doc, out_dir / "report.json")
+    if not args.no_plots:
+        plots.plot_cdfs(run_records, out_dir)
+        if len(runs) > 1 and args.rate_sweep:
+            plots.plot_sweep(runs, out_dir)
+    print(report.format_report(doc))
+    print(f"\nreport: {json_path}")
+    if any(run["summary"]["completed"] == 0 for run in runs):
+        print("tandem bench: a run had no successful request", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,182 @@
+"""`tandem plan`: profile the engine, simulate, recommend prefill/decode pool sizes."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+
+def _length(text: str) -> tuple[int, int]:
+    try:
+        lo, _, hi = text.partition(":")
+        pair = (int(lo), int(hi or lo))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected N or LO:HI, got {text!r}") from None
+    if not 1 <= pair[0] <= pair[1]:
+        raise argparse.ArgumentTypeError(f"expected 1 <= LO <= HI, got {text!r}")
+    return pair
+
+
+def _slo(text: str) -> dict[str, float]:
+    out = {}
+    for part in text.split(","):
+        key, _, value = part.partition("=")
+        key = key.strip()
+        if key not in ("ttft_ms", "tpot_ms"):
+            raise argparse.ArgumentTypeError(f"unknown SLO {key!r} (ttft_ms, tpot_ms)")
+        try:
+            out[key] = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"bad SLO value in {part!r}") from None
+    return out
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="recommend prefill/decode pool sizes for a workload and SLOs")
+    p.add_argument("--model", metavar="ID_OR_PATH", help="model to profile (default: embedded)")
+    p.add_argument("--profile", metavar="FILE", help="use a saved profile; skips profiling")
+    p.add_argument("--profile-out", metavar="FILE", help="save the measured profile here")
+    p.add_argument("--quick", action="store_true", help="profile a reduced grid (seconds)")
+    p.add_argument("--num-threads", type=int, default=1, help="torch threads when profiling")
+    p.add_argument("--rate", type=float, default=2.0, help="requests per second (%(default)s)")
+    p.add_argument("--input-len", type=_length, default=(256, 256), metavar="N|LO:HI")
+    p.add_argument("--output-len", type=_length, default=(64, 64), metavar="N|LO:HI")
+    p.add_argument("--arrival", choices=["poisson", "gamma"], default="poisson")
+    p.add_argument("--cv", type=float, default=1.0, help="gamma arrivals: CV of the gaps")
+    p.add_argument(
+        "--slo",
+        type=_slo,
+        default={},
+        metavar="ttft_ms=X,tpot_ms=Y",
+        help="latency targets (default ttft_ms=1000,tpot_ms=100)",
+    )
+    p.add_argument("--attainment", type=float, default=0.9, help="target share meeting the SLO")
+    p.add_argument("--max-workers", type=int, default=8, help="most prefill + decode workers")
+    p.add_argument("--num-requests", type=int, default=500, help="simulated requests")
+    p.add_argument("--prefill-token-budget", type=int, default=2048, metavar="TOKENS")
+    p.add_argument("--max-decode-seqs", type=int, default=256)
+    p.add_argument("--kv-bandwidth-gbps", type=float, default=10.0, help="GB/s of a KV transfer")
+    p.add_argument("--kv-latency-ms", type=float, default=0.5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--verify-target",
+        metavar="HOST:PORT",
+        help="replay a short load against this running server",
+    )
+    p.add_argument("--verify-requests", type=int, default=30)
+
+
+def command(args: argparse.Namespace) -> int:
+    from planner.profile import Profile, run_profile
+    from planner.search import search
+    from planner.simulator import SystemConfig, Workload
+
+    err = sys.stderr
+    if args.profile:
+        try:
+            profile = Profile.load(args.profile)
+        except (OSError, ValueError, TypeError) as e:
+            print(f"tandem plan: cannot read profile {args.profile}: {e}", file=err)
+            return 2
+    else:
+        print("profiling the engine (in process)...", file=err, flush=True)
+        profile = run_profile(
+            args.model,
+            quick=args.quick,
+            num_threads=args.num_threads,
+            seed=args.seed,
+            log=lambda line: print("  " + line, file=err, flush=True),
+        )
+    if args.profile_out:
+        profile.save(args.profile_out)
+        print(f"profile saved to {args.profile_out}", file=err)
+    slo = {"ttft_ms": 1000.0, "tpot_ms": 100.0, **args.slo}
+    ttft_s, tpot_s = slo["ttft_ms"] / 1e3, slo["tpot_ms"] / 1e3
+    try:
+        workload = Workload(
+            rate=args.rate,
+            input_len=args.input_len,
+            output_len=args.output_len,
+            arrival=args.arrival,
+            cv=args.cv,
+            num_requests=args.num_requests,
+        )
+        base = SystemConfig(
+            1,
+            1,
+            prefill_token_budget=args.prefill_token_budget,
+            max_decode_seqs=args.max_decode_seqs,
+            kv_bytes_per_token=profile.kv_bytes_per_token,
+            kv_bandwidth_Bps=args.kv_bandwidth_gbps * 1e9,
+            kv_latency_s=args.kv_latency_ms / 1e3,
+        )
+        plan = search(
+            workload,
+            profile.prefill_s,
+            profile.decode_step_s,
+            ttft_slo_s=ttft_s,
+            tpot_slo_s=tpot_s,
+            target=args.attainment,
+            max_workers=args.max_workers,
+            base=base,
+            seed=args.seed,
+        )
+    except ValueError as e:
+        print(f"tandem plan: {e}", file=err)
+        return 2
+
+    print("profile:")
+    print("  " + profile.describe().replace("\n", "\n  "))
+    lo, hi = args.input_len
+    olo, ohi = args.output_len
+    print(
+        f"workload: {args.rate:g} req/s {args.arrival}, input {lo}"
+        + (f":{hi}" if hi > lo else "")
+        + f", output {olo}"
+        + (f":{ohi}" if ohi > olo else "")
+        + f"; SLO ttft {slo['ttft_ms']:g} ms, tpot {slo['tpot_ms']:g} ms,"
+        f" target {args.attainment:.0%}"
+    )
+
+    def line(label: str, c) -> str:
+        s = c.summary
+        return (
+            f"{label}: prefill={c.num_prefill} decode={c.num_decode}"
+            f"  attainment {c.attainment:.1%}  goodput {c.goodput:.2f} req/s"
+            f"  ttft p90 {s['ttft_p90_ms']:.0f} ms  tpot p90 {s['tpot_p90_ms']:.1f} ms"
+        )
+
+    if plan.best is None:
+        print(f"plan: none up to {args.max_workers} workers meets {args.attainment:.0%}")
+    else:
+        print(line("plan", plan.best))
+    print(line("naive", plan.naive))
+    if args.verify_target:
+        if plan.best is None:
+            print("verify: skipped (no plan)")
+            return 1
+        return _verify(args, profile, workload, ttft_s, tpot_s, plan.best.attainment)
+    return 0 if plan.best is not None else 1
+
+
+def _verify(args, profile, workload, ttft_s, tpot_s, simulated: float) -> int:
+    from dataclasses import replace
+
+    from planner.verify import replay
+
+    short = replace(workload, num_requests=args.verify_requests)
+    print(
+        f"verify: replaying {short.num_requests} requests against {args.verify_target}...",
+        file=sys.stderr,
+        flush=True,
+    )
+    measured = asyncio.run(
+        replay(args.verify_target, short, vocab_size=profile.vocab_size, seed=args.seed)
+    )
+    got = measured.attainment(ttft_s, tpot_s)
+    print(
+        f"verify: measured attainment {got:.1%} (simulated {simulated:.1%}),"
+        f" {measured.errors} errors"
+    )
+    return 0
