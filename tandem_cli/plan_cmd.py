@@ -64,6 +64,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         metavar="HOST:PORT",
         help="replay a short load against this running server",
     )
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help="start the planned pools here (and then the naive split) and replay a short load",
+    )
     p.add_argument("--verify-requests", type=int, default=30)
 
 
@@ -152,12 +157,38 @@ def command(args: argparse.Namespace) -> int:
     else:
         print(line("plan", plan.best))
     print(line("naive", plan.naive))
+    if (args.verify_target or args.verify) and plan.best is None:
+        print("verify: skipped (no plan)")
+        return 1
     if args.verify_target:
-        if plan.best is None:
-            print("verify: skipped (no plan)")
-            return 1
         return _verify(args, profile, workload, ttft_s, tpot_s, plan.best.attainment)
+    if args.verify:
+        for label, choice in (("plan", plan.best), ("naive", plan.naive)):
+            _verify_local(args, label, choice, profile, workload, ttft_s, tpot_s)
     return 0 if plan.best is not None else 1
+
+
+def _verify_local(args, label, choice, profile, workload, ttft_s, tpot_s) -> None:
+    """Start ``choice``'s pools on a local Ray cluster and replay against them."""
+    import ray
+
+    from tandem_cli.config import ServeConfig
+    from tandem_cli.deployment import Deployment
+    from tandem_cli.serve import init_ray
+
+    config = ServeConfig(
+        model=args.model, prefill=choice.num_prefill, decode=choice.num_decode, port=0
+    )
+    started = init_ray(config)
+    deployment = Deployment(config)
+    try:
+        args.verify_target = deployment.address
+        print(f"verify {label}: prefill={choice.num_prefill} decode={choice.num_decode}", end=" ")
+        _verify(args, profile, workload, ttft_s, tpot_s, choice.attainment)
+    finally:
+        deployment.stop()
+        if started:
+            ray.shutdown()
 
 
 def _verify(args, profile, workload, ttft_s, tpot_s, simulated: float) -> int:

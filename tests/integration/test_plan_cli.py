@@ -118,3 +118,24 @@ def test_verify_target_replays_load_against_a_router(synthetic_profile, capsys):
     assert float(m[1]) == 100.0 and int(m[3]) == 0
     assert len(backend.finished) == 6
     assert all(len(i.prompt_token_ids) <= 8 for i in backend.inputs)
+
+
+def test_verify_starts_the_plan_and_the_naive_split_locally(synthetic_profile, ray_cluster, capsys):
+    code = main(
+        [
+            "plan",
+            "--profile", str(synthetic_profile),
+            "--rate", "2",
+            "--input-len", "16:32",
+            "--output-len", "4",
+            "--slo", "ttft_ms=100000,tpot_ms=100000",
+            "--max-workers", "2",
+            "--num-requests", "50",
+            "--verify",
+            "--verify-requests", "4",
+        ]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0, out
+    measured = re.findall(r"verify: measured attainment ([\d.]+)% .* (\d+) errors", out)
+    assert measured == [("100.0", "0"), ("100.0", "0")], out  # the plan, then the naive split
