@@ -14,7 +14,7 @@ from engine.engine_loop import EngineLoop
 from engine.index import EventPublisher, KVEvent
 from engine.llm_engine import LLMEngine
 from engine.sequence import RequestOutput
-from engine.transfer import PoolBlockStore
+from engine.transfer import PoolBlockStore, TransferConfig
 
 
 class BufferedEvents:
@@ -141,3 +141,34 @@ class EngineWorker:
             callback = self._listeners.get(out.request_id)
             if callback is not None:
                 callback(out)
+
+
+class WorkerActor:
+    """What every worker's Ray actor does; the pool manager makes a subclass
+    remote with ``ray.remote(...).options(resources)``. Subclasses set
+    ``worker_class`` and add their role's calls."""
+
+    worker_class: type[EngineWorker]
+
+    def __init__(
+        self,
+        name: str,
+        config: EngineConfig,
+        transfer: TransferConfig,
+        index: IndexSettings,
+        host: str | None,
+    ) -> None:
+        if host is None:  # the address Ray gives this node, so peers on other nodes reach it
+            import ray
+
+            host = ray.util.get_node_ip_address()
+        self.worker = self.worker_class(name, config, transfer, index, host)
+
+    async def abort(self, request_id: str) -> bool:
+        return await self.worker.abort(request_id)
+
+    async def stats(self) -> dict:
+        return self.worker.stats()
+
+    async def stop(self) -> None:
+        await self.worker.stop()
