@@ -21,8 +21,6 @@ from engine.transfer import GrpcKVServer, TransferConfig
 from engine.worker_base import EngineWorker, IndexSettings
 from protos.tandem.v1 import worker_pb2_grpc
 
-_LATE_PUSH_CHECKS = 10
-
 
 @dataclass(frozen=True)
 class DecodeRequest:
@@ -106,13 +104,14 @@ class DecodeWorker(EngineWorker):
     async def start_decode(self, req: DecodeRequest) -> None:
         """Continue a request whose blocks a prefill worker pushed here (after
         the prefix blocks pinned for it by reserve_prefix, if any)."""
+        self._own(req)  # first: a refusal here leaves the blocks to abort()
         prefix = self._take_pins(req.request_id)
         claimed = self.kv_server.claim(req.request_id)
         if claimed is None:
+            self.streams.disown(req.request_id)
             await self.loop.acall(lambda e: e.block_pool.free(prefix))
             raise LookupError(f"no KV blocks arrived for request {req.request_id!r}")
         blocks = prefix + claimed
-        self._own(req)
         try:
             await self.loop.acall(
                 lambda e: e.add_prefilled_request(
@@ -143,21 +142,8 @@ class DecodeWorker(EngineWorker):
         pinned = self._take_pins(request_id)
         if pinned:
             await self.loop.acall(lambda e: e.block_pool.free(pinned))
-        self._free_pushed_blocks(request_id, attempts=_LATE_PUSH_CHECKS)
+        self.kv_server.discard(request_id)
         return await super().abort(request_id)
-
-    def _free_pushed_blocks(self, request_id: str, attempts: int) -> None:
-        """Free blocks pushed for an aborted request. A push still in flight
-        commits after the abort: look again a few times rather than leave its
-        blocks to the lease."""
-        blocks = self.kv_server.claim(request_id)
-        if blocks:
-            self.loop.call(lambda e: e.block_pool.free(blocks))
-        elif attempts > 1:
-            delay = self.transfer.lease_s / _LATE_PUSH_CHECKS
-            asyncio.get_running_loop().call_later(
-                delay, self._free_pushed_blocks, request_id, attempts - 1
-            )
 
     def _take_pins(self, request_id: str) -> list[int]:
         blocks, timer = self._pinned.pop(request_id, ([], None))

@@ -145,15 +145,6 @@ class BlockPool:
             taken.append(block)
         return taken
 
-    def cached_prefix_len(self, hashes: Sequence[BlockHash]) -> int:
-        """Number of leading hashes that are cached here (no references taken)."""
-        n = 0
-        for block_hash in hashes:
-            if block_hash not in self._block_of:
-                break
-            n += 1
-        return n
-
     def block_for_hash(self, block_hash: BlockHash) -> int | None:
         return self._block_of.get(block_hash)
 

@@ -18,7 +18,7 @@ import torch
 from engine.attention import PrefillSlice, build_metadata
 from engine.config import EngineConfig, ModelSpec
 from engine.detokenizer import IncrementalDetokenizer
-from engine.hashing import BlockHash, hash_block, root_hash
+from engine.hashing import BlockHash, root_hash
 from engine.kv_cache import BlockPool, KVCache, KVLayout
 from engine.loader import (
     load_hf_config,
@@ -177,10 +177,6 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.scheduler.waiting) + len(self.scheduler.running)
-
     # ---- the step -------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
@@ -250,12 +246,14 @@ class LLMEngine:
             return
         bs = self.config.block_size
         full = seq.num_computed // bs
+        if full <= len(seq.block_hashes):
+            return
+        hashes = seq.full_block_hashes(full, bs, self.root_hash)
         for j in range(len(seq.block_hashes), full):
-            parent = seq.block_hashes[-1] if seq.block_hashes else self.root_hash
-            tokens = seq.token_ids(j * bs, (j + 1) * bs)
-            block_hash = hash_block(parent, tokens)
-            seq.block_hashes.append(block_hash)
-            self.block_pool.cache(seq.block_table[j], block_hash, tokens)
+            seq.block_hashes.append(hashes[j])
+            self.block_pool.cache(
+                seq.block_table[j], hashes[j], seq.token_ids(j * bs, (j + 1) * bs)
+            )
 
     def _append_token(self, seq: Sequence, sampled: SampledToken) -> RequestOutput:
         token = sampled.token_id

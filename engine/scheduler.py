@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from engine.hashing import BlockHash, hash_blocks
+from engine.hashing import BlockHash
 from engine.kv_cache import BlockPool
 from engine.sequence import SeqStatus, Sequence
 
@@ -120,7 +120,7 @@ class Scheduler:
             tokens = seq.all_token_ids()
             bs = self.block_size
             usable = (len(tokens) - 1) // bs  # keep one token to compute: it gives the logits
-            hashes = hash_blocks(tokens[: usable * bs], bs, self.root)
+            hashes = seq.full_block_hashes(usable, bs, self.root)
             chunks = [tokens[j * bs : (j + 1) * bs] for j in range(usable)]
             matched = self.pool.match_prefix(hashes, chunks)
         seq.block_table = list(matched)

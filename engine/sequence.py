@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.detokenizer import IncrementalDetokenizer
-from engine.hashing import BlockHash
+from engine.hashing import BlockHash, hash_blocks
 from engine.sampling import SamplingParams
 
 
@@ -55,6 +55,7 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[BlockHash] = field(default_factory=list)  # of full, computed blocks
+    _hash_cache: list[BlockHash] = field(default_factory=list)  # of full blocks of its tokens
     num_computed: int = 0  # tokens whose KV is in the cache
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
     status: SeqStatus = SeqStatus.WAITING
@@ -73,6 +74,16 @@ class Sequence:
         if start >= p:
             return self.output_token_ids[start - p : end - p]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
+
+    def full_block_hashes(self, n: int, block_size: int, root: BlockHash) -> list[BlockHash]:
+        """Hashes of its first ``n`` full blocks, each computed once (tokens only
+        grow, and a preempted sequence keeps them)."""
+        have = len(self._hash_cache)
+        if have < n:
+            parent = self._hash_cache[-1] if have else None
+            tokens = self.token_ids(0, n * block_size)
+            self._hash_cache += hash_blocks(tokens, block_size, root, start=have, parent=parent)
+        return self._hash_cache[:n]
 
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids

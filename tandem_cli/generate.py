@@ -11,21 +11,11 @@ import grpc
 from protos.tandem.v1 import generate_pb2 as pb
 from router.client import TandemClient
 
-SAMPLING_ARGS = (
-    "request_id",
-    "max_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "repetition_penalty",
-    "frequency_penalty",
-    "presence_penalty",
-    "seed",
-    "stop",
-    "stop_token_ids",
-    "ignore_eos",
-    "logprobs",
+# Every GenerateRequest field but the prompt is a flag of the same name.
+SAMPLING_ARGS = tuple(
+    f.name
+    for f in pb.GenerateRequest.DESCRIPTOR.fields
+    if f.name not in ("prompt", "prompt_token_ids")
 )
 
 

@@ -112,6 +112,9 @@ class GrpcKVServer(KVTransferServer):
     def claim(self, request_id: str) -> list[int] | None:
         return self.service.claim(request_id)
 
+    def discard(self, request_id: str) -> None:
+        self.service.discard(request_id)
+
     async def _push(self, requests, context: grpc.aio.ServicerContext) -> pb.PushReply:
         push = self.service.open_push(_canceller())
         stream = aiter(requests)

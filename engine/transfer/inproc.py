@@ -64,6 +64,9 @@ class InProcKVServer(KVTransferServer):
     def claim(self, request_id: str) -> list[int] | None:
         return self.service.claim(request_id)
 
+    def discard(self, request_id: str) -> None:
+        self.service.discard(request_id)
+
 
 class _Cancelled:
     def __init__(self) -> None:

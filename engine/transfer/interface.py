@@ -171,3 +171,8 @@ class KVTransferServer(ABC):
     def claim(self, request_id: str) -> list[int] | None:
         """Take the blocks a push committed for ``request_id`` (the caller owns
         one reference each), or None if there is none (never came, expired)."""
+
+    @abstractmethod
+    def discard(self, request_id: str) -> None:
+        """The request is gone: free what a push for it holds, committed or in
+        flight, and refuse one that has not begun."""

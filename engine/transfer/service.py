@@ -40,7 +40,8 @@ class KVTransferService:
         self.config = config or TransferConfig()
         self.leases = LeaseTable(clock)
         self._committed: dict[str, tuple[list[int], Lease]] = {}
-        self._open_pushes: set[str] = set()
+        self._open_pushes: dict[str, IncomingPush] = {}
+        self._refused: dict[str, float] = {}  # discarded request id -> until when
         self._reaper: asyncio.Task[None] | None = None
 
     def open_push(self, cancel: Callable[[], None]) -> IncomingPush:
@@ -56,6 +57,19 @@ class KVTransferService:
         block_ids, lease = held
         lease.cancel()
         return block_ids
+
+    def discard(self, request_id: str) -> None:
+        """The request is gone: free the blocks a push for it holds (committed
+        or in flight), and refuse a push for it that has not begun yet."""
+        blocks = self.claim(request_id)
+        if blocks is not None:
+            self.store.release(blocks)
+            return
+        push = self._open_pushes.get(request_id)
+        if push is not None:
+            push.abandon()
+            return
+        self._refused[request_id] = self.leases.clock() + self.config.lease_s
 
     def pending_claims(self) -> list[str]:
         return list(self._committed)
@@ -77,6 +91,10 @@ class KVTransferService:
         while True:
             await asyncio.sleep(self.config.reap_interval_s)
             self.leases.expire_due()
+            now = self.leases.clock()
+            for request_id, until in list(self._refused.items()):
+                if until <= now:
+                    del self._refused[request_id]
 
     def _hold(self, request_id: str, block_ids: list[int]) -> None:
         def expire() -> None:
@@ -122,7 +140,7 @@ class IncomingPush:
             self._check_request_id(request_id)
         if not done:
             return None
-        self._service._open_pushes.discard(request_id)
+        self._service._open_pushes.pop(request_id, None)
         self._service._hold(request_id, self.receiver.block_ids)
         return pb.PushReply(
             request_id=request_id,
@@ -132,22 +150,29 @@ class IncomingPush:
 
     def close(self) -> None:
         self._lease.cancel()
-        self._service._open_pushes.discard(self.receiver.request_id)
+        if self._service._open_pushes.get(self.receiver.request_id) is self:
+            del self._service._open_pushes[self.receiver.request_id]
         self.receiver.fail()
+
+    def abandon(self) -> None:
+        """Its request was cancelled: free the blocks and end the call."""
+        self._expire()
 
     def _check_request_id(self, request_id: str) -> None:
         service = self._service
-        error = None
+        code, error = grpc.StatusCode.OK, ""
         if not request_id:
-            error = "request_id is empty"
+            code, error = grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty"
         elif request_id in service._committed or request_id in service._open_pushes:
+            code = grpc.StatusCode.ALREADY_EXISTS
             error = f"a push for request_id {request_id!r} is already held"
-        if error is not None:
+        elif request_id in service._refused:
+            code, error = grpc.StatusCode.CANCELLED, f"request {request_id!r} was cancelled"
+        if error:
             self.receiver.request_id = ""  # never discard the other push's entry
             self.receiver.fail()
-            code = grpc.StatusCode.INVALID_ARGUMENT if not request_id else None
-            raise TransferError(code or grpc.StatusCode.ALREADY_EXISTS, error)
-        service._open_pushes.add(request_id)
+            raise TransferError(code, error)
+        service._open_pushes[request_id] = self
 
     def _expire(self) -> None:
         self.expired = True

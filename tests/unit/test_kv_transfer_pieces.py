@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import shutil
 import socket
 import threading
@@ -239,6 +240,28 @@ def test_unclaimed_push_is_released_when_its_lease_expires():
         assert pair.dst.num_free == pair.free[1] - 3
         assert service.leases.expire_all() == 1
         assert pair.server.claim("r") is None
+        pair.src.release(blocks.block_ids)
+        await pair.server.stop()
+        assert pair.settled()
+
+    run(go())
+
+
+def test_discard_frees_a_committed_push_and_refuses_a_later_one():
+    async def go():
+        pair = Pair(SMALL)
+        await pair.server.start()
+        blocks = pair.blocks(3)
+        await pair.client.push(pair.server.address, pair.src, blocks)
+        pair.server.discard("r")  # committed, never claimed: freed at once
+        assert pair.server.claim("r") is None
+        assert pair.dst.num_free == pair.free[1]
+        pair.server.discard("late")  # cancelled before its push began
+        with pytest.raises(TransferError) as err:
+            await pair.client.push(
+                pair.server.address, pair.src, dataclasses.replace(blocks, request_id="late")
+            )
+        assert err.value.code == grpc.StatusCode.CANCELLED
         pair.src.release(blocks.block_ids)
         await pair.server.stop()
         assert pair.settled()
