@@ -9,17 +9,21 @@ In colocated mode the same worker also prefills.
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass
 
 import grpc
 
 from decode_pool.output_stream import OutputStreams
 from engine.config import EngineConfig
+from engine.logfmt import log_event
 from engine.sampling import SamplingParams
 from engine.sequence import RequestOutput
 from engine.transfer import GrpcKVServer, TransferConfig
 from engine.worker_base import EngineWorker, IndexSettings
 from protos.tandem.v1 import worker_pb2_grpc
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -112,6 +116,15 @@ class DecodeWorker(EngineWorker):
             await self.loop.acall(lambda e: e.block_pool.free(prefix))
             raise LookupError(f"no KV blocks arrived for request {req.request_id!r}")
         blocks = prefix + claimed
+        log_event(
+            log,
+            "decode_start",
+            request_id=req.request_id,
+            worker=self.name,
+            prompt_tokens=len(req.prompt_token_ids),
+            reused_blocks=len(prefix),
+            received_blocks=len(claimed),
+        )
         try:
             await self.loop.acall(
                 lambda e: e.add_prefilled_request(
@@ -129,6 +142,13 @@ class DecodeWorker(EngineWorker):
     async def start_full(self, req: DecodeRequest) -> None:
         """Colocated mode: prefill and decode here; every token goes to the stream."""
         self._own(req)
+        log_event(
+            log,
+            "colocated_start",
+            request_id=req.request_id,
+            worker=self.name,
+            prompt_tokens=len(req.prompt_token_ids),
+        )
         try:
             await self.loop.acall(
                 lambda e: e.add_request(req.request_id, req.prompt_token_ids, req.params)
@@ -163,6 +183,17 @@ class DecodeWorker(EngineWorker):
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         self.streams.publish(outputs, self.drain_events())
+        for out in outputs:
+            if out.finished:
+                log_event(
+                    log,
+                    "decode_done",
+                    request_id=out.request_id,
+                    worker=self.name,
+                    finish_reason=out.finish_reason,
+                    output_tokens=out.num_output_tokens,
+                    cached_tokens=out.num_cached_tokens,
+                )
 
     def _router_gone(self, router_id: str) -> None:
         for rid in self.streams.requests_of(router_id):

@@ -13,6 +13,7 @@ from engine.config import EngineConfig
 from engine.engine_loop import EngineLoop
 from engine.index import EventPublisher, KVEvent
 from engine.llm_engine import LLMEngine
+from engine.logfmt import LogFormat, configure_logging
 from engine.sequence import RequestOutput
 from engine.transfer import PoolBlockStore, TransferConfig
 
@@ -117,6 +118,8 @@ class EngineWorker:
             "total_blocks": engine.block_pool.num_blocks,
             "initial_free_blocks": self.initial_free_blocks,
             "num_requests": len(engine.request_ids()),
+            "num_running": len(engine.scheduler.running),
+            "num_waiting": len(engine.scheduler.waiting),
             "num_steps": self.loop.num_steps,
             "num_preemptions": engine.scheduler.num_preemptions,
         }
@@ -157,7 +160,9 @@ class WorkerActor:
         transfer: TransferConfig,
         index: IndexSettings,
         host: str | None,
+        log_format: LogFormat = "text",
     ) -> None:
+        configure_logging(log_format)  # this actor's process: structured request events
         if host is None:  # the address Ray gives this node, so peers on other nodes reach it
             import ray
 

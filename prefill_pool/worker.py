@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from engine.index import KVEvent
+from engine.logfmt import log_event
 from engine.sampling import SamplingParams
 from engine.sequence import RequestOutput
 from engine.transfer import GrpcKVClient, GrpcKVServer, KVBlocks, TransferConfig, TransferError
@@ -135,6 +136,19 @@ class PrefillWorker(EngineWorker):
         finally:
             await asyncio.shield(self.loop.acall(lambda e: e.abort(rid)))
         done = time.perf_counter()
+        log_event(
+            log,
+            "prefill_done",
+            request_id=rid,
+            worker=self.name,
+            prompt_tokens=len(req.prompt_token_ids),
+            cached_tokens=out.num_cached_tokens,
+            skipped_blocks=skip,
+            pushed_blocks=len(blocks.block_ids),
+            kv_bytes=pushed.bytes_sent,
+            prefill_ms=round((prefilled - start) * 1e3, 2),
+            transfer_ms=round((done - prefilled) * 1e3, 2),
+        )
         return PrefillResult(
             rid, out, pushed.bytes_sent, prefilled - start, done - prefilled, self.drain_events()
         )

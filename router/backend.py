@@ -43,6 +43,8 @@ class GenerateResult:
     mean_tpot_s: float
     prefill_worker: str
     decode_worker: str
+    kv_transfer_bytes: int = 0
+    kv_transfer_s: float | None = None  # None: no KV push (colocated, or ended at once)
 
 
 class Backend(Protocol):

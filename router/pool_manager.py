@@ -120,7 +120,7 @@ class WorkerPool:
             actor = (
                 ray.remote(PrefillActor)
                 .options(**options)
-                .remote(name, engine, transfer, index, self.host)
+                .remote(name, engine, transfer, index, self.host, self.config.log_format)
             )
         else:
             from decode_pool.actor import DecodeActor
@@ -128,7 +128,7 @@ class WorkerPool:
             actor = (
                 ray.remote(DecodeActor)
                 .options(**options)
-                .remote(name, engine, transfer, index, self.host)
+                .remote(name, engine, transfer, index, self.host, self.config.log_format)
             )
         return WorkerHandle(name, self.role, actor)
 

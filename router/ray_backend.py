@@ -21,8 +21,9 @@ from decode_pool.worker import DecodeRequest
 from engine.hashing import root_hash
 from engine.index import BlockIndex, InMemoryIndex, KVEvent
 from engine.loader import resolve_model_dir
+from engine.logfmt import log_event
 from engine.sequence import RequestOutput, TokenLogprobs
-from prefill_pool.worker import PrefillRequest
+from prefill_pool.worker import PrefillRequest, PrefillResult
 from protos.tandem.v1 import worker_pb2, worker_pb2_grpc
 from router.backend import GenerateInput, GenerateResult, TokenDelta
 from router.policies import make_policy
@@ -149,7 +150,7 @@ class RayBackend:
     async def worker_stats(self) -> dict[str, dict]:
         workers = self.prefill.workers + self.decode.workers
         stats = await asyncio.gather(*(w.actor.stats.remote() for w in workers))
-        return {w.name: s for w, s in zip(workers, stats, strict=True)}
+        return {w.name: {**s, "role": w.role} for w, s in zip(workers, stats, strict=True)}
 
     async def _subscribe(self, worker: WorkerHandle) -> None:
         channel = grpc.aio.insecure_channel(worker.info["outputs"])
@@ -193,6 +194,16 @@ class RayBackend:
         )
         d, p = plan.decode, plan.prefill
         progress = _Progress(inp, p.name if p is not None else d.name, d.name)
+        log_event(
+            log,
+            "request_routed",
+            request_id=inp.request_id,
+            attempt_id=rid,
+            prefill_worker=p.name if p is not None else None,
+            decode_worker=d.name,
+            prompt_tokens=len(inp.prompt_token_ids),
+            decode_cached_blocks=plan.decode_cached_blocks,
+        )
         queue: asyncio.Queue[worker_pb2.RequestDelta] = asyncio.Queue()
         self._queues[rid] = (queue, d)
         d.in_flight += 1
@@ -203,9 +214,14 @@ class RayBackend:
                 req = DecodeRequest(rid, self.router_id, inp.prompt_token_ids, [], inp.params)
                 await d.actor.start_full.remote(req)
             else:
-                first = await self._prefill(rid, inp, plan)
+                prefilled = await self._prefill(rid, inp, plan)
+                first = prefilled.first
                 p.in_flight -= 1
                 p = None
+                if first.finished:
+                    progress.transfer = None
+                else:
+                    progress.transfer = (prefilled.kv_bytes, prefilled.transfer_s)
                 yield progress.first(first)
                 if first.finished:
                     await asyncio.shield(self._abort(rid, None, d))  # drop the prefix pin
@@ -232,9 +248,9 @@ class RayBackend:
             if not progress.finished:
                 await asyncio.shield(self._abort(rid, p, d))
 
-    async def _prefill(self, rid: str, inp: GenerateInput, plan: RoutePlan) -> RequestOutput:
+    async def _prefill(self, rid: str, inp: GenerateInput, plan: RoutePlan) -> PrefillResult:
         """Prefill on the plan's prefill worker, which pushes the KV blocks the
-        decode worker lacks; returns the first token's output."""
+        decode worker lacks; its result holds the first token's output."""
         d, p = plan.decode, plan.prefill
         assert p is not None
         skip = 0
@@ -247,7 +263,7 @@ class RayBackend:
         )
         result = await p.actor.prefill.remote(request)
         self._apply_events(result.cache_events)
-        return result.first
+        return result
 
     async def _abort(self, rid: str, p: WorkerHandle | None, d: WorkerHandle) -> None:
         calls = [w.actor.abort.remote(rid) for w in (p, d) if w is not None]
@@ -265,6 +281,7 @@ class _Progress:
         self.first_time = self.last_time = 0.0
         self.num_output = self.cached = 0
         self.finished = False
+        self.transfer: tuple[int, float] | None = None  # (bytes, seconds) of the KV push
 
     def first(self, out: RequestOutput) -> TokenDelta:
         self.first_time = self.last_time = time.perf_counter()
@@ -295,6 +312,8 @@ class _Progress:
             mean_tpot_s=tpot,
             prefill_worker=self.workers[0],
             decode_worker=self.workers[1],
+            kv_transfer_bytes=self.transfer[0] if self.transfer else 0,
+            kv_transfer_s=self.transfer[1] if self.transfer else None,
         )
 
 

@@ -1,11 +1,14 @@
 """The public gRPC API (``tandem.v1.Tandem``) over a ``Backend``.
 
-One ``Generate`` call, in order: refuse while starting or draining (UNAVAILABLE), admit
-(RESOURCE_EXHAUSTED beyond ``max_queued_requests`` in flight), validate and
-tokenize (INVALID_ARGUMENT naming the field), claim the request id
-(ALREADY_EXISTS), then stream one chunk per backend delta and one final
-message. The backend's iterator is always closed before the call ends, so a
-client cancel, a deadline or a failure aborts the request on the workers.
+Requests from this API and from the HTTP front (router/http/) share one
+``Lifecycle`` (router/lifecycle.py). One ``Generate`` call, in order:
+refuse while starting or draining (UNAVAILABLE), admit (RESOURCE_EXHAUSTED
+beyond ``max_queued_requests`` in flight), validate and tokenize
+(INVALID_ARGUMENT naming the field), claim the request id (ALREADY_EXISTS),
+then stream one chunk per backend delta and one final message. The
+backend's iterator is always closed before the call ends, so a client
+cancel, a deadline or a failure aborts the request on the workers. Calls
+without a valid API key (when keys are set) get UNAUTHENTICATED.
 """
 
 from __future__ import annotations
@@ -13,10 +16,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
-from collections import Counter
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -27,146 +28,91 @@ from protos.tandem.v1 import generate_pb2 as pb
 
 from .admin import SERVICE_NAME as ADMIN_SERVICE
 from .admin import AdminService
-from .backend import Backend, GenerateInput, GenerateResult, TokenDelta
+from .auth import ApiKeyInterceptor, ApiKeys
+from .backend import Backend, GenerateResult
+from .http import FrontState, HttpFront
+from .lifecycle import Call, Lifecycle, ServiceStats, short
 from .messages import RequestError, chunk_message, final_message, to_generate_input
+from .metrics import RouterMetrics
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Tandem"].full_name  # "tandem.v1.Tandem"
 MAX_MESSAGE_BYTES = 64 << 20
+GENERATE_METHOD = f"/{SERVICE_NAME}/Generate"
 
 
-@dataclass
-class ServiceStats:
-    """Live counters: requests in flight and finished calls by status code name."""
+@dataclass(frozen=True)
+class HttpSettings:
+    """The HTTP front (OpenAI-compatible API and /metrics) beside the gRPC API."""
 
-    in_flight: int = 0
-    totals: Counter[str] = field(default_factory=Counter)
+    host: str
+    port: int  # 0 picks a free one
+    model_name: str  # what /v1/models lists and requests must name
+    chat_template_file: str | Path | None = None
 
 
 class TandemService(generate_pb2_grpc.TandemServicer):
-    def __init__(
-        self,
-        backend: Backend,
-        *,
-        max_queued_requests: int = 1024,
-        request_timeout_s: float = 600.0,
-    ) -> None:
-        self.backend = backend
-        self.max_queued_requests = max_queued_requests
-        self.request_timeout_s = request_timeout_s
-        self.stats = ServiceStats()
-        self.unavailable: str | None = None
-        """When set, new calls get UNAVAILABLE with this message (starting, draining)."""
-        self._active: set[str] = set()
-        self._idle = asyncio.Event()
-        self._idle.set()
+    def __init__(self, lifecycle: Lifecycle) -> None:
+        self.lifecycle = lifecycle
+        self.backend = lifecycle.backend
 
-    async def wait_idle(self) -> None:
-        """Returns once no request is in flight."""
-        await self._idle.wait()
+    @property
+    def stats(self) -> ServiceStats:
+        return self.lifecycle.stats
+
+    @property
+    def unavailable(self) -> str | None:
+        """Set while starting or draining: new calls get UNAVAILABLE."""
+        return self.lifecycle.unavailable
+
+    @property
+    def max_queued_requests(self) -> int:
+        return self.lifecycle.max_queued_requests
+
+    @max_queued_requests.setter
+    def max_queued_requests(self, value: int) -> None:
+        self.lifecycle.max_queued_requests = value
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> None:
-        self._enter()
+        call = self.lifecycle.begin("grpc")
         try:
-            code = await self._generate(request, context)
+            await self._generate(call, request, context)
         except RequestError as e:
             error = e
         except asyncio.CancelledError:
-            self._leave(grpc.StatusCode.CANCELLED)
+            call.finish(grpc.StatusCode.CANCELLED)
             raise
         except Exception as e:
             log.exception("Generate failed")
-            error = RequestError(grpc.StatusCode.INTERNAL, f"request failed: {_short(e)}")
+            error = RequestError(grpc.StatusCode.INTERNAL, f"request failed: {short(e)}")
         else:
-            self._leave(code)
+            call.finish(grpc.StatusCode.OK)
             return
-        self._leave(error.code)  # counted before the client can see the status
+        call.finish(error.code)  # counted before the client can see the status
         await context.abort(error.code, error.message)
 
-    def _enter(self) -> None:
-        self.stats.in_flight += 1
-        self._idle.clear()
-
-    def _leave(self, code: grpc.StatusCode) -> None:
-        self.stats.in_flight -= 1
-        self.stats.totals[code.name] += 1
-        if self.stats.in_flight == 0:
-            self._idle.set()
-
     async def _generate(
-        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> grpc.StatusCode:
-        if self.unavailable is not None:
-            raise RequestError(grpc.StatusCode.UNAVAILABLE, self.unavailable)
-        if self.stats.in_flight > self.max_queued_requests:
-            raise RequestError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"too many requests in flight (limit {self.max_queued_requests}); retry later",
-            )
+        self, call: Call, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> None:
+        call.admit()
         inp = await to_generate_input(request, self.backend)
-        if inp.request_id in self._active:
-            raise RequestError(
-                grpc.StatusCode.ALREADY_EXISTS, f"request_id {inp.request_id!r} is already running"
-            )
-        self._active.add(inp.request_id)
-        try:
-            return await self._stream(inp, context)
-        finally:
-            self._active.discard(inp.request_id)
-
-    def _timeout_s(self, context: grpc.aio.ServicerContext) -> float:
-        remaining = context.time_remaining()
-        client = math.inf if remaining is None else max(remaining, 0.0)
-        return min(client, self.request_timeout_s)
-
-    async def _stream(
-        self, inp: GenerateInput, context: grpc.aio.ServicerContext
-    ) -> grpc.StatusCode:
-        stream: AsyncIterator[TokenDelta | GenerateResult] = self.backend.generate(inp)
-        deadline = asyncio.timeout(self._timeout_s(context))
-        try:
-            async with deadline:
-                async for item in stream:
-                    if isinstance(item, GenerateResult):
-                        await context.write(final_message(inp.request_id, item))
-                        return grpc.StatusCode.OK
-                    await context.write(chunk_message(item))
-            raise RuntimeError("the backend ended the stream without a result")
-        except (asyncio.CancelledError, RequestError):
-            raise
-        except Exception as e:
-            if isinstance(e, TimeoutError) and deadline.expired():
-                raise RequestError(
-                    grpc.StatusCode.DEADLINE_EXCEEDED,
-                    "deadline exceeded before generation finished",
-                ) from None
-            if context.cancelled():  # a write failed because the client went away
-                raise asyncio.CancelledError from None
-            log.exception("request %s failed in the backend", inp.request_id)
-            raise RequestError(
-                grpc.StatusCode.INTERNAL, f"generation failed: {_short(e)}"
-            ) from None
-        finally:
-            await _close(stream)
-
-
-def _short(e: Exception, limit: int = 200) -> str:
-    text = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-async def _close(stream: AsyncIterator) -> None:
-    """Close the backend iterator (which aborts the request); never raises."""
-    aclose = getattr(stream, "aclose", None)
-    if aclose is None:
-        return
-    try:
-        await aclose()
-    except Exception:
-        log.exception("closing a backend stream failed")
+        call.claim(inp)
+        timeout_s = self.lifecycle.timeout_s(context.time_remaining())
+        async with call.deadline(timeout_s), contextlib.aclosing(call.stream()) as items:
+            async for item in items:
+                if isinstance(item, GenerateResult):
+                    message = final_message(inp.request_id, item)
+                else:
+                    message = chunk_message(item)
+                try:
+                    await context.write(message)
+                except Exception:
+                    if context.cancelled():  # the client went away
+                        raise asyncio.CancelledError from None
+                    raise
 
 
 class RouterServer:
@@ -186,14 +132,28 @@ class RouterServer:
         request_timeout_s: float = 600.0,
         max_message_bytes: int = MAX_MESSAGE_BYTES,
         drain_timeout_s: float = 30.0,
+        api_keys: ApiKeys | None = None,
+        http: HttpSettings | None = None,
     ) -> None:
         self.backend = backend
         self.drain_timeout_s = drain_timeout_s
         """How long a worker removed by Admin.Scale may drain, by default."""
         self.host = host
-        self.service = TandemService(
-            backend, max_queued_requests=max_queued_requests, request_timeout_s=request_timeout_s
+        self.metrics = RouterMetrics()
+        self.api_keys = api_keys or ApiKeys()
+        self.lifecycle = Lifecycle(
+            backend,
+            max_queued_requests=max_queued_requests,
+            request_timeout_s=request_timeout_s,
+            metrics=self.metrics,
         )
+        self.service = TandemService(self.lifecycle)
+        self.http: HttpFront | None = None
+        if http is not None:
+            state = FrontState(
+                self.lifecycle, self.api_keys, http.model_name, http.chat_template_file
+            )
+            self.http = HttpFront(state, http.host, http.port)
         self.health = health.aio.HealthServicer()
         self.port = port
         """The bound port (the chosen one once started, when 0 was asked for)."""
@@ -205,10 +165,11 @@ class RouterServer:
     def _build_server(self) -> grpc.aio.Server:
         """The grpc.aio server, built inside the event loop it will serve."""
         server = grpc.aio.server(
+            interceptors=[ApiKeyInterceptor(self.api_keys, self._refused)],
             options=[
                 ("grpc.max_receive_message_length", self._max_message_bytes),
                 ("grpc.max_send_message_length", self._max_message_bytes),
-            ]
+            ],
         )
         generate_pb2_grpc.add_TandemServicer_to_server(self.service, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
@@ -223,6 +184,11 @@ class RouterServer:
         self.port = port
         return server
 
+    def _refused(self, method: str) -> None:
+        self.metrics.auth_refused.inc()
+        if method == GENERATE_METHOD:
+            self.metrics.requests.labels("grpc", "UNAUTHENTICATED").inc()
+
     @property
     def address(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
@@ -235,19 +201,23 @@ class RouterServer:
     async def start(self) -> None:
         """Bind and serve (NOT_SERVING, Generate UNAVAILABLE) while the backend
         starts, then turn SERVING."""
-        self.service.unavailable = "the server is starting"
+        self.lifecycle.unavailable = "the server is starting"
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         self._server = self._build_server()
         await self._server.start()
         try:
+            if self.http is not None:
+                await self.http.start()
             await self.backend.start()
         except BaseException:
             self._stopped = True
             await self._server.stop(None)
+            if self.http is not None:
+                await self.http.stop()
             with contextlib.suppress(Exception):
                 await self.backend.shutdown()  # free what a partial start left behind
             raise
-        self.service.unavailable = None
+        self.lifecycle.unavailable = None
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
 
     async def stop(self, grace_s: float = 30.0) -> None:
@@ -256,18 +226,20 @@ class RouterServer:
         if self._stopped or self._server is None:
             return
         self._stopped = True
-        self.service.unavailable = "the server is shutting down"
+        self.lifecycle.unavailable = "the server is shutting down"
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         waits = [
-            asyncio.ensure_future(self.service.wait_idle()),
+            asyncio.ensure_future(self.lifecycle.wait_idle()),
             asyncio.ensure_future(self._cut.wait()),
         ]
         await asyncio.wait(waits, timeout=grace_s, return_when=asyncio.FIRST_COMPLETED)
         for w in waits:
             w.cancel()
-        if self.service.stats.in_flight:
-            log.warning("cancelling %d requests still in flight", self.service.stats.in_flight)
+        if self.lifecycle.stats.in_flight:
+            log.warning("cancelling %d requests still in flight", self.lifecycle.stats.in_flight)
         await self._server.stop(0)  # cancels what is left; their finally blocks abort them
+        if self.http is not None:
+            await self.http.stop()  # closes the streams left; their finally blocks abort them
         await self.backend.shutdown()
 
     def cut_grace(self) -> None:

@@ -1,0 +1,158 @@
+"""API keys: one check for the gRPC API (an interceptor) and the HTTP front.
+
+Clients send ``authorization: Bearer <key>`` (gRPC metadata or HTTP header).
+Keys come from the config (``api_keys``, ``api_keys_file``) and the
+``TANDEM_API_KEYS`` environment variable (comma-separated), never from the
+command line. With no key configured, authentication is off.
+
+Health checking (``grpc.health.v1.Health`` and HTTP ``/health``) stays open so
+that load balancers and orchestrators need no key. Keys are never logged;
+a presented key is compared with every configured key in constant time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+from collections.abc import Awaitable, Callable, Iterable
+from pathlib import Path
+
+import grpc
+
+KEYS_ENV = "TANDEM_API_KEYS"
+"""Server side: comma-separated keys the router accepts (added to the config's)."""
+CLIENT_KEY_ENV = "TANDEM_API_KEY"
+"""Client side: the key ``TandemClient``, ``tandem generate`` and ``tandem bench`` send."""
+OPEN_GRPC_SERVICES = ("/grpc.health.v1.Health/",)
+UNAUTHENTICATED_MESSAGE = "missing or invalid API key: send 'authorization: Bearer <key>'"
+
+
+def read_keys_file(path: str | Path) -> list[str]:
+    """One key per line; blank lines and lines starting with ``#`` are skipped."""
+    lines = Path(path).read_text().splitlines()
+    return [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+
+
+def keys_from_env(environ: dict[str, str] | None = None) -> list[str]:
+    value = (os.environ if environ is None else environ).get(KEYS_ENV, "")
+    return [k.strip() for k in value.split(",") if k.strip()]
+
+
+def bearer_token(header: str | None) -> str | None:
+    """The token of an ``authorization: Bearer <token>`` value, else None."""
+    if not header:
+        return None
+    scheme, _, token = header.strip().partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return token.strip()
+
+
+class ApiKeys:
+    """The set of accepted keys. Only SHA-256 digests are kept in memory."""
+
+    def __init__(self, keys: Iterable[str] = ()) -> None:
+        self._digests = [_digest(k) for k in dict.fromkeys(keys) if k]
+
+    @classmethod
+    def load(
+        cls,
+        keys: Iterable[str] = (),
+        keys_file: str | Path | None = None,
+        environ: dict[str, str] | None = None,
+    ) -> ApiKeys:
+        """Keys from the config, the keys file and ``TANDEM_API_KEYS``, together."""
+        all_keys = list(keys)
+        if keys_file is not None:
+            all_keys += read_keys_file(keys_file)
+        return cls(all_keys + keys_from_env(environ))
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._digests)
+
+    def __len__(self) -> int:
+        return len(self._digests)
+
+    def __repr__(self) -> str:  # never the keys themselves
+        return f"ApiKeys({len(self)} keys)"
+
+    def check(self, key: str | None) -> bool:
+        """Whether ``key`` is accepted (always, when authentication is off)."""
+        if not self._digests:
+            return True
+        if key is None:
+            return False
+        presented = _digest(key)
+        found = False
+        for digest in self._digests:  # no early exit: the time does not depend on which key
+            found |= hmac.compare_digest(presented, digest)
+        return found
+
+    def check_header(self, authorization: str | None) -> bool:
+        return self.check(bearer_token(authorization))
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()
+
+
+def client_metadata(api_key: str | None = None) -> tuple[tuple[str, str], ...]:
+    """gRPC call metadata carrying ``api_key``, else ``$TANDEM_API_KEY``; empty if neither."""
+    key = api_key if api_key is not None else os.environ.get(CLIENT_KEY_ENV)
+    return (("authorization", f"Bearer {key}"),) if key else ()
+
+
+def client_headers(api_key: str | None = None) -> dict[str, str]:
+    """HTTP headers carrying ``api_key``, else ``$TANDEM_API_KEY``."""
+    return dict(client_metadata(api_key))
+
+
+class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses calls without a valid key with UNAUTHENTICATED (health checks pass).
+
+    ``on_refused`` is told the method name of each refused call (for metrics).
+    """
+
+    def __init__(self, keys: ApiKeys, on_refused: Callable[[str], None] | None = None) -> None:
+        self.keys = keys
+        self.on_refused = on_refused
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        method = details.method or ""
+        if not self.keys.enabled or method.startswith(OPEN_GRPC_SERVICES):
+            return await continuation(details)
+        metadata = dict(details.invocation_metadata or ())
+        if self.keys.check_header(metadata.get("authorization")):
+            return await continuation(details)
+        if self.on_refused is not None:
+            self.on_refused(method)
+        handler = await continuation(details)
+        return _refusing(handler)
+
+
+def _refusing(handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHandler:
+    """A handler of the same shape as ``handler`` that aborts UNAUTHENTICATED."""
+
+    async def abort_unary(request, context: grpc.aio.ServicerContext):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
+
+    async def abort_stream(request, context: grpc.aio.ServicerContext):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
+        yield  # pragma: no cover - makes this an async generator
+
+    if handler is None:
+        return grpc.unary_unary_rpc_method_handler(abort_unary)
+    des, ser = handler.request_deserializer, handler.response_serializer
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(abort_stream, des, ser)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(abort_unary, des, ser)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(abort_stream, des, ser)
+    return grpc.unary_unary_rpc_method_handler(abort_unary, des, ser)

@@ -1,0 +1,119 @@
+"""The FastAPI app of the HTTP front.
+
+Routes: ``/health`` (open), ``/metrics`` (open, Prometheus text),
+``/v1/models``, ``/v1/completions``, ``/v1/chat/completions`` (API key
+required when keys are configured).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from router.auth import UNAUTHENTICATED_MESSAGE, ApiKeys
+from router.lifecycle import Lifecycle
+from router.messages import RequestError
+from router.metrics import CONTENT_TYPE
+
+from .chat import ChatTemplate
+from .errors import OpenAIError, unauthenticated
+from .generate import handle
+
+log = logging.getLogger(__name__)
+WORKER_STATS_TIMEOUT_S = 5.0
+_OPEN_PATHS = ("/health", "/metrics")
+
+
+@dataclass
+class FrontState:
+    lifecycle: Lifecycle
+    keys: ApiKeys
+    model_name: str
+    chat_template_file: str | Path | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+    _template: ChatTemplate | None = None
+
+    def chat_template(self) -> ChatTemplate:
+        """Built on first use: the backend's tokenizer exists once it has started."""
+        if self._template is None:
+            self._template = ChatTemplate(self.lifecycle.backend.tokenizer, self.chat_template_file)
+        return self._template
+
+    def check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise RequestError(
+                grpc.StatusCode.NOT_FOUND,
+                f"model {model!r} does not exist; this server serves {self.model_name!r}",
+            )
+
+    async def refresh_worker_metrics(self) -> None:
+        worker_stats = getattr(self.lifecycle.backend, "worker_stats", None)
+        if worker_stats is None or self.lifecycle.unavailable == "the server is starting":
+            return
+        try:
+            stats = await asyncio.wait_for(worker_stats(), WORKER_STATS_TIMEOUT_S)
+        except Exception as e:  # a scrape must not fail because one worker is slow or gone
+            log.warning("worker stats for /metrics failed: %s", e)
+            return
+        self.lifecycle.metrics.set_workers(stats)
+
+
+def create_app(state: FrontState) -> FastAPI:
+    app = FastAPI(title="tandem", docs_url=None, redoc_url=None, openapi_url=None)
+    metrics = state.lifecycle.metrics
+
+    @app.middleware("http")
+    async def require_key(request: Request, call_next):
+        if request.url.path in _OPEN_PATHS or state.keys.check_header(
+            request.headers.get("authorization")
+        ):
+            return await call_next(request)
+        metrics.auth_refused.inc()
+        if request.url.path in ("/v1/completions", "/v1/chat/completions"):
+            metrics.requests.labels("http", "UNAUTHENTICATED").inc()
+        return unauthenticated(UNAUTHENTICATED_MESSAGE).response()
+
+    @app.get("/health")
+    async def health() -> Response:
+        if state.lifecycle.unavailable is not None:
+            error = OpenAIError(503, state.lifecycle.unavailable, "service_unavailable")
+            return error.response()
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        await state.refresh_worker_metrics()
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        card = {
+            "id": state.model_name,
+            "object": "model",
+            "created": state.created,
+            "owned_by": "tandem",
+            "max_model_len": state.lifecycle.backend.max_model_len,
+        }
+        return JSONResponse({"object": "list", "data": [card]})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await handle(state, request, "completion")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await handle(state, request, "chat")
+
+    @app.exception_handler(404)
+    async def not_found(request: Request, exc: Exception) -> Response:
+        message = f"no route {request.method} {request.url.path}"
+        return OpenAIError(404, message, "invalid_request_error", None, "not_found").response()
+
+    return app

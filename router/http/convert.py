@@ -1,0 +1,103 @@
+"""OpenAI request bodies -> the gRPC ``GenerateRequest`` the router validates.
+
+The HTTP front builds the same message the gRPC API receives and runs it
+through the same validation and tokenization (``router.messages``), in
+process: both fronts refuse the same things with the same messages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from protos.tandem.v1 import generate_pb2 as pb
+from router.messages import _invalid
+
+from .chat import ChatTemplate, encode_rendered
+from .schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+
+MAX_CHAT_TOP_LOGPROBS = 20
+_TOKENIZE_IN_THREAD_CHARS = 16_384
+
+
+def _sampling(body: SamplingFields, request_id: str) -> pb.GenerateRequest:
+    if body.n != 1:
+        raise _invalid("n: only n=1 is supported")
+    if body.logit_bias:
+        raise _invalid("logit_bias is not supported")
+    request = pb.GenerateRequest(request_id=request_id, ignore_eos=body.ignore_eos)
+    for name in (
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "repetition_penalty",
+        "frequency_penalty",
+        "presence_penalty",
+        "seed",
+    ):
+        value = getattr(body, name)
+        if value is not None:
+            setattr(request, name, value)
+    if body.stop is not None:
+        request.stop.extend([body.stop] if isinstance(body.stop, str) else body.stop)
+    if body.stop_token_ids:
+        request.stop_token_ids.extend(body.stop_token_ids)
+    return request
+
+
+def completion_request(body: CompletionRequest, request_id: str) -> pb.GenerateRequest:
+    if body.echo:
+        raise _invalid("echo is not supported")
+    if body.suffix:
+        raise _invalid("suffix is not supported")
+    if body.best_of not in (None, 1):
+        raise _invalid("best_of: only 1 is supported")
+    request = _sampling(body, request_id)
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        request.prompt = prompt
+    elif prompt and all(isinstance(t, int) for t in prompt):
+        request.prompt_token_ids.extend(prompt)  # type: ignore[arg-type]
+    elif isinstance(prompt, list) and len(prompt) == 1:
+        one = prompt[0]
+        if isinstance(one, str):
+            request.prompt = one
+        else:
+            request.prompt_token_ids.extend(one)  # type: ignore[arg-type]
+    else:
+        raise _invalid("prompt: give one prompt (a string or a list of token ids)")
+    if body.logprobs is not None:
+        request.logprobs = body.logprobs
+    return request
+
+
+async def chat_request(
+    body: ChatCompletionRequest, request_id: str, template: ChatTemplate, tokenizer: Any
+) -> pb.GenerateRequest:
+    if body.tools:
+        raise _invalid("tools are not supported")
+    if body.response_format and body.response_format.get("type") not in (None, "text"):
+        raise _invalid("response_format: only text is supported")
+    if tokenizer is None:
+        raise _invalid("messages: chat needs a tokenizer; this server has none")
+    request = _sampling(body, request_id)
+    if body.max_completion_tokens is not None:
+        request.max_tokens = body.max_completion_tokens
+    if body.top_logprobs is not None:
+        if not body.logprobs:
+            raise _invalid("top_logprobs needs logprobs=true")
+        if body.top_logprobs > MAX_CHAT_TOP_LOGPROBS:
+            raise _invalid(f"top_logprobs must be at most {MAX_CHAT_TOP_LOGPROBS}")
+    if body.logprobs:
+        request.logprobs = body.top_logprobs or 0
+    text = template.render(body.messages)
+    if len(text) > _TOKENIZE_IN_THREAD_CHARS:
+        ids = await asyncio.to_thread(encode_rendered, tokenizer, text)
+    else:
+        ids = encode_rendered(tokenizer, text)
+    if not ids:
+        raise _invalid("messages: the chat template rendered no tokens")
+    request.prompt_token_ids.extend(ids)
+    return request

@@ -1,0 +1,152 @@
+"""``/v1/completions`` and ``/v1/chat/completions``: parse, validate, run, respond.
+
+A request goes through the same ``Lifecycle`` as a gRPC call (admission,
+request-id claim, deadline, metrics, status count). With ``stream=true``
+the answer is server-sent events: one chunk per backend delta, a chunk with
+the finish reason, a usage chunk when ``stream_options.include_usage``, then
+``data: [DONE]``. A failure after the stream began is sent as an event
+``data: {"error": {...}}`` before ``[DONE]``. A client that disconnects
+cancels the request, which frees its blocks on every worker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+import grpc
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+
+from router.backend import GenerateResult, TokenDelta
+from router.lifecycle import Call, short
+from router.messages import RequestError, _invalid, to_generate_input
+
+from .convert import chat_request, completion_request
+from .errors import from_request_error, invalid
+from .responses import Formatter, Kind
+from .schemas import ChatCompletionRequest, CompletionRequest
+
+if TYPE_CHECKING:
+    from .app import FrontState
+
+log = logging.getLogger(__name__)
+MAX_REQUEST_ID_HEADER = 256
+
+
+def _sse(doc: dict) -> str:
+    return f"data: {json.dumps(doc, separators=(',', ':'))}\n\n"
+
+
+def _parse(kind: Kind, raw: bytes) -> CompletionRequest | ChatCompletionRequest:
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        raise _invalid("the request body is not valid JSON") from None
+    model = ChatCompletionRequest if kind == "chat" else CompletionRequest
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(p) for p in err["loc"]) or "body"
+        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"{where}: {err['msg']}") from None
+
+
+async def handle(state: FrontState, raw: Request, kind: Kind) -> Response:
+    rid = raw.headers.get("x-request-id") or uuid.uuid4().hex
+    if len(rid) > MAX_REQUEST_ID_HEADER:
+        return invalid(
+            f"x-request-id must have at most {MAX_REQUEST_ID_HEADER} characters"
+        ).response()
+    call = state.lifecycle.begin("http")
+    try:
+        call.admit()
+        body = _parse(kind, await raw.body())
+        state.check_model(body.model)
+        if isinstance(body, ChatCompletionRequest):
+            tokenizer = state.lifecycle.backend.tokenizer
+            request = await chat_request(body, rid, state.chat_template(), tokenizer)
+        else:
+            request = completion_request(body, rid)
+        inp = await to_generate_input(request, state.lifecycle.backend)
+        call.claim(inp)
+    except RequestError as e:
+        call.finish(e.code)
+        return from_request_error(e).response()
+    except Exception as e:
+        log.exception("HTTP request %s failed before generation", rid)
+        call.finish(grpc.StatusCode.INTERNAL)
+        return from_request_error(
+            RequestError(grpc.StatusCode.INTERNAL, f"request failed: {short(e)}")
+        ).response()
+    fmt = Formatter(
+        kind,
+        rid,
+        body.model,
+        state.lifecycle.backend.tokenizer,
+        return_token_ids=body.return_token_ids,
+        top_logprobs=bool(inp.params.logprobs),
+    )
+    timeout_s = state.lifecycle.timeout_s(None)
+    headers = {"x-request-id": rid}
+    if body.stream:
+        events = _events(call, fmt, body.include_usage, timeout_s)
+        return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+    return await _whole(call, fmt, timeout_s, headers)
+
+
+async def _events(
+    call: Call, fmt: Formatter, include_usage: bool, timeout_s: float
+) -> AsyncIterator[str]:
+    code = grpc.StatusCode.CANCELLED  # unless it gets further
+    try:
+        if fmt.kind == "chat":
+            yield _sse(fmt.role_chunk())
+        async with call.deadline(timeout_s), contextlib.aclosing(call.stream()) as items:
+            async for item in items:
+                if isinstance(item, GenerateResult):
+                    yield _sse(fmt.final_chunk(item))
+                    if include_usage:
+                        yield _sse(fmt.usage_chunk(item))
+                else:
+                    yield _sse(fmt.chunk(item))
+        code = grpc.StatusCode.OK
+        yield "data: [DONE]\n\n"
+    except RequestError as e:
+        code = e.code
+        yield _sse(from_request_error(e).body())
+        yield "data: [DONE]\n\n"
+    except Exception as e:
+        log.exception("streaming request %s failed", fmt.request_id)
+        code = grpc.StatusCode.INTERNAL
+        error = RequestError(code, f"request failed: {short(e)}")
+        yield _sse(from_request_error(error).body())
+        yield "data: [DONE]\n\n"
+    finally:
+        call.finish(code)
+
+
+async def _whole(call: Call, fmt: Formatter, timeout_s: float, headers: dict) -> Response:
+    deltas: list[TokenDelta] = []
+    result: GenerateResult | None = None
+    try:
+        async with call.deadline(timeout_s), contextlib.aclosing(call.stream()) as items:
+            async for item in items:
+                if isinstance(item, GenerateResult):
+                    result = item
+                else:
+                    deltas.append(item)
+    except RequestError as e:
+        call.finish(e.code)
+        return from_request_error(e).response(headers)
+    except BaseException:
+        call.finish(grpc.StatusCode.CANCELLED)
+        raise
+    assert result is not None  # call.stream() ends with a result or raises
+    call.finish(grpc.StatusCode.OK)
+    return JSONResponse(fmt.whole(deltas, result), headers=headers)

@@ -1,0 +1,82 @@
+"""Request bodies of the OpenAI-compatible endpoints.
+
+Field names and defaults follow OpenAI's API; tandem's extensions (the same
+names as the gRPC ``GenerateRequest``) are ``top_k``, ``min_p``,
+``repetition_penalty``, ``ignore_eos``, ``stop_token_ids`` and
+``return_token_ids`` (adds each chunk's ``token_ids`` to its choice).
+Unknown fields are ignored, as OpenAI clients often send a few extra.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+    """Send one more chunk, with empty choices and the usage, before [DONE]."""
+
+
+class SamplingFields(BaseModel):
+    """What completions and chat completions share."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = Field(None, ge=0)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # tandem extensions (vLLM's names)
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    return_token_ids: bool = False
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0)
+    tools: list[dict] | None = None
+    response_format: dict | None = None

@@ -1,0 +1,186 @@
+"""Prometheus metrics of one router (served on the HTTP front's ``/metrics``).
+
+Request metrics are recorded by the router as requests run (both fronts,
+see lifecycle.py). Worker metrics (KV pool usage, running and waiting
+sequences, bytes moved) come from the workers' ``stats`` calls, pulled when
+``/metrics`` is scraped. Each router has its own registry (no global state).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from .backend import GenerateResult
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1, 2.5)
+
+
+@dataclass(frozen=True)
+class WorkerSample:
+    """One worker's numbers, from its ``stats`` call."""
+
+    name: str
+    role: str
+    free_blocks: int
+    total_blocks: int
+    running: int
+    waiting: int
+    kv_bytes_pushed: int = 0
+    kv_bytes_pulled: int = 0
+
+    @classmethod
+    def from_stats(cls, name: str, stats: Mapping[str, object]) -> WorkerSample:
+        def num(key: str) -> int:
+            value = stats.get(key, 0)
+            return int(value) if isinstance(value, int | float) else 0
+
+        return cls(
+            name=name,
+            role=str(stats.get("role", name.rsplit("-", 1)[0])),
+            free_blocks=num("free_blocks"),
+            total_blocks=num("total_blocks"),
+            running=num("num_running"),
+            waiting=num("num_waiting"),
+            kv_bytes_pushed=num("kv_bytes_pushed"),
+            kv_bytes_pulled=num("kv_bytes_pulled"),
+        )
+
+
+class WorkerCollector(Collector):
+    """Exposes the latest worker samples (set by ``RouterMetrics.set_workers``)."""
+
+    def __init__(self) -> None:
+        self.samples: list[WorkerSample] = []
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["worker", "role"]
+        gauges = {
+            "kv_blocks_used": ("KV blocks in use (not free) on the worker", self._used),
+            "kv_blocks_total": ("KV blocks in the worker's pool", lambda s: s.total_blocks),
+            "kv_usage_ratio": ("Share of the worker's KV pool in use", self._ratio),
+            "running_sequences": ("Sequences the worker is running", lambda s: s.running),
+            "waiting_sequences": ("Sequences queued on the worker", lambda s: s.waiting),
+        }
+        for name, (doc, value) in gauges.items():
+            family = GaugeMetricFamily(f"tandem_worker_{name}", doc, labels=labels)
+            for s in self.samples:
+                family.add_metric([s.name, s.role], value(s))
+            yield family
+        counters = {
+            "kv_pushed_bytes": ("KV bytes the worker pushed", lambda s: s.kv_bytes_pushed),
+            "kv_pulled_bytes": ("KV bytes the worker pulled", lambda s: s.kv_bytes_pulled),
+        }
+        for name, (doc, value) in counters.items():
+            family = CounterMetricFamily(f"tandem_worker_{name}", doc, labels=labels)
+            for s in self.samples:
+                family.add_metric([s.name, s.role], value(s))
+            yield family
+        queued = GaugeMetricFamily("tandem_queue_depth", "Sequences waiting on all workers")
+        queued.add_metric([], sum(s.waiting for s in self.samples))
+        yield queued
+        running = GaugeMetricFamily("tandem_running_sequences", "Sequences running on all workers")
+        running.add_metric([], sum(s.running for s in self.samples))
+        yield running
+
+    @staticmethod
+    def _used(s: WorkerSample) -> int:
+        return s.total_blocks - s.free_blocks
+
+    @staticmethod
+    def _ratio(s: WorkerSample) -> float:
+        return (s.total_blocks - s.free_blocks) / s.total_blocks if s.total_blocks else 0.0
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "tandem_requests",
+            "Finished requests by front (grpc, http) and status (gRPC code name)",
+            ["protocol", "status"],
+            registry=r,
+        )
+        self.in_flight = Gauge("tandem_requests_in_flight", "Requests in the router", registry=r)
+        self.ttft = Histogram(
+            "tandem_time_to_first_token_seconds",
+            "Request received to first token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "tandem_inter_token_latency_seconds",
+            "Time between two streamed deltas of a request",
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "tandem_time_per_output_token_seconds",
+            "Mean time per output token after the first, one sample per request",
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "tandem_e2e_request_latency_seconds",
+            "Request received to its last token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "tandem_prompt_tokens", "Prompt tokens of finished requests", registry=r
+        )
+        self.cached_tokens = Counter(
+            "tandem_cached_prompt_tokens",
+            "Prompt tokens served from a prefix cache",
+            registry=r,
+        )
+        self.generation_tokens = Counter(
+            "tandem_generation_tokens", "Tokens generated for finished requests", registry=r
+        )
+        self.hit_rate = Gauge(
+            "tandem_prefix_cache_hit_rate",
+            "Cached prompt tokens / prompt tokens, since the router started",
+            registry=r,
+        )
+        self.hit_rate.set_function(self._hit_rate)
+        self.transfer_bytes = Counter(
+            "tandem_kv_transfer_bytes", "KV bytes pushed from prefill to decode", registry=r
+        )
+        self.transfer_seconds = Histogram(
+            "tandem_kv_transfer_seconds",
+            "Duration of one request's KV push (prefill to decode)",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.auth_refused = Counter(
+            "tandem_auth_refused", "Calls refused for a missing or invalid API key", registry=r
+        )
+        self.workers = WorkerCollector()
+        r.register(self.workers)
+
+    def _hit_rate(self) -> float:
+        prompt = self.prompt_tokens._value.get()
+        return self.cached_tokens._value.get() / prompt if prompt else 0.0
+
+    def observe_result(self, result: GenerateResult, e2e_s: float) -> None:
+        self.e2e.observe(e2e_s)
+        if result.completion_tokens > 1:
+            self.tpot.observe(result.mean_tpot_s)
+        self.prompt_tokens.inc(result.prompt_tokens)
+        self.cached_tokens.inc(result.cached_tokens)
+        self.generation_tokens.inc(result.completion_tokens)
+        if result.kv_transfer_s is not None:
+            self.transfer_seconds.observe(result.kv_transfer_s)
+            self.transfer_bytes.inc(result.kv_transfer_bytes)
+
+    def set_workers(self, stats: Mapping[str, Mapping[str, object]]) -> None:
+        self.workers.samples = [WorkerSample.from_stats(n, s) for n, s in sorted(stats.items())]
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
