@@ -11,6 +11,9 @@ Sampling keywords are the ``GenerateRequest`` field names (``max_tokens``,
 ``stop_token_ids``, ``ignore_eos``, ``logprobs``, ``request_id``); a keyword
 left at None keeps the server default.
 
+With API keys on the server, the client sends ``api_key``, else
+``$TANDEM_API_KEY``, as ``authorization: Bearer <key>``.
+
 Errors surface as ``grpc.aio.AioRpcError``: ``.code()`` is the status
 (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED, UNAVAILABLE, ...)
 and ``.details()`` the server's message.
@@ -26,6 +29,8 @@ import grpc
 
 from protos.tandem.v1 import generate_pb2 as pb
 from protos.tandem.v1 import generate_pb2_grpc
+
+from .auth import client_metadata
 
 MAX_MESSAGE_BYTES = 64 << 20
 
@@ -100,9 +105,12 @@ def collect(responses: Sequence[pb.GenerateResponse]) -> Completion:
 class TandemClient:
     """Async client over one ``grpc.aio`` channel; use as an async context manager."""
 
-    def __init__(self, target: str, timeout_s: float | None = None) -> None:
+    def __init__(
+        self, target: str, timeout_s: float | None = None, api_key: str | None = None
+    ) -> None:
         self.target = target
         self.timeout_s = timeout_s
+        self._metadata = client_metadata(api_key)  # api_key, else $TANDEM_API_KEY
         self._channel: grpc.aio.Channel | None = None
         self._stub: generate_pb2_grpc.TandemStub | None = None
 
@@ -132,7 +140,9 @@ class TandemClient:
         cancels the call (the server aborts the request)."""
         if self._stub is None:
             raise RuntimeError("TandemClient is not open; use `async with TandemClient(...)`")
-        call = self._stub.Generate(build_request(prompt, **sampling), timeout=self.timeout_s)
+        call = self._stub.Generate(
+            build_request(prompt, **sampling), timeout=self.timeout_s, metadata=self._metadata
+        )
         try:
             async for response in call:
                 yield response

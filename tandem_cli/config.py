@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 
 class WorkerResources(BaseModel):
@@ -92,6 +92,24 @@ class ServeConfig(BaseModel):
     """Blocks reserved or pinned for a KV transfer are freed after this."""
     request_timeout_s: float = Field(600.0, gt=0)
     """Upper bound on one request when the client sets no deadline."""
+    http_port: int | None = Field(None, ge=0, le=65535)
+    """Port of the OpenAI-compatible HTTP API and /metrics; None: no HTTP front; 0 picks a
+    free one."""
+    http_host: str | None = None
+    """Address the HTTP front binds to; None: the same as host."""
+    served_model_name: str | None = None
+    """Model name that /v1/models lists and HTTP requests must give; None: the model
+    argument (or tandem-tiny-llama for the embedded model)."""
+    chat_template: str | None = None
+    """Jinja chat template file for /v1/chat/completions; None: the tokenizer's, else a
+    plain "role: content" fallback."""
+    api_keys: list[SecretStr] = Field(default_factory=list)
+    """Keys accepted as 'authorization: Bearer <key>' on the gRPC and HTTP APIs (with
+    api_keys_file and $TANDEM_API_KEYS); none anywhere: no authentication."""
+    api_keys_file: str | None = None
+    """File of accepted API keys, one per line (# starts a comment)."""
+    log_format: Literal["text", "json"] = "text"
+    """Router and worker logs: text (request events as key=value) or JSON lines."""
 
     @model_validator(mode="after")
     def _check_pools(self) -> ServeConfig:

@@ -13,8 +13,8 @@ from collections.abc import Coroutine
 from typing import Any
 
 from router.ray_backend import RayBackend
-from router.service import RouterServer
 from tandem_cli.config import ServeConfig
+from tandem_cli.serve import server_for
 
 
 class Deployment:
@@ -24,16 +24,11 @@ class Deployment:
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._thread.start()
         self.backend = RayBackend(config)
-        self.server = RouterServer(
-            self.backend,
-            host="127.0.0.1",
-            port=0,
-            max_queued_requests=config.max_queued_requests,
-            request_timeout_s=config.request_timeout_s,
-            drain_timeout_s=config.grace_period_s,
-        )
+        # Both fronts on 127.0.0.1, free ports; HTTP only when config.http_port is set.
+        self.server = server_for(config, self.backend, local=True)
         self.run(self.server.start(), timeout=300)
         self.address = self.server.address
+        self.http_url = self.server.http.url if self.server.http is not None else None
 
     def run(self, coro: Coroutine[Any, Any, Any], timeout: float = 120) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)

@@ -71,6 +71,20 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         help="dummy: random weights of the model's config (benchmarks)",
     )
     p.add_argument(
+        "--http-port",
+        type=int,
+        metavar="P",
+        help="serve the OpenAI-compatible HTTP API and /metrics on port P (default: off)",
+    )
+    p.add_argument("--http-host", metavar="H", help="HTTP front address (default: --host)")
+    p.add_argument(
+        "--chat-template", metavar="FILE", help="Jinja chat template (default: the tokenizer's)"
+    )
+    p.add_argument(
+        "--served-model-name", metavar="NAME", help="model name of the HTTP API (/v1/models)"
+    )
+    p.add_argument("--log-format", choices=["text", "json"], help="log lines (default: text)")
+    p.add_argument(
         "--grace-period",
         dest="grace_period_s",
         type=float,

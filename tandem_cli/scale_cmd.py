@@ -9,6 +9,7 @@ import sys
 import grpc
 
 from protos.tandem.v1 import admin_pb2, admin_pb2_grpc
+from router.auth import client_metadata
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -39,4 +40,4 @@ def command(args: argparse.Namespace) -> int:
 
 async def _scale(target: str, request: admin_pb2.ScaleRequest) -> admin_pb2.ScaleReply:
     async with grpc.aio.insecure_channel(target) as channel:
-        return await admin_pb2_grpc.AdminStub(channel).Scale(request)
+        return await admin_pb2_grpc.AdminStub(channel).Scale(request, metadata=client_metadata())

@@ -17,8 +17,10 @@ from collections.abc import Callable
 import yaml
 from pydantic import ValidationError
 
+from engine.logfmt import configure_logging
+from router.auth import ApiKeys
 from router.backend import Backend
-from router.service import RouterServer
+from router.service import HttpSettings, RouterServer
 from tandem_cli.config import ServeConfig
 
 log = logging.getLogger(__name__)
@@ -26,7 +28,6 @@ log = logging.getLogger(__name__)
 # ray.init() swaps 127.0.0.1 for the machine's interface address; another
 # loopback address keeps a local cluster on loopback (/work/shared/NOTES.md).
 LOCAL_RAY_NODE_IP = "127.0.0.2"
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 SERVE_FLAGS = (
     "model",
     "prefill",
@@ -38,6 +39,11 @@ SERVE_FLAGS = (
     "redis_url",
     "load_format",
     "grace_period_s",
+    "http_port",
+    "http_host",
+    "chat_template",
+    "served_model_name",
+    "log_format",
 )
 
 
@@ -47,9 +53,7 @@ def command(args: argparse.Namespace) -> int:
     except (ValueError, OSError, yaml.YAMLError) as e:  # ValidationError is a ValueError
         print(f"tandem serve: invalid configuration:\n{describe_config_error(e)}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(config.log_format)
     return run(config)
 
 
@@ -66,6 +70,46 @@ def describe_config_error(e: Exception) -> str:
         where = ".".join(str(part) for part in err["loc"]) or "(top level)"
         lines.append(f"  {where}: {err['msg']}")
     return "\n".join(lines)
+
+
+def model_name(config: ServeConfig) -> str:
+    """What /v1/models lists: served_model_name, else the model argument."""
+    from engine.default_model import DEFAULT_MODEL_NAME
+
+    return config.served_model_name or config.model or DEFAULT_MODEL_NAME
+
+
+def api_keys(config: ServeConfig) -> ApiKeys:
+    """The config's keys, its keys file's and $TANDEM_API_KEYS, together."""
+    return ApiKeys.load([k.get_secret_value() for k in config.api_keys], config.api_keys_file)
+
+
+def http_settings(config: ServeConfig, *, local: bool = False) -> HttpSettings | None:
+    """The HTTP front's settings; None when http_port is unset (no HTTP front).
+    ``local`` binds 127.0.0.1 on a free port (tests)."""
+    if config.http_port is None:
+        return None
+    return HttpSettings(
+        host="127.0.0.1" if local else config.http_host or config.host,
+        port=0 if local else config.http_port,
+        model_name=model_name(config),
+        chat_template_file=config.chat_template,
+    )
+
+
+def server_for(config: ServeConfig, backend: Backend, *, local: bool = False) -> RouterServer:
+    """The router server of a config; ``local`` binds both fronts to 127.0.0.1 on free
+    ports (tests)."""
+    return RouterServer(
+        backend,
+        host="127.0.0.1" if local else config.host,
+        port=0 if local else config.port,
+        max_queued_requests=config.max_queued_requests,
+        request_timeout_s=config.request_timeout_s,
+        drain_timeout_s=config.grace_period_s,
+        api_keys=api_keys(config),
+        http=http_settings(config, local=local),
+    )
 
 
 def is_loopback(host: str) -> bool:
@@ -143,18 +187,13 @@ async def serve(
                 from router.ray_backend import RayBackend
 
                 backend = RayBackend(config)
-            server = RouterServer(
-                backend,
-                host=config.host,
-                port=config.port,
-                max_queued_requests=config.max_queued_requests,
-                request_timeout_s=config.request_timeout_s,
-                drain_timeout_s=config.grace_period_s,
-            )
+            server = server_for(config, backend)
             await server.start()
+            http = f", HTTP on {server.http.url}" if server.http is not None else ""
+            auth = f", {len(server.api_keys)} API keys" if server.api_keys.enabled else ""
             print(
-                f"tandem: serving {config.model or 'the default model'} on {server.address} "
-                f"(prefill {config.prefill}, decode {config.decode}, {config.mode})",
+                f"tandem: serving {config.model or 'the default model'} on {server.address}"
+                f"{http} (prefill {config.prefill}, decode {config.decode}, {config.mode}{auth})",
                 flush=True,
             )
             try:
