@@ -39,8 +39,8 @@ class FinalInfo:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
-    ttft_s: float = 0.0
-    mean_tpot_s: float = 0.0
+    ttft_s: float | None = None  # server-side; None when the server does not say (HTTP)
+    mean_tpot_s: float | None = None
     prefill_worker: str = ""
     decode_worker: str = ""
     finish_reason: str = ""

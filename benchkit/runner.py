@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from benchkit.http_client import HttpSender, http_ready, is_http
 from benchkit.metrics import OK, FinalInfo, RequestRecord
 from benchkit.workload import Conversation, Prompt, interarrival_gaps, next_turn_prompt
 from router.client import TandemClient
@@ -134,7 +135,7 @@ async def run_load(
     start = time.perf_counter()
     budget = _Budget(load.num_requests, load.duration_s, start)
 
-    async with TandemClient(target, timeout_s=timeout_s) as client:
+    async with _sender(target, timeout_s) as send:
 
         async def conversation(conv: Conversation, n_turns: int) -> None:
             prompt: Prompt = conv.turns[0].message
@@ -144,8 +145,7 @@ async def run_load(
                     if budget.expired():
                         return
                     prompt = next_turn_prompt(prompt, answer, conv.turns[k].message)
-                rec, answer = await send_one(
-                    client,
+                rec, answer = await send(
                     prompt,
                     conv.turns[k].max_tokens,
                     temperature=temperature,
@@ -189,8 +189,38 @@ async def run_load(
     return records
 
 
+class _GrpcSender:
+    def __init__(self, target: str, timeout_s: float | None) -> None:
+        self.client = TandemClient(target, timeout_s=timeout_s)
+
+    async def __aenter__(self):
+        await self.client.__aenter__()
+        return self.send
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.client.close()
+
+    async def send(self, prompt: Prompt, max_tokens: int, **kw) -> tuple[RequestRecord, Prompt]:
+        return await send_one(self.client, prompt, max_tokens, **kw)
+
+
+class _HttpSender(HttpSender):
+    async def __aenter__(self):
+        await super().__aenter__()
+        return self.send
+
+
+def _sender(target: str, timeout_s: float | None):
+    """An async context giving ``send(prompt, max_tokens, temperature=, index=, ...)``:
+    gRPC for ``host:port``, the HTTP front for ``http://host:port``."""
+    return _HttpSender(target, timeout_s) if is_http(target) else _GrpcSender(target, timeout_s)
+
+
 async def wait_ready(target: str, timeout_s: float = 10.0) -> bool:
-    """Whether a gRPC channel to ``target`` connects within ``timeout_s``."""
+    """Whether ``target`` answers within ``timeout_s``: a gRPC channel connects, or
+    the HTTP front's /health says ok."""
+    if is_http(target):
+        return await http_ready(target, timeout_s)
     async with grpc.aio.insecure_channel(target) as channel:
         try:
             await asyncio.wait_for(channel.channel_ready(), timeout_s)

@@ -81,7 +81,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             "requests, input 64:256 and output 32:64 random tokens."
         ),
     )
-    p.add_argument("--target", default=DEFAULT_TARGET, help="router address (%(default)s)")
+    p.add_argument(
+        "--target",
+        default=DEFAULT_TARGET,
+        help="router gRPC address, or http://HOST:PORT for the HTTP front (%(default)s)",
+    )
     load = p.add_mutually_exclusive_group()
     load.add_argument(
         "--rate",
