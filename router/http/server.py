@@ -58,13 +58,17 @@ class HttpFront:
     async def stop(self) -> None:
         if self._server is None or self._task is None:
             return
-        self._server.should_exit = True
-        try:
-            await asyncio.wait_for(asyncio.shield(self._task), 10)
-        except TimeoutError:
-            self._server.force_exit = True
-            await self._task
+        server, task = self._server, self._task
         self._server = self._task = None
+        server.should_exit = True
+        try:
+            await asyncio.wait_for(asyncio.shield(task), 10)
+        except TimeoutError:
+            server.force_exit = True
+            with contextlib.suppress(Exception):
+                await task
+        except Exception:  # it failed to start; start() raised that already
+            pass
 
 
 async def _serve(server: _Server) -> None:

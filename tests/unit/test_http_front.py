@@ -306,3 +306,26 @@ def test_failure_mid_stream_is_an_error_event():
         assert "scripted backend failure" in error["message"] and error["code"] == "internal"
 
     asyncio.run(body())
+
+
+def test_a_taken_http_port_fails_the_start_and_leaves_nothing_running():
+    async def body():
+        import socket
+
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            port = taken.getsockname()[1]
+            backend = FakeBackend()
+            server = RouterServer(
+                backend,
+                host="127.0.0.1",
+                port=0,
+                http=HttpSettings(host="127.0.0.1", port=port, model_name=MODEL),
+            )
+            with pytest.raises(OSError):
+                await server.start()
+            assert backend.shut_down and not backend.started
+            await server.stop(0)  # a no-op after a failed start
+
+    asyncio.run(body())
