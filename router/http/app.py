@@ -28,7 +28,6 @@ from .generate import handle
 
 log = logging.getLogger(__name__)
 WORKER_STATS_TIMEOUT_S = 5.0
-_OPEN_PATHS = ("/health", "/metrics")
 
 
 @dataclass
@@ -69,14 +68,12 @@ def create_app(state: FrontState) -> FastAPI:
     app = FastAPI(title="tandem", docs_url=None, redoc_url=None, openapi_url=None)
     metrics = state.lifecycle.metrics
 
-    @app.middleware("http")
-    async def require_key(request: Request, call_next):
-        if request.url.path in _OPEN_PATHS or state.keys.check_header(
-            request.headers.get("authorization")
-        ):
-            return await call_next(request)
+    def refused(request: Request) -> Response | None:
+        """A 401 response when the request lacks a valid key, else None."""
+        if state.keys.check_header(request.headers.get("authorization")):
+            return None
         metrics.auth_refused.inc()
-        if request.url.path in ("/v1/completions", "/v1/chat/completions"):
+        if request.url.path.endswith("completions"):
             metrics.requests.labels("http", "UNAUTHENTICATED").inc()
         return unauthenticated(UNAUTHENTICATED_MESSAGE).response()
 
@@ -93,7 +90,9 @@ def create_app(state: FrontState) -> FastAPI:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
-    async def models() -> Response:
+    async def models(request: Request) -> Response:
+        if (refusal := refused(request)) is not None:
+            return refusal
         card = {
             "id": state.model_name,
             "object": "model",
@@ -105,10 +104,14 @@ def create_app(state: FrontState) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
+        if (refusal := refused(request)) is not None:
+            return refusal
         return await handle(state, request, "completion")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
+        if (refusal := refused(request)) is not None:
+            return refusal
         return await handle(state, request, "chat")
 
     @app.exception_handler(404)

@@ -1,0 +1,122 @@
+"""HTTP front benchmark: the OpenAI-compatible HTTP API against the gRPC API
+of the same router, same run, default tiny model.
+
+`tandem serve --http-port 0` runs in its own process (1 prefill + 1
+decode); `tandem bench`'s runner replays the same closed-loop workload
+(random token-id prompts, a fresh set per run so no prefix is cached,
+ignore_eos) over gRPC and over HTTP (streamed
+/v1/completions), in alternating rounds so drift hits both alike. Printed:
+TTFT, TPOT and ITL medians and output tokens/s per front, and HTTP / gRPC
+ratios (target: within 1.10x). The last line is one JSON object.
+
+  python bench/http_front.py [--rounds 3] [--requests 32] [--concurrency 8]
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+# Run as `python bench/<name>.py`: put the repository root first on the path.
+sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+
+from benchkit import metrics
+from benchkit.runner import LoadSpec, run_load, wait_ready
+from benchkit.workload import LengthRange, synthetic_conversations
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@contextlib.contextmanager
+def serve():
+    """`tandem serve` with the HTTP front, in a subprocess; yields (grpc, http) addresses."""
+    cmd = [sys.executable, "-m", "tandem_cli.main", "serve", "--port", "0", "--http-port", "0"]
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            match = re.search(r"tandem: serving .* on (\S+:\d+), HTTP on (http://\S+:\d+)", line)
+            if match:
+                yield match.group(1), match.group(2)
+                break
+            if not line and proc.poll() is not None:
+                raise RuntimeError(f"tandem serve exited with {proc.returncode}")
+        else:
+            raise RuntimeError("tandem serve did not start in time")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def one_run(target: str, args: argparse.Namespace, seed: int) -> dict:
+    load = LoadSpec(concurrency=args.concurrency, num_requests=args.requests, seed=seed)
+    conversations = synthetic_conversations(
+        LengthRange(args.input_len, args.input_len),
+        LengthRange(args.output_len, args.output_len),
+        seed=seed,
+    )
+    records = asyncio.run(run_load(target, conversations, load, temperature=0.0, timeout_s=300))
+    summary = metrics.summarize(records, {})
+    if summary["failed"]:
+        raise RuntimeError(f"{target}: {summary['errors']}")
+    return summary
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--requests", type=int, default=32)
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=32)
+    args = p.parse_args()
+    runs: dict[str, list[dict]] = {"grpc": [], "http": []}
+    with serve() as (grpc_target, http_target):
+        for target in (grpc_target, http_target):
+            assert asyncio.run(wait_ready(target, 60)), target
+        one_run(grpc_target, args, seed=999)  # warm-up: the first requests build caches
+        for r in range(args.rounds):
+            order = [("grpc", grpc_target), ("http", http_target)]
+            for name, target in order if r % 2 == 0 else order[::-1]:
+                seed = 2 * r + (name == "http")  # fresh prompts: no prefix-cache hits
+                runs[name].append(one_run(target, args, seed=seed))
+
+    def median_of(name: str, key: str) -> float:
+        values = sorted(
+            run[key]["p50"] if isinstance(run[key], dict) else run[key] for run in runs[name]
+        )
+        return values[len(values) // 2]
+
+    figures: dict[str, dict[str, float]] = {}
+    for name in runs:
+        figures[name] = {
+            "ttft_p50_ms": median_of(name, "ttft_s") * 1e3,
+            "tpot_p50_ms": median_of(name, "tpot_s") * 1e3,
+            "itl_p50_ms": median_of(name, "itl_s") * 1e3,
+            "output_tok_s": median_of(name, "output_throughput"),
+        }
+    ratios = {k: figures["http"][k] / figures["grpc"][k] for k in figures["grpc"]}
+    print(f"{'':14}{'gRPC':>12}{'HTTP':>12}{'HTTP/gRPC':>12}")
+    for key, ratio in ratios.items():
+        print(f"{key:14}{figures['grpc'][key]:12.1f}{figures['http'][key]:12.1f}{ratio:12.2f}")
+    print(json.dumps({"bench": "http_front", "args": vars(args), **figures, "ratios": ratios}))
+
+
+if __name__ == "__main__":
+    main()
