@@ -236,3 +236,30 @@ def test_request_id_in_router_and_worker_logs(dep, caplog):
                     found |= {w for w in wanted if w in line}
         time.sleep(0.5)
     assert found == wanted
+
+
+def test_http_disconnect_mid_stream_frees_every_block(dep):
+    payload = {
+        "model": MODEL,
+        "prompt": PROMPTS[1],
+        "max_tokens": 400,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    headers = {"authorization": f"Bearer {KEY}"}
+    with (
+        httpx.Client(base_url=dep.http_url, timeout=120) as http,
+        http.stream("POST", "/v1/completions", json=payload, headers=headers) as reply,
+    ):
+        events = 0
+        for line in reply.iter_lines():
+            events += line.startswith("data: ")
+            if events == 3:
+                break  # leaving the block closes the connection mid-stream
+    deadline = time.monotonic() + 30
+    while (leaks := dep.leaked_blocks()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert leaks == {}
+    while dep.server.lifecycle.stats.in_flight and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert dep.server.lifecycle.stats.totals["CANCELLED"] >= 1

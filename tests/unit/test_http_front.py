@@ -28,13 +28,16 @@ KEY = "sk-test-key"
 
 
 @contextlib.asynccontextmanager
-async def serving(backend: FakeBackend, keys: tuple[str, ...] = ()) -> AsyncIterator[RouterServer]:
+async def serving(
+    backend: FakeBackend, keys: tuple[str, ...] = (), **server_kwargs
+) -> AsyncIterator[RouterServer]:
     server = RouterServer(
         backend,
         host="127.0.0.1",
         port=0,
         api_keys=ApiKeys(keys),
         http=HttpSettings(host="127.0.0.1", port=0, model_name=MODEL),
+        **server_kwargs,
     )
     await server.start()
     try:
@@ -327,5 +330,87 @@ def test_a_taken_http_port_fails_the_start_and_leaves_nothing_running():
                 await server.start()
             assert backend.shut_down and not backend.started
             await server.stop(0)  # a no-op after a failed start
+
+    asyncio.run(body())
+
+
+def test_admission_limit_and_request_id_conflict():
+    async def body():
+        gate = asyncio.Event()
+        backend = FakeBackend(tokenizer=FakeTokenizer(), gate=gate)
+        payload = {"model": MODEL, "prompt": "x", "max_tokens": 2}
+        same = {"x-request-id": "same"}
+        async with (
+            serving(backend, max_queued_requests=2) as server,
+            httpx.AsyncClient(base_url=server.http.url, timeout=30) as http,
+        ):
+            held = asyncio.create_task(http.post("/v1/completions", json=payload, headers=same))
+            await backend.wait_for(lambda b: len(b.running) == 1)
+            dup = await http.post("/v1/completions", json=payload, headers=same)
+            assert dup.status_code == 409 and "already running" in dup.json()["error"]["message"]
+            busy = asyncio.create_task(http.post("/v1/completions", json=payload))
+            await backend.wait_for(lambda b: len(b.running) == 2)
+            full = await http.post("/v1/completions", json=payload)
+            assert full.status_code == 429
+            assert full.json()["error"]["type"] == "rate_limit_error"
+            gate.set()
+            assert (await held).status_code == 200 and (await busy).status_code == 200
+        totals = server.lifecycle.stats.totals
+        assert totals == {"OK": 2, "ALREADY_EXISTS": 1, "RESOURCE_EXHAUSTED": 1}
+
+    asyncio.run(body())
+
+
+def test_request_timeout_is_504_or_an_error_event_and_aborts():
+    async def body():
+        backend = FakeBackend(tokenizer=FakeTokenizer(), pause_after=1)
+        async with serving(backend, request_timeout_s=0.3) as server:
+            async with httpx.AsyncClient(base_url=server.http.url, timeout=30) as http:
+                payload = {"model": MODEL, "prompt": "x", "max_tokens": 5}
+                whole = await http.post(
+                    "/v1/completions", json=payload, headers={"x-request-id": "w"}
+                )
+                streamed = await http.post(
+                    "/v1/completions",
+                    json={**payload, "stream": True},
+                    headers={"x-request-id": "s"},
+                )
+            await backend.wait_for(lambda b: {"w", "s"} <= set(b.aborted))
+            assert server.lifecycle.stats.totals["DEADLINE_EXCEEDED"] == 2
+        assert whole.status_code == 504 and "deadline" in whole.json()["error"]["message"]
+        events = [line[6:] for line in streamed.text.splitlines() if line.startswith("data: ")]
+        assert json.loads(events[0])["choices"][0]["text"] == " alpha"
+        assert json.loads(events[-2])["error"]["code"] == "deadline_exceeded"
+        assert events[-1] == "[DONE]"
+
+    asyncio.run(body())
+
+
+def test_health_is_503_while_starting():
+    async def body():
+        start_gate = asyncio.Event()
+        backend = FakeBackend(tokenizer=FakeTokenizer(), start_gate=start_gate)
+        server = RouterServer(
+            backend,
+            host="127.0.0.1",
+            port=0,
+            http=HttpSettings(host="127.0.0.1", port=0, model_name=MODEL),
+        )
+        starting = asyncio.create_task(server.start())
+        try:
+            async with asyncio.timeout(10):
+                while server.http.port == 0:
+                    await asyncio.sleep(0.01)
+            async with httpx.AsyncClient(base_url=server.http.url) as http:
+                assert (await http.get("/health")).status_code == 503
+                payload = {"model": MODEL, "prompt": "x"}
+                assert (await http.post("/v1/completions", json=payload)).status_code == 503
+                start_gate.set()
+                await starting
+                assert (await http.get("/health")).status_code == 200
+        finally:
+            start_gate.set()
+            await starting
+            await server.stop(0)
 
     asyncio.run(body())
