@@ -41,7 +41,8 @@ class RequestError(Exception):
         self.message = message
 
 
-def _invalid(message: str) -> RequestError:
+def invalid_argument(message: str) -> RequestError:
+    """A refusal with INVALID_ARGUMENT; the message names the field."""
     return RequestError(grpc.StatusCode.INVALID_ARGUMENT, message)
 
 
@@ -60,9 +61,11 @@ def sampling_params(request: pb.GenerateRequest, backend: Backend) -> SamplingPa
         )
         params.validate_for_vocab(backend.vocab_size)
     except ValueError as e:
-        raise _invalid(str(e)) from None
+        raise invalid_argument(str(e)) from None
     if params.stop and backend.tokenizer is None:
-        raise _invalid("stop strings need a tokenizer; this server has none (use stop_token_ids)")
+        raise invalid_argument(
+            "stop strings need a tokenizer; this server has none (use stop_token_ids)"
+        )
     return params
 
 
@@ -70,7 +73,7 @@ async def prompt_token_ids(request: pb.GenerateRequest, backend: Backend) -> lis
     """The prompt as token ids, checked against the vocabulary and max_model_len."""
     has_text, has_ids = bool(request.prompt), bool(request.prompt_token_ids)
     if has_text == has_ids:
-        raise _invalid(
+        raise invalid_argument(
             "prompt and prompt_token_ids are mutually exclusive"
             if has_text
             else "prompt is required: set one of prompt or prompt_token_ids"
@@ -78,21 +81,23 @@ async def prompt_token_ids(request: pb.GenerateRequest, backend: Backend) -> lis
     field_name = "prompt" if has_text else "prompt_token_ids"
     if has_text:
         if backend.tokenizer is None:
-            raise _invalid("prompt text needs a tokenizer; this server has none (send token ids)")
+            raise invalid_argument(
+                "prompt text needs a tokenizer; this server has none (send token ids)"
+            )
         ids = await _tokenize(backend.tokenizer, request.prompt)
         if not ids:
-            raise _invalid("prompt tokenizes to no tokens")
+            raise invalid_argument("prompt tokenizes to no tokens")
     else:
         ids = list(request.prompt_token_ids)
         vocab = backend.vocab_size
         bad = next((i for i, t in enumerate(ids) if not 0 <= t < vocab), None)
         if bad is not None:
-            raise _invalid(
+            raise invalid_argument(
                 f"prompt_token_ids[{bad}] = {ids[bad]} is outside the vocabulary [0, {vocab})"
             )
     limit = backend.max_model_len
     if len(ids) >= limit:
-        raise _invalid(
+        raise invalid_argument(
             f"{field_name} has {len(ids)} tokens; the limit is {limit - 1} (max_model_len {limit})"
         )
     return ids
@@ -108,7 +113,7 @@ def request_id_of(request: pb.GenerateRequest) -> str:
     """The client's request id, or a fresh one when unset or empty."""
     rid = request.request_id if request.HasField("request_id") else ""
     if len(rid) > MAX_REQUEST_ID_CHARS:
-        raise _invalid(f"request_id must have at most {MAX_REQUEST_ID_CHARS} characters")
+        raise invalid_argument(f"request_id must have at most {MAX_REQUEST_ID_CHARS} characters")
     return rid or uuid.uuid4().hex
 
 

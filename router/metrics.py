@@ -100,6 +100,7 @@ class WorkerCollector(Collector):
 
 class RouterMetrics:
     def __init__(self) -> None:
+        self._token_totals = (0, 0)  # (prompt, cached) tokens, for the hit rate
         r = self.registry = CollectorRegistry()
         self.requests = Counter(
             "tandem_requests",
@@ -165,8 +166,8 @@ class RouterMetrics:
         r.register(self.workers)
 
     def _hit_rate(self) -> float:
-        prompt = self.prompt_tokens._value.get()
-        return self.cached_tokens._value.get() / prompt if prompt else 0.0
+        prompt, cached = self._token_totals
+        return cached / prompt if prompt else 0.0
 
     def observe_result(self, result: GenerateResult, e2e_s: float) -> None:
         self.e2e.observe(e2e_s)
@@ -174,6 +175,8 @@ class RouterMetrics:
             self.tpot.observe(result.mean_tpot_s)
         self.prompt_tokens.inc(result.prompt_tokens)
         self.cached_tokens.inc(result.cached_tokens)
+        prompt, cached = self._token_totals
+        self._token_totals = (prompt + result.prompt_tokens, cached + result.cached_tokens)
         self.generation_tokens.inc(result.completion_tokens)
         if result.kv_transfer_s is not None:
             self.transfer_seconds.observe(result.kv_transfer_s)

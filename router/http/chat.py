@@ -20,7 +20,7 @@ from typing import Any
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from router.messages import _invalid
+from router.messages import invalid_argument
 
 from .schemas import ChatMessage
 
@@ -62,7 +62,7 @@ class ChatTemplate:
                 eos_token=getattr(self.tokenizer, "eos_token", None) or "",
             )
         except TemplateError as e:
-            raise _invalid(f"messages: the chat template refused them: {e}") from None
+            raise invalid_argument(f"messages: the chat template refused them: {e}") from None
 
 
 def _text_of(message: ChatMessage, index: int) -> str:
@@ -74,7 +74,7 @@ def _text_of(message: ChatMessage, index: int) -> str:
     texts = []
     for part in content:
         if part.type != "text" or part.text is None:
-            raise _invalid(
+            raise invalid_argument(
                 f"messages[{index}].content: only text parts are supported, got {part.type!r}"
             )
         texts.append(part.text)

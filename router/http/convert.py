@@ -11,7 +11,7 @@ import asyncio
 from typing import Any
 
 from protos.tandem.v1 import generate_pb2 as pb
-from router.messages import _invalid
+from router.messages import invalid_argument
 
 from .chat import ChatTemplate, encode_rendered
 from .schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -22,9 +22,9 @@ _TOKENIZE_IN_THREAD_CHARS = 16_384
 
 def _sampling(body: SamplingFields, request_id: str) -> pb.GenerateRequest:
     if body.n != 1:
-        raise _invalid("n: only n=1 is supported")
+        raise invalid_argument("n: only n=1 is supported")
     if body.logit_bias:
-        raise _invalid("logit_bias is not supported")
+        raise invalid_argument("logit_bias is not supported")
     request = pb.GenerateRequest(request_id=request_id, ignore_eos=body.ignore_eos)
     for name in (
         "max_tokens",
@@ -49,11 +49,11 @@ def _sampling(body: SamplingFields, request_id: str) -> pb.GenerateRequest:
 
 def completion_request(body: CompletionRequest, request_id: str) -> pb.GenerateRequest:
     if body.echo:
-        raise _invalid("echo is not supported")
+        raise invalid_argument("echo is not supported")
     if body.suffix:
-        raise _invalid("suffix is not supported")
+        raise invalid_argument("suffix is not supported")
     if body.best_of not in (None, 1):
-        raise _invalid("best_of: only 1 is supported")
+        raise invalid_argument("best_of: only 1 is supported")
     request = _sampling(body, request_id)
     prompt = body.prompt
     if isinstance(prompt, str):
@@ -67,7 +67,7 @@ def completion_request(body: CompletionRequest, request_id: str) -> pb.GenerateR
         else:
             request.prompt_token_ids.extend(one)  # type: ignore[arg-type]
     else:
-        raise _invalid("prompt: give one prompt (a string or a list of token ids)")
+        raise invalid_argument("prompt: give one prompt (a string or a list of token ids)")
     if body.logprobs is not None:
         request.logprobs = body.logprobs
     return request
@@ -77,19 +77,19 @@ async def chat_request(
     body: ChatCompletionRequest, request_id: str, template: ChatTemplate, tokenizer: Any
 ) -> pb.GenerateRequest:
     if body.tools:
-        raise _invalid("tools are not supported")
+        raise invalid_argument("tools are not supported")
     if body.response_format and body.response_format.get("type") not in (None, "text"):
-        raise _invalid("response_format: only text is supported")
+        raise invalid_argument("response_format: only text is supported")
     if tokenizer is None:
-        raise _invalid("messages: chat needs a tokenizer; this server has none")
+        raise invalid_argument("messages: chat needs a tokenizer; this server has none")
     request = _sampling(body, request_id)
     if body.max_completion_tokens is not None:
         request.max_tokens = body.max_completion_tokens
     if body.top_logprobs is not None:
         if not body.logprobs:
-            raise _invalid("top_logprobs needs logprobs=true")
+            raise invalid_argument("top_logprobs needs logprobs=true")
         if body.top_logprobs > MAX_CHAT_TOP_LOGPROBS:
-            raise _invalid(f"top_logprobs must be at most {MAX_CHAT_TOP_LOGPROBS}")
+            raise invalid_argument(f"top_logprobs must be at most {MAX_CHAT_TOP_LOGPROBS}")
     if body.logprobs:
         request.logprobs = body.top_logprobs or 0
     text = template.render(body.messages)
@@ -98,6 +98,6 @@ async def chat_request(
     else:
         ids = encode_rendered(tokenizer, text)
     if not ids:
-        raise _invalid("messages: the chat template rendered no tokens")
+        raise invalid_argument("messages: the chat template rendered no tokens")
     request.prompt_token_ids.extend(ids)
     return request

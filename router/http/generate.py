@@ -11,6 +11,7 @@ cancels the request, which frees its blocks on every worker.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -25,7 +26,7 @@ from pydantic import ValidationError
 
 from router.backend import GenerateResult, TokenDelta
 from router.lifecycle import Call, short
-from router.messages import RequestError, _invalid, to_generate_input
+from router.messages import RequestError, invalid_argument, to_generate_input
 
 from .convert import chat_request, completion_request
 from .errors import from_request_error, invalid
@@ -47,7 +48,7 @@ def _parse(kind: Kind, raw: bytes) -> CompletionRequest | ChatCompletionRequest:
     try:
         data = json.loads(raw)
     except ValueError:
-        raise _invalid("the request body is not valid JSON") from None
+        raise invalid_argument("the request body is not valid JSON") from None
     model = ChatCompletionRequest if kind == "chat" else CompletionRequest
     try:
         return model.model_validate(data)
@@ -97,7 +98,7 @@ async def handle(state: FrontState, raw: Request, kind: Kind) -> Response:
     if body.stream:
         events = _events(call, fmt, body.include_usage, timeout_s)
         return StreamingResponse(events, media_type="text/event-stream", headers=headers)
-    return await _whole(call, fmt, timeout_s, headers)
+    return await _whole(call, fmt, timeout_s, headers, raw)
 
 
 async def _events(
@@ -131,22 +132,43 @@ async def _events(
         call.finish(code)
 
 
-async def _whole(call: Call, fmt: Formatter, timeout_s: float, headers: dict) -> Response:
+async def _whole(
+    call: Call, fmt: Formatter, timeout_s: float, headers: dict, raw: Request
+) -> Response:
+    """The whole answer as one JSON body; a client that disconnects first cancels it."""
     deltas: list[TokenDelta] = []
-    result: GenerateResult | None = None
-    try:
+    result: list[GenerateResult] = []
+
+    async def collect() -> None:
         async with call.deadline(timeout_s), contextlib.aclosing(call.stream()) as items:
             async for item in items:
-                if isinstance(item, GenerateResult):
-                    result = item
-                else:
-                    deltas.append(item)
+                (result if isinstance(item, GenerateResult) else deltas).append(item)
+
+    work = asyncio.ensure_future(collect())
+    gone = asyncio.ensure_future(_disconnected(raw))
+    try:
+        await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+        if not work.done():  # the client left: stop the request (its blocks are freed)
+            work.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await work
+            call.finish(grpc.StatusCode.CANCELLED)
+            return Response(status_code=499)  # nobody reads it
+        work.result()
     except RequestError as e:
         call.finish(e.code)
         return from_request_error(e).response(headers)
     except BaseException:
+        work.cancel()
         call.finish(grpc.StatusCode.CANCELLED)
         raise
-    assert result is not None  # call.stream() ends with a result or raises
+    finally:
+        gone.cancel()
     call.finish(grpc.StatusCode.OK)
-    return JSONResponse(fmt.whole(deltas, result), headers=headers)
+    return JSONResponse(fmt.whole(deltas, result[0]), headers=headers)
+
+
+async def _disconnected(raw: Request) -> None:
+    """Returns when the client closes the connection (the body was read already)."""
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass

@@ -414,3 +414,21 @@ def test_health_is_503_while_starting():
             await server.stop(0)
 
     asyncio.run(body())
+
+
+def test_disconnect_before_a_whole_answer_aborts_the_backend():
+    async def body():
+        backend = FakeBackend(tokenizer=FakeTokenizer(), pause_after=1)
+        async with serving(backend) as server:
+            payload = {"model": MODEL, "prompt": "x", "max_tokens": 5}
+            async with httpx.AsyncClient(base_url=server.http.url, timeout=0.5) as http:
+                with pytest.raises(httpx.ReadTimeout):  # the client gives up and hangs up
+                    await http.post("/v1/completions", json=payload, headers={"x-request-id": "n1"})
+            await backend.wait_for(lambda b: "n1" in b.aborted)
+            async with asyncio.timeout(10):
+                while server.lifecycle.stats.in_flight:
+                    await asyncio.sleep(0.01)
+            assert server.lifecycle.stats.totals["CANCELLED"] == 1
+        assert backend.finished == []
+
+    asyncio.run(body())
