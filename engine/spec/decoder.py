@@ -177,6 +177,17 @@ class SpecDecoder:
         self.proposer.release(request_id)
 
 
+def spec_stats(decoder: SpecDecoder | None) -> dict[str, int]:
+    """Acceptance counters for a worker's stats (zeros without speculation)."""
+    if decoder is None:
+        return {"spec_proposed_tokens": 0, "spec_accepted_tokens": 0, "spec_emitted_tokens": 0}
+    return {
+        "spec_proposed_tokens": decoder.num_proposed,
+        "spec_accepted_tokens": decoder.num_accepted,
+        "spec_emitted_tokens": decoder.num_emitted,
+    }
+
+
 def _sampled(
     token: int, logprobs: torch.Tensor | None, row: int, num_top: int | None
 ) -> SampledToken:
@@ -206,4 +217,4 @@ def _merge(a: RequestOutput, b: RequestOutput) -> RequestOutput:
     )
 
 
-__all__ = ["Proposal", "SpecDecoder"]
+__all__ = ["Proposal", "SpecDecoder", "spec_stats"]
