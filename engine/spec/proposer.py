@@ -36,7 +36,8 @@ class Proposer(Protocol):
 class NgramProposer:
     """Prompt lookup: find the latest earlier occurrence of the sequence's last
     ``n`` tokens (n from ``ngram_max`` down to ``ngram_min``) in its prompt and
-    output, and propose the tokens that followed it. Costs no model pass; pays
+    output, and propose the tokens that followed it (repeating them when they
+    run into the end: a sequence in a loop gets all k tokens). Costs no model pass; pays
     off when the output repeats its context (editing code, quoting, extraction)."""
 
     def __init__(self, ngram_min: int, ngram_max: int) -> None:
@@ -58,8 +59,13 @@ class NgramProposer:
             windows = np.lib.stride_tricks.sliding_window_view(arr[:-1], n)
             hits = np.flatnonzero((windows == suffix).all(axis=1))
             if hits.size:
-                start = int(hits[-1]) + n
-                return arr[start : start + k].tolist()
+                # The suffix recurs ``period`` tokens later: continue with that
+                # period, past the end too (a loop proposes all k tokens).
+                period = len(arr) - n - int(hits[-1])
+                out = arr[len(arr) - period :][:k].tolist()
+                while len(out) < k:
+                    out.append(out[len(out) - period])
+                return out
         return []
 
     def release(self, request_id: str) -> None:

@@ -166,3 +166,40 @@ def test_config_is_checked():
         SpeculativeConfig("draft")
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         SpeculativeConfig("ngram", num_speculative_tokens=0)
+
+
+def test_worker_stats_count_acceptance_and_quantized_store(llama_dir):
+    from engine.transfer.quantized import QuantizedBlockStore
+    from engine.worker_base import EngineWorker
+
+    config = EngineConfig(
+        model=str(llama_dir),
+        num_kv_blocks=64,
+        speculative=SpeculativeConfig("ngram", 3),
+        kv_transfer_dtype="int8",
+    )
+    worker = EngineWorker("w", config)
+    assert isinstance(worker.store, QuantizedBlockStore)
+    assert worker.store.layout.wire_dtype == "int8"
+    assert worker.stats()["spec_proposed_tokens"] == 0
+    _run(worker.engine, _prompts()[3:], GREEDY)
+    stats = worker.stats()
+    assert stats["spec_accepted_tokens"] == worker.engine.speculator.num_accepted > 0
+    assert stats["spec_proposed_tokens"] >= stats["spec_accepted_tokens"]
+    assert stats["free_blocks"] == stats["initial_free_blocks"]
+
+
+def test_serve_config_enables_speculation_in_the_decode_pool_only():
+    from router.pool_manager import engine_config
+    from tandem_cli.config import ServeConfig, WorkerResources
+
+    config = ServeConfig(
+        speculative_method="ngram", num_speculative_tokens=3, kv_transfer_dtype="fp8"
+    )
+    decode = engine_config(config, WorkerResources(), 0, "decode")
+    assert decode.speculative == SpeculativeConfig("ngram", 3, ngram_min=1, ngram_max=4)
+    prefill = engine_config(config, WorkerResources(), 0, "prefill")
+    assert prefill.speculative is None
+    assert decode.kv_transfer_dtype == prefill.kv_transfer_dtype == "fp8"
+    with pytest.raises(ValueError, match="draft_model"):
+        ServeConfig(speculative_method="draft")

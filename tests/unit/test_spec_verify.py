@@ -130,7 +130,8 @@ def test_prompt_lookup_takes_the_latest_longest_match():
     tokens = [5, 6, 7, 8, 1, 6, 7, 9, 2, 6, 7]
     # The 3-gram [2, 6, 7] never occurred; [6, 7] did twice: the latest wins.
     assert ngram.lookup(tokens, 2) == [9, 2]
-    assert ngram.lookup([1, 2, 3, 1, 2], 5) == [3, 1, 2]  # no further than the end
+    assert ngram.lookup([1, 2, 3, 1, 2], 5) == [3, 1, 2, 3, 1]  # continues the period
+    assert ngram.lookup([9, 1, 2, 3, 1, 2], 2) == [3, 1]
     assert ngram.lookup([1, 2, 3], 4) == []
-    assert ngram.lookup([4, 4], 3) == [4]
+    assert ngram.lookup([4, 4], 3) == [4, 4, 4]
     assert NgramProposer(2, 3).lookup([1, 2, 3, 4, 5, 1, 3], 2) == []  # no 2-gram match
