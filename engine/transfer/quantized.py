@@ -21,6 +21,8 @@ largest one (int8: 1/254 of max |x|; fp8: 2^-4 of |x|, floored near 0).
 from __future__ import annotations
 
 import dataclasses
+import math
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -41,24 +43,56 @@ def wire_block_bytes_per_layer(layout: KVLayout, wire_dtype: str) -> int:
     return values + 2 * layout.num_kv_heads * SCALE_BYTES
 
 
-def quantize(x: torch.Tensor, wire_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(
+    x: torch.Tensor,
+    wire_dtype: str,
+    codes_out: torch.Tensor | None = None,
+    scratch: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x: [2, blocks, block_size, kv_heads, head_dim] -> codes (same shape, 1 byte)
-    and scales [2, blocks, kv_heads] float32."""
+    and scales [2, blocks, kv_heads] float32. ``codes_out`` and ``scratch``
+    (float32, x's shape) avoid fresh allocations, which cost more than the
+    arithmetic on CPU (page faults)."""
     code_dtype, code_max = _CODE[wire_dtype]
     xf = x.float()
-    amax = xf.abs().amax(dim=(2, 4))  # [2, blocks, kv_heads]
+    amax = torch.maximum(xf.amax(dim=(2, 4)), -xf.amin(dim=(2, 4)))  # [2, blocks, kv_heads]
     scales = torch.where(amax > 0, amax / code_max, torch.ones_like(amax))
-    scaled = xf / scales[:, :, None, :, None]
+    scaled = torch.mul(xf, (1.0 / scales)[:, :, None, :, None], out=scratch)
     if code_dtype is torch.int8:
-        codes = scaled.round().clamp(-code_max, code_max).to(torch.int8)
-    else:
-        codes = scaled.clamp(-code_max, code_max).to(code_dtype)
-    return codes, scales
+        scaled.round_()
+    scaled.clamp_(-code_max, code_max)  # fp8 e4m3fn has no inf: out of range would be NaN
+    if codes_out is None:
+        return scaled.to(code_dtype), scales
+    codes_out.copy_(scaled)
+    return codes_out, scales
 
 
-def dequantize(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def dequantize(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    dtype: torch.dtype,
+    scratch: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Inverse of ``quantize`` (up to rounding), in ``dtype``."""
-    return (codes.float() * scales[:, :, None, :, None]).to(dtype)
+    values = codes.float() if scratch is None else scratch.copy_(codes)
+    values.mul_(scales[:, :, None, :, None])
+    return values if dtype == torch.float32 else values.to(dtype)
+
+
+class _Scratch(threading.local):
+    """Per-thread float32 buffers, grown as needed (transfers run in threads)."""
+
+    def __init__(self) -> None:
+        self.values = torch.empty(0)
+        self.gathered = torch.empty(0)
+
+    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        buf = getattr(self, name)
+        n = math.prod(shape)
+        if buf.numel() < n or buf.dtype != dtype:
+            buf = torch.empty(n, dtype=dtype)
+            setattr(self, name, buf)
+        return buf[:n].view(shape)
 
 
 class QuantizedBlockStore:
@@ -72,6 +106,7 @@ class QuantizedBlockStore:
         self.layout = dataclasses.replace(inner.layout, wire_dtype=wire_dtype)
         self.pool, self.cache, self.lock = inner.pool, inner.cache, inner.lock
         self._code_dtype = _CODE[wire_dtype][0]
+        self._scratch = _Scratch()
 
     @property
     def num_free(self) -> int:
@@ -108,15 +143,28 @@ class QuantizedBlockStore:
         for layer, (codes_out, scales_out) in zip(
             self.cache.layers[layer_start:layer_end], views, strict=True
         ):
-            codes, scales = quantize(layer.index_select(1, idx.to(layer.device)), self.wire_dtype)
-            codes_out.copy_(codes.cpu())
+            shape = (2, len(block_ids), *layer.shape[2:])
+            if layer.device.type == "cpu":
+                gathered = self._scratch.get("gathered", shape, layer.dtype)
+                torch.index_select(layer, 1, idx, out=gathered)
+                scratch = self._scratch.get("values", shape, torch.float32)
+                _, scales = quantize(gathered, self.wire_dtype, codes_out, scratch)
+            else:  # quantize on the accelerator, move one byte per value
+                codes, scales = quantize(
+                    layer.index_select(1, idx.to(layer.device)), self.wire_dtype
+                )
+                codes_out.copy_(codes.cpu())
             scales_out.copy_(scales.cpu())
 
     def write(self, block_ids: Sequence[int], layer_start: int, data: memoryview) -> None:
         idx = torch.as_tensor(block_ids, dtype=torch.long)
         for i, (codes, scales) in enumerate(self._views(len(block_ids), data)):
             layer = self.cache.layers[layer_start + i]
-            values = dequantize(codes.to(layer.device), scales.to(layer.device), layer.dtype)
+            if layer.device.type == "cpu":
+                scratch = self._scratch.get("values", codes.shape, torch.float32)
+                values = dequantize(codes, scales, layer.dtype, scratch)
+            else:
+                values = dequantize(codes.to(layer.device), scales.to(layer.device), layer.dtype)
             layer.index_copy_(1, idx.to(layer.device), values)
 
     def _views(self, num_blocks: int, buf: memoryview) -> list[tuple[torch.Tensor, torch.Tensor]]:
