@@ -20,6 +20,12 @@ A step with speculation (``LLMEngine.step``):
    back to the pool at once, and only full blocks of accepted tokens enter
    the prefix cache.
 
+Back-off: a sequence whose proposals were all rejected skips speculation
+for 1, 2, 4, ... (at most ``MAX_BACKOFF_STEPS``) steps, doubling while it keeps
+missing, and resets on any accepted token, so text that does not repeat
+itself stops paying for the k + 1-token verification. (Whether a step
+speculates never changes the distribution of what it emits.)
+
 Eligibility: requests with repetition, frequency or presence penalties, and
 requests still below min_tokens, decode without speculation (their logits
 depend on every token emitted before them); prefill-only requests never
@@ -44,6 +50,8 @@ from .verify import Verdict, verify_greedy, verify_sampled
 if TYPE_CHECKING:
     from engine.llm_engine import LLMEngine
 
+MAX_BACKOFF_STEPS = 16
+
 
 class SpecDecoder:
     def __init__(self, engine: LLMEngine, config: SpeculativeConfig) -> None:
@@ -64,6 +72,8 @@ class SpecDecoder:
                 config.draft_num_kv_blocks or engine.block_pool.num_blocks,
             )
         self._draft_probs: dict[str, torch.Tensor] = {}
+        self._misses: dict[str, int] = {}  # request id -> all-rejected steps in a row
+        self._skip: dict[str, int] = {}  # request id -> steps left without speculation
         self.num_proposed = 0  # proposed tokens the target verified
         self.num_accepted = 0  # of those, accepted
         self.num_emitted = 0  # tokens emitted by speculative steps (accepted + 1 each)
@@ -81,7 +91,7 @@ class SpecDecoder:
         for seq in running:
             seq.spec_token_ids = []
             k = self._budget(seq)
-            if k <= 0:
+            if k <= 0 or self._backing_off(seq.request_id):
                 continue
             plain = max(len(seq.block_table), -(-seq.num_tokens // bs))
             extra = -(-(seq.num_tokens + k) // bs) - plain
@@ -99,6 +109,20 @@ class SpecDecoder:
             seq.spec_token_ids = proposal.token_ids
             if proposal.probs is not None:
                 self._draft_probs[seq.request_id] = proposal.probs
+
+    def _backing_off(self, request_id: str) -> bool:
+        left = self._skip.get(request_id, 0)
+        if left:
+            self._skip[request_id] = left - 1
+        return left > 0
+
+    def _track(self, request_id: str, num_accepted: int) -> None:
+        if num_accepted:
+            self._misses.pop(request_id, None)
+            return
+        misses = self._misses.get(request_id, 0) + 1
+        self._misses[request_id] = misses
+        self._skip[request_id] = min(2 ** (misses - 1), MAX_BACKOFF_STEPS)
 
     def _budget(self, seq: Sequence) -> int:
         p = seq.params
@@ -138,6 +162,7 @@ class SpecDecoder:
             self.num_proposed += k
             self.num_accepted += verdict.num_accepted
             self.num_emitted += len(verdict.token_ids)
+            self._track(seq.request_id, verdict.num_accepted)
             outputs.append(self._emit(seq, verdict, rows))
         return outputs
 
@@ -174,6 +199,8 @@ class SpecDecoder:
 
     def release(self, request_id: str) -> None:
         self._draft_probs.pop(request_id, None)
+        self._misses.pop(request_id, None)
+        self._skip.pop(request_id, None)
         self.proposer.release(request_id)
 
 
