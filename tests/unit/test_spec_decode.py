@@ -209,3 +209,27 @@ def test_serve_config_enables_speculation_in_the_decode_pool_only():
     assert decode.kv_transfer_dtype == prefill.kv_transfer_dtype == "fp8"
     with pytest.raises(ValueError, match="draft_model"):
         ServeConfig(speculative_method="draft")
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_rejected_positions_give_their_blocks_back_every_step(llama_dir, draft_dir, method):
+    """After each step a sequence holds blocks for its computed tokens only, and
+    the pool's used blocks are exactly those the sequences hold."""
+    engine = _engine(llama_dir, SpeculativeConfig(method, 4, draft_model=str(draft_dir)))
+    bs = engine.config.block_size
+    for i, p in enumerate(_prompts()):
+        engine.add_request(f"s{i}", p, GREEDY)
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+        held = set()
+        for seq in engine.scheduler.running:
+            assert len(seq.block_table) == -(-seq.num_computed // bs)
+            assert not seq.spec_token_ids
+            held.update(seq.block_table)
+        pool = engine.block_pool
+        assert pool.num_blocks - pool.num_free == len(held)
+    s = engine.speculator
+    assert s.num_proposed > s.num_accepted  # there were rejections
+    assert engine.block_pool.num_free == engine.block_pool.num_blocks
