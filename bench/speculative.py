@@ -13,7 +13,9 @@ unquantized transfer measured in the same run.
    - a non-repetitive one: random-token prompts, sampled at temperature 1.
    Plus the draft-model path with the target as its own draft (every
    proposal accepted: the mechanism's upper bound, at twice the model cost).
-   Output must equal plain decoding for greedy runs (checked).
+   Output must equal plain decoding for greedy runs (checked). Runs are
+   interleaved (off, ngram, draft, off, ...) and speedups are medians of
+   per-rep ratios; ``steps_vs_off`` (target passes) does not depend on load.
 2. KV transfer of a 2,048-token prompt's blocks over gRPC + the data
    channel on loopback (client and server in this process), float32 vs
    int8 and fp8 on the wire: bytes and time.
@@ -67,76 +69,80 @@ def random_prompts(n: int, length: int) -> list[list[int]]:
     return [torch.randint(10, 30000, (length,), generator=gen).tolist() for _ in range(n)]
 
 
-def decode_run(engine: LLMEngine, prompts, params) -> tuple[float, dict[str, list[int]]]:
-    """Decode tokens/s (after every request has its first token) and the outputs."""
+@dataclasses.dataclass
+class DecodeRun:
+    tok_s: float  # decode tokens/s, after every request has its first token
+    steps: int  # engine steps (target passes) after that point
+    outputs: dict[str, list[int]]
+
+
+def decode_run(engine: LLMEngine, prompts, params) -> DecodeRun:
     for i, p in enumerate(prompts):
         engine.add_request(f"b{i}", p, params)
     out: dict[str, list[int]] = {}
     started = None
+    steps = 0
     while engine.has_unfinished():
         for o in engine.step():
             out.setdefault(o.request_id, []).extend(o.new_token_ids)
         if started is None and len(out) == len(prompts):
             started, first = time.perf_counter(), sum(len(v) for v in out.values())
+        elif started is not None:
+            steps += 1
     elapsed = time.perf_counter() - started
-    return (sum(len(v) for v in out.values()) - first) / elapsed, out
+    return DecodeRun((sum(len(v) for v in out.values()) - first) / elapsed, steps, out)
 
 
 def decode_bench(args) -> dict:
     base = EngineConfig(num_kv_blocks=2048, max_num_seqs=16)
     plain = LLMEngine(base)
+    target_dir = str(plain.model_dir)
+    draft = SpeculativeConfig("draft", K, draft_model=target_dir)
     engines = {
         "off": plain,
         "ngram": LLMEngine(dataclasses.replace(base, speculative=SpeculativeConfig("ngram", K))),
+        "draft=target": LLMEngine(dataclasses.replace(base, speculative=draft)),
     }
-    target_dir = str(plain.model_dir)
-    engines["draft=target"] = LLMEngine(
-        dataclasses.replace(base, speculative=SpeculativeConfig("draft", K, draft_model=target_dir))
-    )
     code = code_prompts(plain.tokenizer, 4, 384)
     randoms = random_prompts(4, 384)
-    workloads = {
-        "code_edit": (code, SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)),
-        "random_sampled": (
-            randoms,
-            SamplingParams(temperature=1.0, max_tokens=args.tokens, ignore_eos=True, seed=1),
-        ),
-    }
+    greedy = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
+    sampled = SamplingParams(temperature=1.0, max_tokens=args.tokens, ignore_eos=True, seed=1)
+    workloads = {"code_edit": (code, greedy), "random_sampled": (randoms, sampled)}
     result = {}
     for wname, (prompts, params) in workloads.items():
+        names = list(engines) if wname == "code_edit" else ["off", "ngram"]
         for streams in (1, 4):
             batch = prompts[:streams]
-            for ename, engine in engines.items():
-                if ename == "draft=target" and (wname != "code_edit"):
-                    continue
-                spec = engine.speculator
-                rates, outputs = [], None
-                before = (spec.num_proposed, spec.num_accepted, spec.num_emitted) if spec else None
-                for _ in range(args.reps):
-                    rate, outputs = decode_run(engine, batch, params)
-                    rates.append(rate)
-                key = f"{wname}_{streams}streams_{ename}"
-                entry = {"decode_tok_s": round(statistics.median(rates), 1)}
-                if spec is not None:
-                    proposed = spec.num_proposed - before[0]
-                    accepted = spec.num_accepted - before[1]
-                    emitted = spec.num_emitted - before[2]
+            runs: dict[str, list[DecodeRun]] = {n: [] for n in names}
+            before = {n: _counters(engines[n]) for n in names}
+            for _ in range(args.reps):  # interleaved: load drift hits every engine alike
+                for n in names:
+                    runs[n].append(decode_run(engines[n], batch, params))
+            for n in names:
+                key = f"{wname}_{streams}streams_{n}"
+                entry = {
+                    "decode_tok_s": round(statistics.median(r.tok_s for r in runs[n]), 1),
+                    "decode_steps": runs[n][0].steps,
+                }
+                if n != "off":
+                    ratios = [r.tok_s / o.tok_s for r, o in zip(runs[n], runs["off"], strict=True)]
+                    entry["speedup_vs_off"] = round(statistics.median(ratios), 2)
+                    entry["steps_vs_off"] = round(runs[n][0].steps / runs["off"][0].steps, 3)
+                    proposed, accepted, emitted = (
+                        a - b for a, b in zip(_counters(engines[n]), before[n], strict=True)
+                    )
                     entry["acceptance"] = round(accepted / max(1, proposed), 3)
                     entry["tokens_per_spec_step"] = round(emitted / max(1, emitted - accepted), 2)
-                if params.greedy:
-                    ref = result.get(f"{wname}_{streams}streams_off", {}).get("_out")
-                    entry["equal_to_plain"] = ref is None or ref == outputs
-                if ename == "off":
-                    entry["_out"] = outputs
+                    if params.greedy:
+                        entry["equal_to_plain"] = runs[n][0].outputs == runs["off"][0].outputs
                 result[key] = entry
-                print(key, {k: v for k, v in entry.items() if k != "_out"}, flush=True)
-    for entry in result.values():
-        entry.pop("_out", None)
-    for key, entry in list(result.items()):
-        if not key.endswith("_off"):
-            off = result[key.rsplit("_", 1)[0] + "_off"]["decode_tok_s"]
-            entry["speedup_vs_off"] = round(entry["decode_tok_s"] / off, 2)
+                print(key, entry, flush=True)
     return result
+
+
+def _counters(engine: LLMEngine) -> tuple[int, int, int]:
+    s = engine.speculator
+    return (0, 0, 0) if s is None else (s.num_proposed, s.num_accepted, s.num_emitted)
 
 
 async def _push_once(layout, wire: str | None, num_blocks: int) -> tuple[int, float]:
