@@ -1,7 +1,7 @@
 """Speculative decoding and quantized KV transfer, against plain decoding and
 unquantized transfer measured in the same run.
 
-    python bench/speculative.py [--reps 3] [--tokens 128] [--prompts 24]
+    python bench/speculative.py [--reps 3] [--tokens 128] [--prompts 24] [--transfer-reps 9]
 
 1. Decode tokens/s of the default model (random weights) with and without
    prompt-lookup speculation, greedy, 1 and 4 streams, on
@@ -172,19 +172,24 @@ async def _push_once(layout, wire: str | None, num_blocks: int) -> tuple[int, fl
 
 def transfer_bench(args, layout) -> dict:
     blocks = 2048 // layout.block_size
-    out = {}
-    for wire in (None, "int8", "fp8"):
+    wires = {"float32": None, "int8": "int8", "fp8": "fp8"}
+    runs: dict[str, list[tuple[int, float]]] = {name: [] for name in wires}
+    for wire in wires.values():
         asyncio.run(_push_once(layout, wire, blocks))  # warm-up
-        runs = [asyncio.run(_push_once(layout, wire, blocks)) for _ in range(args.reps)]
-        name = wire or "float32"
+    for _ in range(args.transfer_reps):  # interleaved, like the decode runs
+        for name, wire in wires.items():
+            runs[name].append(asyncio.run(_push_once(layout, wire, blocks)))
+    out = {}
+    for name in wires:
         out[name] = {
-            "bytes": runs[0][0],
-            "ms": round(1000 * statistics.median(t for _, t in runs), 1),
+            "bytes": runs[name][0][0],
+            "ms": round(1000 * statistics.median(t for _, t in runs[name]), 1),
         }
+        if name != "float32":
+            out[name]["bytes_ratio"] = round(out[name]["bytes"] / out["float32"]["bytes"], 3)
+            ratios = [t / f for (_, t), (_, f) in zip(runs[name], runs["float32"], strict=True)]
+            out[name]["time_ratio"] = round(statistics.median(ratios), 2)
         print("transfer", name, out[name], flush=True)
-    for name in ("int8", "fp8"):
-        out[name]["bytes_ratio"] = round(out[name]["bytes"] / out["float32"]["bytes"], 3)
-        out[name]["time_ratio"] = round(out[name]["ms"] / out["float32"]["ms"], 2)
     return out
 
 
@@ -247,6 +252,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--prompts", type=int, default=24)
+    parser.add_argument("--transfer-reps", type=int, default=9)
     args = parser.parse_args()
     torch.set_num_threads(1)
     result = {"decode": decode_bench(args)}
