@@ -90,6 +90,7 @@ class SpecDecoder:
         budgets: list[int] = []
         for seq in running:
             seq.spec_token_ids = []
+            self._draft_probs.pop(seq.request_id, None)
             k = self._budget(seq)
             if k <= 0 or self._backing_off(seq.request_id):
                 continue
@@ -138,6 +139,10 @@ class SpecDecoder:
 
     def fit(self, batch: list[ScheduledSeq]) -> None:
         """Drop proposals the token budget did not schedule."""
+        scheduled = {id(item.seq) for item in batch}
+        for seq in self.engine.scheduler.running:
+            if id(seq) not in scheduled:
+                seq.spec_token_ids = []
         for item in batch:
             seq = item.seq
             if seq.spec_token_ids:

@@ -126,7 +126,6 @@ class DraftProposer:
         tokens = seq.all_token_ids()
         same = _common_prefix(state.cached, tokens)
         same = min(same, len(tokens) - 1)  # the last token is fed: its logits propose
-        state.cached = tokens[:same]
         positions = len(tokens) + k - 1  # positions [0, T - 1 + k - 1] get KV this round
         need = -(-positions // self.block_size) - len(state.block_table)
         if need > 0:
