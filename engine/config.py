@@ -81,6 +81,40 @@ class ModelSpec:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding of one engine (see engine/spec/)."""
+
+    method: Literal["ngram", "draft"] = "ngram"
+    """ngram: prompt lookup (proposes what followed the last n-gram earlier in the
+    sequence); draft: a smaller model sharing the tokenizer proposes."""
+    num_speculative_tokens: int = 4
+    """Tokens proposed per sequence and step (k); the target verifies k + 1 positions."""
+    ngram_max: int = 4
+    """Longest n-gram the prompt-lookup proposer matches."""
+    ngram_min: int = 1
+    """Shortest n-gram the prompt-lookup proposer matches."""
+    draft_model: str | None = None
+    """Checkpoint directory or hub id of the draft model (method 'draft'); loaded with
+    the target's load_format, dtype, device and seed."""
+    draft_num_kv_blocks: int | None = None
+    """Blocks of the draft model's own KV pool; None: as many as the target's pool."""
+
+    def __post_init__(self) -> None:
+        if self.num_speculative_tokens < 1:
+            raise ValueError(
+                f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}"
+            )
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(
+                f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}"
+            )
+        if self.method == "draft" and not self.draft_model:
+            raise ValueError("speculative method 'draft' needs draft_model")
+        if self.draft_num_kv_blocks is not None and self.draft_num_kv_blocks < 1:
+            raise ValueError(f"draft_num_kv_blocks must be >= 1, got {self.draft_num_kv_blocks}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Options of one engine instance (one worker)."""
 
@@ -112,6 +146,13 @@ class EngineConfig:
     """Keep full blocks of finished requests for reuse by later ones with the same prefix."""
     num_threads: int | None = None
     """torch intra-op threads; None keeps torch's default."""
+    speculative: SpeculativeConfig | None = None
+    """Speculative decoding of running sequences; None decodes one token per step."""
+    kv_transfer_dtype: Literal["auto", "int8", "fp8"] = "auto"
+    """Encoding of KV blocks sent to other workers: auto sends the cache's dtype;
+    int8 / fp8 (e4m3) send one byte per value with a scale per block, layer, K/V
+    and kv head (engine/transfer/quantized.py). Every worker of a deployment must
+    use the same value."""
 
     def __post_init__(self) -> None:
         checks = {

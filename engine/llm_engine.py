@@ -30,6 +30,7 @@ from engine.models.llama import LlamaModel
 from engine.sampling import SampledToken, Sampler, SampleRequest, SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler
 from engine.sequence import RequestOutput, SeqStatus, Sequence, TokenLogprobs
+from engine.spec import SpecDecoder
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +103,9 @@ class LLMEngine:
         self._seqs: dict[str, Sequence] = {}
         self._arrival = itertools.count()
         self.device = device
+        self.speculator: SpecDecoder | None = None
+        if config.speculative is not None:
+            self.speculator = SpecDecoder(self, config.speculative)
 
     @staticmethod
     def _load_tokenizer(config: EngineConfig, model_dir):
@@ -168,6 +172,8 @@ class LLMEngine:
         self.scheduler.remove(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = "abort"
+        if self.speculator is not None:
+            self.speculator.release(request_id)
         return True
 
     def request_ids(self) -> list[str]:
@@ -180,16 +186,24 @@ class LLMEngine:
     # ---- the step -------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
         if not batch:
             return []
+        if self.speculator is not None:
+            self.speculator.fit(batch)
         # One-token sequences first, shortest context first (see attention.py).
         batch.sort(key=lambda s: (s.num_tokens != 1, s.seq.num_computed))
-        sample_rows, hidden = self._forward(batch)
+        sample_rows, spec_rows, hidden = self._forward(batch)
         outputs = []
         to_sample = []
+        speculated = []
         for item in batch:
             seq = item.seq
+            if seq.spec_token_ids:  # only accepted tokens count as computed (engine/spec/)
+                speculated.append(seq)
+                continue
             seq.num_computed += item.num_tokens
             self._cache_full_blocks(seq)
             if seq.num_computed == seq.num_tokens:
@@ -202,9 +216,14 @@ class LLMEngine:
             ]
             for seq, sampled in zip(to_sample, self.sampler(logits, requests), strict=True):
                 outputs.append(self._append_token(seq, sampled))
+        if speculated:
+            assert self.speculator is not None
+            outputs += self.speculator.accept(speculated, self.model.logits(hidden[spec_rows]))
         return outputs
 
-    def _forward(self, batch: list[ScheduledSeq]) -> tuple[list[int], torch.Tensor]:
+    def _forward(self, batch: list[ScheduledSeq]) -> tuple[list[int], list[int], torch.Tensor]:
+        """The step's pass: rows to sample (one per sequence that reaches its last
+        token), rows to verify (every position of a speculating sequence), hidden."""
         bs = self.config.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -213,11 +232,13 @@ class LLMEngine:
         decode_lens: list[int] = []
         prefills: list[PrefillSlice] = []
         sample_rows: list[int] = []
+        spec_rows: list[int] = []
         for item in batch:
             seq, n = item.seq, item.num_tokens
             start = seq.num_computed
             table = seq.block_table
-            input_ids += seq.token_ids(start, start + n)
+            spec = seq.spec_token_ids
+            input_ids += seq.token_ids(start, start + n - len(spec)) + spec
             if n == 1:
                 positions.append(start)
                 slots.append(table[start // bs] * bs + start % bs)
@@ -230,7 +251,9 @@ class LLMEngine:
                 span = range(start, start + n)
                 positions += span
                 slots += [table[p // bs] * bs + p % bs for p in span]
-            if start + n == seq.num_tokens:
+            if spec:
+                spec_rows += range(len(slots) - n, len(slots))
+            elif start + n == seq.num_tokens:
                 sample_rows.append(len(slots) - 1)
         meta = build_metadata(bs, decode_tables, decode_lens, prefills, slots, self.device)
         hidden = self.model.forward(
@@ -239,7 +262,7 @@ class LLMEngine:
             meta,
             self.kv_cache,
         )
-        return sample_rows, hidden
+        return sample_rows, spec_rows, hidden
 
     def _cache_full_blocks(self, seq: Sequence) -> None:
         if not self.config.enable_prefix_caching:
@@ -306,6 +329,8 @@ class LLMEngine:
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         del self._seqs[seq.request_id]
+        if self.speculator is not None:
+            self.speculator.release(seq.request_id)
 
     # ---- moving KV between engines ---------------------------------------
 

@@ -71,6 +71,7 @@ class Scheduler:
         seq.block_table = []
         seq.block_hashes = []
         seq.num_computed = 0
+        seq.spec_token_ids = []
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -82,7 +83,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed, budget)
+            n = min(seq.num_tokens + len(seq.spec_token_ids) - seq.num_computed, budget)
             need = self._blocks_needed(seq, n)
             while need > self.pool.num_free and self.running[-1] is not seq:
                 self._preempt(self.running[-1])

@@ -62,6 +62,9 @@ class Sequence:
     generator: torch.Generator | None = None
     detokenizer: IncrementalDetokenizer | None = None
     finish_reason: str | None = None
+    # Proposed tokens after the last one, verified by this step (engine/spec/);
+    # never part of num_tokens and never hashed.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

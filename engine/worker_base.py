@@ -15,7 +15,9 @@ from engine.index import EventPublisher, KVEvent
 from engine.llm_engine import LLMEngine
 from engine.logfmt import LogFormat, configure_logging
 from engine.sequence import RequestOutput
+from engine.spec.decoder import spec_stats
 from engine.transfer import PoolBlockStore, TransferConfig
+from engine.transfer.quantized import QuantizedBlockStore
 
 
 class BufferedEvents:
@@ -58,6 +60,8 @@ class EngineWorker:
             self.engine, self._on_outputs, f"{name}-engine", self._on_cache_events
         )
         self.store = PoolBlockStore(self.engine.block_pool, self.engine.kv_cache, self.loop.lock)
+        if config.kv_transfer_dtype != "auto":  # quantized KV on the wire
+            self.store = QuantizedBlockStore(self.store, config.kv_transfer_dtype)
         self._aio: asyncio.AbstractEventLoop | None = None
         self._listeners: dict[str, Callable[[RequestOutput], None]] = {}
         self.initial_free_blocks = self.engine.block_pool.num_free
@@ -122,6 +126,7 @@ class EngineWorker:
             "num_waiting": len(engine.scheduler.waiting),
             "num_steps": self.loop.num_steps,
             "num_preemptions": engine.scheduler.num_preemptions,
+            **spec_stats(engine.speculator),
         }
 
     def drain_events(self) -> list[KVEvent]:

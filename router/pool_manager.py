@@ -10,7 +10,7 @@ from typing import Any
 
 import ray
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, SpeculativeConfig
 from engine.transfer import TransferConfig
 from engine.worker_base import IndexSettings
 from tandem_cli.config import ServeConfig, WorkerResources
@@ -34,7 +34,19 @@ def gpus_per_worker(resources: WorkerResources) -> float:
     return 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
 
 
-def engine_config(config: ServeConfig, resources: WorkerResources, num_gpus: float) -> EngineConfig:
+def engine_config(
+    config: ServeConfig, resources: WorkerResources, num_gpus: float, role: str = "decode"
+) -> EngineConfig:
+    """The engine options of one worker; only decode (and colocated) workers speculate."""
+    speculative = None
+    if config.speculative_method != "none" and role != "prefill":
+        speculative = SpeculativeConfig(
+            method=config.speculative_method,
+            num_speculative_tokens=config.num_speculative_tokens,
+            ngram_min=config.speculative_ngram_min,
+            ngram_max=config.speculative_ngram_max,
+            draft_model=config.draft_model,
+        )
     return EngineConfig(
         model=config.model,
         tokenizer=config.tokenizer,
@@ -48,6 +60,8 @@ def engine_config(config: ServeConfig, resources: WorkerResources, num_gpus: flo
         max_model_len=config.max_model_len,
         enable_prefix_caching=config.enable_prefix_caching,
         num_threads=resources.num_threads,
+        speculative=speculative,
+        kv_transfer_dtype=config.kv_transfer_dtype,
     )
 
 
@@ -111,7 +125,7 @@ class WorkerPool:
             "max_restarts": 0,
             "name": None,
         }
-        engine = engine_config(self.config, res, num_gpus)
+        engine = engine_config(self.config, res, num_gpus, self.role)
         index = IndexSettings(redis_url=self.config.redis_url, deployment=self.config.deployment)
         transfer = TransferConfig(lease_s=self.config.kv_lease_s)
         if self.role == "prefill":

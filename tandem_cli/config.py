@@ -110,11 +110,30 @@ class ServeConfig(BaseModel):
     """File of accepted API keys, one per line (# starts a comment)."""
     log_format: Literal["text", "json"] = "text"
     """Router and worker logs: text (request events as key=value) or JSON lines."""
+    speculative_method: Literal["none", "ngram", "draft"] = "none"
+    """Speculative decoding in the decode (or colocated) pool: ngram proposes by prompt
+    lookup, draft by a smaller model sharing the tokenizer (draft_model); none: off."""
+    num_speculative_tokens: int = Field(4, ge=1)
+    """Tokens proposed per sequence and step; the target verifies them in one pass."""
+    speculative_ngram_min: int = Field(1, ge=1)
+    """Prompt lookup: shortest n-gram matched."""
+    speculative_ngram_max: int = Field(4, ge=1)
+    """Prompt lookup: longest n-gram matched (tried first)."""
+    draft_model: str | None = None
+    """Checkpoint directory or hub id of the draft model (speculative_method draft),
+    loaded with the target's load_format and dtype."""
+    kv_transfer_dtype: Literal["auto", "int8", "fp8"] = "auto"
+    """Encoding of KV blocks sent between workers: auto: the cache's dtype; int8 or fp8
+    (e4m3): one byte per value plus a float32 scale per block, layer, K/V and kv head."""
 
     @model_validator(mode="after")
     def _check_pools(self) -> ServeConfig:
         if self.mode == "disaggregated" and self.prefill < 1:
             raise ValueError("prefill must be >= 1 in disaggregated mode")
+        if self.speculative_method == "draft" and not self.draft_model:
+            raise ValueError("speculative_method draft needs draft_model")
+        if self.speculative_ngram_min > self.speculative_ngram_max:
+            raise ValueError("speculative_ngram_min must be <= speculative_ngram_max")
         return self
 
     @classmethod

@@ -62,6 +62,7 @@ def layout_to_proto(layout: KVLayout) -> pb.KVLayout:
         block_size=layout.block_size,
         num_kv_heads=layout.num_kv_heads,
         head_dim=layout.head_dim,
+        wire_dtype=layout.wire_dtype,
     )
 
 
@@ -73,6 +74,7 @@ def layout_from_proto(msg: pb.KVLayout) -> KVLayout:
         block_size=msg.block_size,
         num_kv_heads=msg.num_kv_heads,
         head_dim=msg.head_dim,
+        wire_dtype=msg.wire_dtype,
     )
 
 
