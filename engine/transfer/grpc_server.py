@@ -34,11 +34,9 @@ SERVICE = "tandem.v1.KVTransfer"
 PUSH_METHOD = f"/{SERVICE}/PushBlocks"
 PULL_METHOD = f"/{SERVICE}/PullBlocks"
 
-# Loopback measurements (bench/kv_transfer.py) chose these: no message size
-# limit, large HTTP/2 frames and flow-control windows, large socket reads.
+# Loopback measurements (bench/kv_transfer.py) chose these: large HTTP/2
+# frames and flow-control windows, large socket reads.
 GRPC_OPTIONS: list[tuple[str, int | str]] = [
-    ("grpc.max_send_message_length", -1),
-    ("grpc.max_receive_message_length", -1),
     ("grpc.optimization_target", "throughput"),
     ("grpc.http2.max_frame_size", 8 << 20),
     ("grpc.http2.lookahead_bytes", 64 << 20),
@@ -47,6 +45,19 @@ GRPC_OPTIONS: list[tuple[str, int | str]] = [
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 5_000),
 ]
+
+
+def message_limits(config: TransferConfig) -> list[tuple[str, int | str]]:
+    """The configured message size limit, both directions (every internal endpoint)."""
+    return [
+        ("grpc.max_send_message_length", config.max_message_bytes),
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+    ]
+
+
+def grpc_options(config: TransferConfig) -> list[tuple[str, int | str]]:
+    """The KV transfer channel's options: message limits plus GRPC_OPTIONS."""
+    return [*message_limits(config), *GRPC_OPTIONS]
 
 
 def _identity(data: bytes) -> bytes:
@@ -70,7 +81,10 @@ class GrpcKVServer(KVTransferServer):
         self.address = ""
 
     async def start(self) -> None:
-        server = grpc.aio.server(options=GRPC_OPTIONS)
+        config = self.service.config
+        server = grpc.aio.server(
+            options=grpc_options(config), interceptors=config.security.interceptors()
+        )
         handler = grpc.method_handlers_generic_handler(
             SERVICE,
             {
@@ -87,12 +101,16 @@ class GrpcKVServer(KVTransferServer):
             },
         )
         server.add_generic_rpc_handlers((handler,))
-        port = server.add_insecure_port(self._bind)
+        port = config.security.add_port(server, self._bind)
+        if port == 0:
+            raise OSError(f"could not bind the KV transfer server to {self._bind}")
         await server.start()
         self._server = server
         self.address = f"{self._host}:{port}"
-        if self.service.config.data_channel:
-            self._data = DataServer(self._host.strip("[]"))
+        if config.data_channel:
+            self._data = DataServer(
+                self._host.strip("[]"), config.security, config.max_message_bytes
+            )
         self.service.start_reaper()
 
     async def stop(self, grace_s: float | None = None) -> None:

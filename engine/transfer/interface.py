@@ -13,12 +13,17 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import grpc
 
 from engine.kv_cache import KVLayout
+
+from .security import ClusterSecurity
+
+# Room a chunk message needs beyond its payload (block hashes, span, checksum).
+CHUNK_OVERHEAD_BYTES = 1 << 20
 
 
 class TransferState(enum.Enum):
@@ -55,6 +60,21 @@ class TransferConfig:
     in the gRPC stream). Header, layout check, commit and every error stay
     on the gRPC call. False on a server: it offers no data connection and
     clients fall back to the gRPC stream; on a client: it never asks."""
+    max_message_bytes: int = 64 << 20
+    """Largest gRPC message a KV server or client sends or accepts, and the
+    largest data-channel frame payload; must exceed ``chunk_bytes`` by
+    ``CHUNK_OVERHEAD_BYTES``. Bigger messages fail with RESOURCE_EXHAUSTED."""
+    security: ClusterSecurity = field(default_factory=ClusterSecurity)
+    """Cluster secret and TLS of the KV endpoints (security.py)."""
+
+    def __post_init__(self) -> None:
+        if self.chunk_bytes < 1:
+            raise ValueError(f"chunk_bytes must be >= 1, got {self.chunk_bytes}")
+        if self.max_message_bytes < self.chunk_bytes + CHUNK_OVERHEAD_BYTES:
+            raise ValueError(
+                f"max_message_bytes {self.max_message_bytes} leaves no room for a chunk of "
+                f"{self.chunk_bytes} bytes (+{CHUNK_OVERHEAD_BYTES} of metadata)"
+            )
 
 
 @dataclass(frozen=True)

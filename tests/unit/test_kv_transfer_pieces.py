@@ -32,6 +32,7 @@ from engine.transfer import (
     wire,
 )
 from engine.transfer.lease import LeaseTable
+from engine.transfer.security import ClusterSecurity
 from engine.transfer.receiver import KVReceiver
 from engine.transfer.sender import KVSender
 from protos import codegen
@@ -358,6 +359,8 @@ def test_vectored_send_and_receive_move_every_byte():
 
 
 class _Registry:
+    max_frame_bytes = 64 << 20
+
     def unregister(self, token, incoming) -> None:
         self.unregistered = token
 
@@ -390,9 +393,10 @@ class DataPair:
 
         sender = threading.Thread(target=send)
         sender.start()
-        preamble = memoryview(bytearray(20))
+        preamble = memoryview(bytearray(20 + 32))
         datachannel.recv_exact(b, preamble)
-        assert bytes(preamble) == b"TKV1" + b"t" * 16
+        mac = ClusterSecurity().token_mac(b"t" * 16)
+        assert bytes(preamble) == b"TKV1" + b"t" * 16 + mac
         self.incoming.serve(b)
         sender.join()
 
