@@ -137,7 +137,8 @@ class ServeConfig(BaseModel):
                 raise ValueError(f"{cert} and {key} go together: set both or neither")
         if self.cluster_tls_ca is not None and self.cluster_tls_cert is None:
             raise ValueError("cluster_tls_ca needs cluster_tls_cert and cluster_tls_key")
-        for name in ("tls_cert", "tls_key", "cluster_tls_cert", "cluster_tls_key", "cluster_tls_ca"):
+        files = ("tls_cert", "tls_key", "cluster_tls_cert", "cluster_tls_key", "cluster_tls_ca")
+        for name in files:
             path = getattr(self, name)
             if path is not None and not path.is_file():
                 raise ValueError(f"{name}: no file at {path}")

@@ -32,8 +32,8 @@ from engine.transfer import (
     wire,
 )
 from engine.transfer.lease import LeaseTable
-from engine.transfer.security import ClusterSecurity
 from engine.transfer.receiver import KVReceiver
+from engine.transfer.security import ClusterSecurity
 from engine.transfer.sender import KVSender
 from protos import codegen
 from protos.tandem.v1 import kv_transfer_pb2 as pb
