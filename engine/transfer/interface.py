@@ -39,6 +39,11 @@ class TransferError(Exception):
         self.code = code
         self.message = message
 
+    def __reduce__(self):
+        # Pickled across Ray (a worker's failure reaches the router): rebuild
+        # from both fields, not from the one formatted message in ``args``.
+        return (TransferError, (self.code, self.message))
+
 
 @dataclass(frozen=True)
 class TransferConfig:

@@ -121,6 +121,10 @@ class ClusterSecurity:
         if self.tls is None:
             return None
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        # No TLS 1.3 session tickets: a data connection is never resumed, and a
+        # ticket the sender never reads makes its close() send a RST that can
+        # destroy the tail of the payload still in flight to us.
+        ctx.num_tickets = 0
         ctx.load_cert_chain(self.tls.cert, self.tls.key)
         if self.tls.ca:
             ctx.load_verify_locations(self.tls.ca)

@@ -474,3 +474,12 @@ def test_failing_mid_connection_frees_the_blocks_only_after_the_thread_stops():
         assert (pair.src.num_free, pair.dst.num_free) == pair.free
 
     run(go())
+
+
+def test_transfer_error_survives_pickling():
+    """Ray pickles a worker's exception for the router: it must come back whole."""
+    import pickle
+
+    err = pickle.loads(pickle.dumps(TransferError(grpc.StatusCode.DATA_LOSS, "bad chunk")))
+    assert (err.code, err.message) == (grpc.StatusCode.DATA_LOSS, "bad chunk")
+    assert str(err) == "DATA_LOSS: bad chunk"
