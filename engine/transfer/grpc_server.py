@@ -142,14 +142,15 @@ class GrpcKVServer(KVTransferServer):
                 try:
                     reply = await push.on_message_async(msg, self._executor)
                 except TransferError:
-                    # grpc may hand a client that still has a write pending
-                    # INTERNAL instead of the status: where the client is
-                    # about to half-close (it awaits the answer to its
-                    # header, or has sent its commit), end the call after.
+                    # grpc hands a client that still has a write pending
+                    # INTERNAL ("Internal error from Core") instead of the
+                    # status: end the call only once the client has
+                    # half-closed (bounded), discarding what it still sends.
+                    # The blocks are already released. A client that awaits
+                    # the answer to its header is told to half-close now.
                     if accepting:
                         await context.send_initial_metadata(((PUSH_REFUSED_KEY, "1"),))
-                    if accepting or msg is wire.COMMIT:
-                        await _until_half_closed(stream)
+                    await _until_half_closed(stream)
                     raise
                 if reply is not None:
                     await _until_half_closed(stream)
