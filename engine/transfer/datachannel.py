@@ -346,7 +346,9 @@ class DataServer:
         self.security = security or ClusterSecurity()
         self.max_frame_bytes = max_frame_bytes
         self._ssl = self.security.server_ssl_context()
-        self._listener = socket.create_server((host, 0), backlog=64)
+        # A burst of pushes connects at once: a short backlog drops SYNs, and a
+        # dropped SYN is retried after 1, 3, 7... s.
+        self._listener = socket.create_server((host, 0), backlog=socket.SOMAXCONN)
         self.port: int = self._listener.getsockname()[1]
         self._expected: dict[bytes, IncomingData] = {}
         self._lock = threading.Lock()

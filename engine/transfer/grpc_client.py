@@ -52,12 +52,21 @@ class GrpcKVClient(KVTransferClient):
         self.config = config or TransferConfig()
         self._filter = message_filter
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._push_slots: asyncio.Semaphore | None = None
         # Gathers the next chunk, and copies a pulled one, while gRPC moves
         # the previous (torch copies and zlib release the GIL).
         self._executor = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="kv-client")
 
     async def push(
         self, address: str, source: BlockSource, blocks: KVBlocks, *, timeout_s: float | None = None
+    ) -> PushResult:
+        if self._push_slots is None:  # made here: it belongs to the running loop
+            self._push_slots = asyncio.Semaphore(self.config.max_concurrent_pushes)
+        async with self._push_slots:
+            return await self._push(address, source, blocks, timeout_s)
+
+    async def _push(
+        self, address: str, source: BlockSource, blocks: KVBlocks, timeout_s: float | None
     ) -> PushResult:
         source.pin(blocks.block_ids)
         sender = KVSender(

@@ -65,6 +65,10 @@ class TransferConfig:
     in the gRPC stream). Header, layout check, commit and every error stay
     on the gRPC call. False on a server: it offers no data connection and
     clients fall back to the gRPC stream; on a client: it never asks."""
+    max_concurrent_pushes: int = 32
+    """Pushes one client runs at once; more wait their turn before their call
+    (and its deadline) starts. Under a burst (1,000 streams at once) this keeps
+    each push short instead of a thousand crawling past their deadlines."""
     max_message_bytes: int = 64 << 20
     """Largest gRPC message a KV server or client sends or accepts, and the
     largest data-channel frame payload; must exceed ``chunk_bytes`` by
@@ -73,6 +77,10 @@ class TransferConfig:
     """Cluster secret and TLS of the KV endpoints (security.py)."""
 
     def __post_init__(self) -> None:
+        if self.max_concurrent_pushes < 1:
+            raise ValueError(
+                f"max_concurrent_pushes must be >= 1, got {self.max_concurrent_pushes}"
+            )
         if self.chunk_bytes < 1:
             raise ValueError(f"chunk_bytes must be >= 1, got {self.chunk_bytes}")
         if self.max_message_bytes < self.chunk_bytes + CHUNK_OVERHEAD_BYTES:

@@ -10,8 +10,7 @@ cluster secret), then fuzzed.
   a valid completion, within a deadline, and every worker's free block count
   returns to its start after each example.
 
-Examples: ``TANDEM_FUZZ_EXAMPLES`` (default 60); ``--hypothesis-profile=fuzz``
-for a long run (tests/conftest.py).
+Examples: ``TANDEM_FUZZ_EXAMPLES`` (default 60; raise it for a long run).
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ start: a refused peer never holds a block.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import socket
@@ -222,3 +223,47 @@ def test_kv_messages_over_the_limit_are_refused():
 def test_transfer_config_refuses_a_limit_below_the_chunk_size():
     with pytest.raises(ValueError, match="max_message_bytes"):
         TransferConfig(chunk_bytes=8 << 20, max_message_bytes=8 << 20)
+
+
+def test_a_client_runs_at_most_max_concurrent_pushes_at_once():
+    """A burst of pushes queues in the client (found by bench/load.py: 1,000
+    pushes at once crawled past their deadlines)."""
+    harness = KVServerHarness(TransferConfig(), num_blocks=64)
+
+    class CountingStore(type(make_store())):
+        active = peak = 0
+
+        def pin(self, block_ids):
+            CountingStore.active += 1
+            CountingStore.peak = max(CountingStore.peak, CountingStore.active)
+            super().pin(block_ids)
+
+        def unpin(self, block_ids):
+            CountingStore.active -= 1
+            super().unpin(block_ids)
+
+    plain = make_store(64)
+    src = CountingStore(plain.pool, plain.cache)
+    client = GrpcKVClient(TransferConfig(max_concurrent_pushes=2))
+
+    async def burst() -> list:
+        ids = [src.reserve(2) for _ in range(8)]
+        pushes = [
+            client.push(harness.server.address, src, KVBlocks(f"b{i}", b, [b"", b""], []))
+            for i, b in enumerate(ids)
+        ]
+        results = await asyncio.gather(*pushes)
+        for i, b in enumerate(ids):
+            harness.store.release(harness.server.claim(f"b{i}"))
+            src.release(b)
+        return results
+
+    try:
+        results = harness.thread.run(burst())
+        assert len(results) == 8
+        assert CountingStore.peak == 2
+        assert src.num_free == 64
+        assert harness.free_blocks_settle() == harness.initial_free
+    finally:
+        harness.thread.run(client.close())
+        harness.close()
