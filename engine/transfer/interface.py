@@ -65,6 +65,13 @@ class TransferConfig:
     in the gRPC stream). Header, layout check, commit and every error stay
     on the gRPC call. False on a server: it offers no data connection and
     clients fall back to the gRPC stream; on a client: it never asks."""
+    tls_data_channel: bool = False
+    """With cluster TLS, still offer the data connection (TLS by Python's ssl
+    module). Off: under TLS, chunks go over the gRPC stream. On the 2-core dev
+    machine (bench/kv_transfer.py --tls, three runs) bulk pushes were no
+    faster over the TLS data channel (178-537 MB/s, gRPC 270-479) and a small
+    push paid a TLS handshake per data connection (10.0 ms, gRPC 5.8 ms).
+    Without TLS it has no effect."""
     max_concurrent_pushes: int = 32
     """Pushes one client runs at once; more wait their turn before their call
     (and its deadline) starts. Under a burst (1,000 streams at once) this keeps

@@ -162,9 +162,14 @@ def test_a_data_connection_without_the_secrets_mac_is_dropped():
 
 @pytest.mark.parametrize("data_channel", [True, False])
 def test_tls_kv_endpoints_refuse_plaintext_and_strangers(certs, data_channel):
-    tls = TransferConfig(security=ClusterSecurity(SECRET, _tls(certs)), data_channel=data_channel)
+    """TLS pushes over the gRPC stream (the default under TLS) and over the
+    data channel (``tls_data_channel``)."""
+    tls = TransferConfig(
+        security=ClusterSecurity(SECRET, _tls(certs)), tls_data_channel=data_channel
+    )
     harness = KVServerHarness(tls)
     try:
+        assert (harness.server._data is not None) == data_channel
         plaintext = dataclasses.replace(tls, security=ClusterSecurity(SECRET))
         assert _status_of_push(harness, plaintext) == grpc.StatusCode.UNAVAILABLE
         stranger = dataclasses.replace(tls, security=ClusterSecurity(SECRET, _tls(certs, 1)))
@@ -179,7 +184,9 @@ def test_tls_kv_endpoints_refuse_plaintext_and_strangers(certs, data_channel):
 
 
 def test_tls_data_channel_refuses_a_plaintext_connection(certs):
-    harness = KVServerHarness(TransferConfig(security=ClusterSecurity(SECRET, _tls(certs))))
+    harness = KVServerHarness(
+        TransferConfig(security=ClusterSecurity(SECRET, _tls(certs)), tls_data_channel=True)
+    )
     try:
         data = harness.server._data
         assert data is not None
@@ -202,6 +209,7 @@ def test_tls_data_channel_refuses_a_plaintext_connection(certs):
                         conn.sendall(b"TKV1" + bytes(48))
                     assert _dropped(conn)
         _push(harness, TransferConfig(security=ClusterSecurity(SECRET, _tls(certs))))
+        assert harness.free_blocks_settle() == harness.initial_free
     finally:
         harness.close()
 
