@@ -95,7 +95,7 @@ class GrpcKVServer(KVTransferServer):
                 ),
                 "PullBlocks": grpc.unary_stream_rpc_method_handler(
                     self._pull,
-                    request_deserializer=pb.PullRequest.FromString,
+                    request_deserializer=wire.decode_pull_request,
                     response_serializer=_identity,
                 ),
             },
@@ -189,7 +189,13 @@ class GrpcKVServer(KVTransferServer):
         push.receiver.expect_data(incoming)
         return ((DATA_PORT_KEY, str(self._data.port)),)
 
-    async def _pull(self, request: pb.PullRequest, context: grpc.aio.ServicerContext) -> None:
+    async def _pull(
+        self, request: pb.PullRequest | wire.Malformed, context: grpc.aio.ServicerContext
+    ) -> None:
+        if isinstance(request, wire.Malformed):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"malformed PullRequest: {request.reason}"
+            )
         try:
             pull = self.service.open_pull(request, _canceller())
         except TransferError as e:

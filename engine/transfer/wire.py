@@ -170,6 +170,15 @@ def decode(data: bytes) -> Message:
         return Malformed(str(e))
 
 
+def decode_pull_request(data: bytes) -> pb.PullRequest | Malformed:
+    """A PullRequest, or Malformed (a request that does not parse is refused
+    with INVALID_ARGUMENT, not an error escaping the deserializer)."""
+    try:
+        return pb.PullRequest.FromString(data)
+    except (ValueError, RuntimeError, DecodeError) as e:
+        return Malformed(str(e))
+
+
 def _decode_chunk(body: memoryview) -> Chunk | Malformed:
     data: memoryview | None = None
     meta = pb.KVChunk()

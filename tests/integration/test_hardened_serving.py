@@ -137,6 +137,28 @@ def test_a_worker_refuses_a_kv_peer_without_credentials(hardened, certs, who):
     assert _wait_no_leaks(hardened) == {}
 
 
+def test_a_decode_worker_refuses_an_output_stream_without_the_secret(hardened):
+    """The token streams are internal too: no secret, no tokens."""
+    from protos.tandem.v1 import worker_pb2, worker_pb2_grpc
+
+    transfer = hardened.config.transfer_config()
+    no_secret = ClusterSecurity(b"", transfer.security.tls)
+    address = hardened.backend.decode.workers[0].info["outputs"]
+
+    async def subscribe() -> grpc.StatusCode:
+        async with no_secret.channel(address) as channel:
+            stream = worker_pb2_grpc.DecodeOutputsStub(channel).Subscribe(
+                worker_pb2.SubscribeRequest(router_id="intruder"), timeout=10
+            )
+            try:
+                await stream.read()
+            except grpc.aio.AioRpcError as e:
+                return e.code()
+        return grpc.StatusCode.OK
+
+    assert asyncio.run(subscribe()) == grpc.StatusCode.UNAUTHENTICATED
+
+
 # ---- fuzzing Generate ----
 
 _floats = st.floats(width=32, allow_nan=True, allow_infinity=True)

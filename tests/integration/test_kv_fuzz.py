@@ -305,3 +305,63 @@ async def _push_frames(h: KVServerHarness, n: int, frames: list[bytes]) -> grpc.
     if blocks is not None:
         h.store.release(blocks)
     return grpc.StatusCode.OK
+
+
+@pytest.fixture(scope="module")
+def cached_hashes(grpc_only) -> list[bytes]:
+    """Hashes of 8 blocks the server holds in its prefix cache (pushed, then
+    claimed and released)."""
+    _, messages = _valid_push(8, seed=12345, with_hashes=True)
+    assert grpc_only.raw_push(messages) == grpc.StatusCode.OK
+    return list(pb.PushRequest.FromString(messages[0]).header.block_hashes)
+
+
+@st.composite
+def pull_requests(draw, cached: list[bytes]) -> bytes:
+    if draw(st.integers(0, 5)) == 0:
+        return draw(st.binary(max_size=200))  # garbage
+    layout = wire.layout_to_proto(LAYOUT)
+    if draw(st.integers(0, 4)) == 0:
+        layout.num_layers = draw(st.integers(0, 2**32 - 1))
+    hashes = draw(
+        st.lists(
+            st.one_of(st.sampled_from(cached), st.binary(max_size=40)),
+            max_size=draw(st.sampled_from([10, 3000])),
+        )
+    )
+    if draw(st.booleans()):
+        hashes = cached[: draw(st.integers(0, len(cached)))] + hashes
+    request = pb.PullRequest(
+        layout=layout, request_id=draw(st.text(max_size=20)), block_hashes=hashes
+    ).SerializeToString()
+    if draw(st.integers(0, 4)) == 0:
+        request = request[: draw(st.integers(0, len(request)))]  # truncated
+    return request
+
+
+@FUZZ_SETTINGS
+@given(data=st.data())
+def test_fuzzed_pulls_get_a_precise_status_and_leak_nothing(grpc_only, cached_hashes, data):
+    request = data.draw(pull_requests(cached_hashes))
+
+    async def pull() -> tuple[grpc.StatusCode, list]:
+        from engine.transfer.grpc_server import PULL_METHOD
+
+        call = grpc_only.channel.unary_stream(
+            PULL_METHOD, request_serializer=lambda b: b, response_deserializer=wire.decode
+        )(request, timeout=20, metadata=CONFIG.security.metadata())
+        messages = []
+        try:
+            async for msg in call:
+                messages.append(msg)
+        except grpc.aio.AioRpcError as e:
+            return e.code(), messages
+        return grpc.StatusCode.OK, messages
+
+    status, messages = grpc_only.thread.run(pull())
+    event(status.name)
+    assert status in PRECISE, status
+    assert not any(isinstance(m, wire.Malformed) for m in messages)
+    if status == grpc.StatusCode.OK:
+        assert isinstance(messages[0], pb.TransferHeader)
+    assert grpc_only.free_blocks_settle() == grpc_only.initial_free
