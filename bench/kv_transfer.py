@@ -9,7 +9,12 @@ Between two processes on 127.0.0.1, in the same run:
    (``data_channel=False``), and send the same number of bytes over a raw
    TCP socket (sendall / recv_into);
 2. push the KV of a 2,048-token prompt of a SmolLM2-135M-shaped model
-   (random weights) and compare with that model's prefill of the prompt.
+   (random weights) and compare with that model's prefill of the prompt;
+3. with ``--tls``: the push again with cluster TLS (mutual, throwaway
+   certificates made with openssl) and a cluster secret, over the gRPC
+   stream (the default under TLS) and over the data connection
+   (``tls_data_channel``: TLS via Python's ssl module); and the median time
+   of a small (2-block) push, plaintext and both ways under TLS.
 The last line is a JSON object with the figures (medians over --reps).
 """
 
@@ -133,11 +138,62 @@ def smollm2_prompt(prompt_len: int) -> dict:
     }
 
 
+def small_push_ms(config: TransferConfig, n: int = 60) -> float:
+    """Median time of a 2-block push (what a short prompt sends)."""
+    sender = Peer(PeerSpec(64, LAYOUT, seed=1, config=config))
+    receiver = Peer(PeerSpec(64, LAYOUT, seed=2, config=config))
+    times = []
+    try:
+        _ = sender.address, receiver.address
+        blocks = sender.call("allocate", 2)
+        for i in range(n + 5):  # the first few warm up
+            _, _, seconds = sender.call("push", receiver.address, f"s{i}", blocks)
+            receiver.call("release", receiver.call("claim", f"s{i}"))
+            times.append(seconds)
+    finally:
+        sender.close()
+        receiver.close()
+    return statistics.median(times[5:]) * 1e3
+
+
+def tls_figures(num_blocks: int, reps: int, raw_mb_s: float) -> dict:
+    from engine.transfer import ClusterSecurity, TLSFiles
+    from tests.tls_certs import make_certs
+
+    with tempfile.TemporaryDirectory() as tmp:
+        certs = make_certs(Path(tmp), "bench")
+        tls = TLSFiles(str(certs.cert), str(certs.key), str(certs.ca))
+        security = ClusterSecurity(b"bench-secret", tls)
+        data = tandem_mb_s(
+            num_blocks, reps, TransferConfig(security=security, tls_data_channel=True)
+        )
+        grpc_only = tandem_mb_s(num_blocks, reps, TransferConfig(security=security))
+        small = {
+            "plain_data_channel": small_push_ms(TransferConfig()),
+            "tls_grpc": small_push_ms(TransferConfig(security=security)),
+            "tls_data_channel": small_push_ms(
+                TransferConfig(security=security, tls_data_channel=True)
+            ),
+        }
+    print(f"TLS data channel MB/s:   {[round(x) for x in data]}")
+    print(f"TLS gRPC (default) MB/s: {[round(x) for x in grpc_only]}")
+    print(f"2-block push, median ms: { {k: round(v, 2) for k, v in small.items()} }")
+    tls_mb_s, tls_grpc_mb_s = statistics.median(data), statistics.median(grpc_only)
+    return {
+        "small_push_ms": {k: round(v, 2) for k, v in small.items()},
+        "tls_mb_s": round(tls_mb_s),
+        "tls_ratio": round(tls_mb_s / raw_mb_s, 3),
+        "tls_grpc_only_mb_s": round(tls_grpc_mb_s),
+        "tls_grpc_only_ratio": round(tls_grpc_mb_s / raw_mb_s, 3),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=int, default=256)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--skip-model", action="store_true")
+    parser.add_argument("--tls", action="store_true", help="also measure with cluster TLS")
     args = parser.parse_args()
     num_blocks = args.mib * (1 << 20) // LAYOUT.block_bytes
     nbytes = num_blocks * LAYOUT.block_bytes
@@ -156,6 +212,8 @@ def main() -> None:
     result["target_ratio"] = 0.6
     result["grpc_only_mb_s"] = round(statistics.median(grpc_only))
     result["grpc_only_ratio"] = round(result["grpc_only_mb_s"] / result["raw_tcp_mb_s"], 3)
+    if args.tls:
+        result.update(tls_figures(num_blocks, args.reps, result["raw_tcp_mb_s"]))
     if not args.skip_model:
         result["smollm2_135m_2048"] = smollm2_prompt(2048)
         print(f"SmolLM2-135M shape: {result['smollm2_135m_2048']}")

@@ -20,6 +20,7 @@ from engine.logfmt import log_event
 from engine.sampling import SamplingParams
 from engine.sequence import RequestOutput
 from engine.transfer import GrpcKVServer, TransferConfig
+from engine.transfer.grpc_server import message_limits
 from engine.worker_base import EngineWorker, IndexSettings
 from protos.tandem.v1 import worker_pb2_grpc
 
@@ -64,9 +65,14 @@ class DecodeWorker(EngineWorker):
     async def start(self) -> WorkerAddresses:
         self.start_loop()
         await self.kv_server.start()
-        server = grpc.aio.server()
+        security = self.transfer.security
+        server = grpc.aio.server(
+            options=message_limits(self.transfer), interceptors=security.interceptors()
+        )
         worker_pb2_grpc.add_DecodeOutputsServicer_to_server(self.streams, server)
-        port = server.add_insecure_port(f"{self.host}:0")
+        port = security.add_port(server, f"{self.host}:0")
+        if port == 0:
+            raise OSError(f"could not bind the output stream server to {self.host}")
         await server.start()
         self._server = server
         self.addresses = WorkerAddresses(self.kv_server.address, f"{self.host}:{port}")

@@ -175,7 +175,9 @@ def _truncated_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> 
     """
     device, vocab = logits.device, logits.shape[-1]
     temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=device)
-    x = logits / temps[:, None]
+    # An extreme penalty or temperature can overflow logits to +inf, and a
+    # softmax over two +inf is NaN: clamp, so the highest logits share the draw.
+    x = (logits / temps[:, None]).clamp(max=torch.finfo(logits.dtype).max)
     top_ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
     top_ps = [p.top_p for p in params]
     if any(k < vocab for k in top_ks) or any(p < 1.0 for p in top_ps):

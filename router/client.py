@@ -106,22 +106,36 @@ class TandemClient:
     """Async client over one ``grpc.aio`` channel; use as an async context manager."""
 
     def __init__(
-        self, target: str, timeout_s: float | None = None, api_key: str | None = None
+        self,
+        target: str,
+        timeout_s: float | None = None,
+        api_key: str | None = None,
+        *,
+        root_certificates: bytes | None = None,
+        options: Sequence[tuple[str, int | str]] = (),
     ) -> None:
+        """``api_key``: sent as ``authorization: Bearer``, else $TANDEM_API_KEY.
+        ``root_certificates`` (PEM): talk TLS to a router serving it, trusting
+        that CA. ``options``: extra gRPC channel options."""
         self.target = target
         self.timeout_s = timeout_s
         self._metadata = client_metadata(api_key)  # api_key, else $TANDEM_API_KEY
+        self.root_certificates = root_certificates
+        self.options = list(options)
         self._channel: grpc.aio.Channel | None = None
         self._stub: generate_pb2_grpc.TandemStub | None = None
 
     async def __aenter__(self) -> TandemClient:
-        self._channel = grpc.aio.insecure_channel(
-            self.target,
-            options=[
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ],
-        )
+        options = [
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            *self.options,
+        ]
+        if self.root_certificates is None:
+            self._channel = grpc.aio.insecure_channel(self.target, options=options)
+        else:
+            creds = grpc.ssl_channel_credentials(root_certificates=self.root_certificates)
+            self._channel = grpc.aio.secure_channel(self.target, creds, options=options)
         self._stub = generate_pb2_grpc.TandemStub(self._channel)
         return self
 

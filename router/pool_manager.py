@@ -11,7 +11,6 @@ from typing import Any
 import ray
 
 from engine.config import EngineConfig, SpeculativeConfig
-from engine.transfer import TransferConfig
 from engine.worker_base import IndexSettings
 from tandem_cli.config import ServeConfig, WorkerResources
 
@@ -127,7 +126,7 @@ class WorkerPool:
         }
         engine = engine_config(self.config, res, num_gpus, self.role)
         index = IndexSettings(redis_url=self.config.redis_url, deployment=self.config.deployment)
-        transfer = TransferConfig(lease_s=self.config.kv_lease_s)
+        transfer = self.config.transfer_config()
         if self.role == "prefill":
             from prefill_pool.actor import PrefillActor
 

@@ -23,6 +23,7 @@ from engine.index import BlockIndex, InMemoryIndex, KVEvent
 from engine.loader import resolve_model_dir
 from engine.logfmt import log_event
 from engine.sequence import RequestOutput, TokenLogprobs
+from engine.transfer.grpc_server import message_limits
 from prefill_pool.worker import PrefillRequest, PrefillResult
 from protos.tandem.v1 import worker_pb2, worker_pb2_grpc
 from router.backend import GenerateInput, GenerateResult, TokenDelta
@@ -153,10 +154,12 @@ class RayBackend:
         return {w.name: {**s, "role": w.role} for w, s in zip(workers, stats, strict=True)}
 
     async def _subscribe(self, worker: WorkerHandle) -> None:
-        channel = grpc.aio.insecure_channel(worker.info["outputs"])
+        transfer = self.config.transfer_config()
+        security = transfer.security
+        channel = security.channel(worker.info["outputs"], message_limits(transfer))
         self._channels[worker.name] = channel
         stream = worker_pb2_grpc.DecodeOutputsStub(channel).Subscribe(
-            worker_pb2.SubscribeRequest(router_id=self.router_id)
+            worker_pb2.SubscribeRequest(router_id=self.router_id), metadata=security.metadata()
         )
         await stream.read()  # the empty batch that opens the stream
         self._subscriptions[worker.name] = asyncio.create_task(self._read(worker, stream))

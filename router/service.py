@@ -134,7 +134,10 @@ class RouterServer:
         drain_timeout_s: float = 30.0,
         api_keys: ApiKeys | None = None,
         http: HttpSettings | None = None,
+        tls_cert: Path | None = None,
+        tls_key: Path | None = None,
     ) -> None:
+        """With ``tls_cert`` and ``tls_key`` (PEM files) the port serves TLS only."""
         self.backend = backend
         self.drain_timeout_s = drain_timeout_s
         """How long a worker removed by Admin.Scale may drain, by default."""
@@ -158,6 +161,7 @@ class RouterServer:
         self.port = port
         """The bound port (the chosen one once started, when 0 was asked for)."""
         self._max_message_bytes = max_message_bytes
+        self._tls = (tls_cert, tls_key) if tls_cert and tls_key else None
         self._server: grpc.aio.Server | None = None
         self._stopped = False
         self._cut = asyncio.Event()
@@ -178,7 +182,12 @@ class RouterServer:
         reflection.enable_server_reflection(
             (SERVICE_NAME, ADMIN_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
         )
-        port = server.add_insecure_port(f"{self.host}:{self.port}")
+        bind = f"{self.host}:{self.port}"
+        if self._tls is None:
+            port = server.add_insecure_port(bind)
+        else:
+            cert, key = (Path(p).read_bytes() for p in self._tls)
+            port = server.add_secure_port(bind, grpc.ssl_server_credentials([(key, cert)]))
         if port == 0:
             raise OSError(f"could not bind {self.host}:{self.port}")
         self.port = port

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+
+if TYPE_CHECKING:
+    from engine.transfer import ClusterSecurity, TransferConfig
+
+CLUSTER_SECRET_ENV = "TANDEM_CLUSTER_SECRET"
 
 
 class WorkerResources(BaseModel):
@@ -125,6 +131,31 @@ class ServeConfig(BaseModel):
     kv_transfer_dtype: Literal["auto", "int8", "fp8"] = "auto"
     """Encoding of KV blocks sent between workers: auto: the cache's dtype; int8 or fp8
     (e4m3): one byte per value plus a float32 scale per block, layer, K/V and kv head."""
+    max_message_mb: int = Field(64, ge=1)
+    """Largest message (MiB) the router's API and Admin service accept or send; a
+    bigger request gets RESOURCE_EXHAUSTED."""
+    kv_max_message_mb: int = Field(64, ge=16)
+    """Largest message (MiB) of the internal endpoints (KV transfer, worker output
+    streams) and largest KV data-channel frame."""
+    tls_cert: Path | None = None
+    """PEM certificate chain of the router's gRPC API; set with tls_key to serve TLS only."""
+    tls_key: Path | None = None
+    """PEM private key of tls_cert."""
+    cluster_tls_cert: Path | None = None
+    """PEM certificate every worker and the router present on the internal endpoints
+    (KV transfer gRPC and data channel, output streams); set with cluster_tls_key."""
+    cluster_tls_key: Path | None = None
+    """PEM private key of cluster_tls_cert."""
+    cluster_tls_ca: Path | None = None
+    """CA that signs cluster certificates: internal servers then demand a client
+    certificate (mutual TLS) and clients check servers' against it."""
+    cluster_tls_server_name: str | None = None
+    """Name internal clients expect in servers' certificates; None: the peer's address
+    (then the certificate must name every node's IP)."""
+    cluster_secret: SecretStr | None = Field(None, repr=False)
+    """Shared secret internal KV and output-stream calls must present (else
+    UNAUTHENTICATED); YAML or the TANDEM_CLUSTER_SECRET environment variable, never a
+    flag; never logged."""
 
     @model_validator(mode="after")
     def _check_pools(self) -> ServeConfig:
@@ -134,6 +165,22 @@ class ServeConfig(BaseModel):
             raise ValueError("speculative_method draft needs draft_model")
         if self.speculative_ngram_min > self.speculative_ngram_max:
             raise ValueError("speculative_ngram_min must be <= speculative_ngram_max")
+        return self
+
+    @model_validator(mode="after")
+    def _check_tls(self) -> ServeConfig:
+        for cert, key in (("tls_cert", "tls_key"), ("cluster_tls_cert", "cluster_tls_key")):
+            if (getattr(self, cert) is None) != (getattr(self, key) is None):
+                raise ValueError(f"{cert} and {key} go together: set both or neither")
+        if self.cluster_tls_ca is not None and self.cluster_tls_cert is None:
+            raise ValueError("cluster_tls_ca needs cluster_tls_cert and cluster_tls_key")
+        files = ("tls_cert", "tls_key", "cluster_tls_cert", "cluster_tls_key", "cluster_tls_ca")
+        for name in files:
+            path = getattr(self, name)
+            if path is not None and not path.is_file():
+                raise ValueError(f"{name}: no file at {path}")
+        if self.cluster_secret is not None and not self.cluster_secret.get_secret_value():
+            raise ValueError("cluster_secret must not be empty")
         return self
 
     @classmethod
@@ -146,4 +193,31 @@ class ServeConfig(BaseModel):
                 raise ValueError(f"{path}: expected a mapping at the top level")
             data.update(loaded)
         data.update({k: v for k, v in overrides.items() if v is not None})
+        if "cluster_secret" not in data and os.environ.get(CLUSTER_SECRET_ENV):
+            data["cluster_secret"] = os.environ[CLUSTER_SECRET_ENV]
         return cls.model_validate(data)
+
+    def cluster_security(self) -> ClusterSecurity:
+        """The internal endpoints' secret and TLS, for workers and the router."""
+        from engine.transfer import ClusterSecurity, TLSFiles
+
+        secret = self.cluster_secret.get_secret_value().encode() if self.cluster_secret else b""
+        tls = None
+        if self.cluster_tls_cert is not None and self.cluster_tls_key is not None:
+            tls = TLSFiles(
+                str(self.cluster_tls_cert),
+                str(self.cluster_tls_key),
+                str(self.cluster_tls_ca) if self.cluster_tls_ca else None,
+                self.cluster_tls_server_name,
+            )
+        return ClusterSecurity(secret, tls)
+
+    def transfer_config(self) -> TransferConfig:
+        """What every worker's KV server and client use."""
+        from engine.transfer import TransferConfig
+
+        return TransferConfig(
+            lease_s=self.kv_lease_s,
+            max_message_bytes=self.kv_max_message_mb << 20,
+            security=self.cluster_security(),
+        )

@@ -39,5 +39,6 @@ def command(args: argparse.Namespace) -> int:
 
 
 async def _scale(target: str, request: admin_pb2.ScaleRequest) -> admin_pb2.ScaleReply:
-    async with grpc.aio.insecure_channel(target) as channel:
+    limits = [("grpc.max_receive_message_length", 4 << 20)]  # replies are small
+    async with grpc.aio.insecure_channel(target, options=limits) as channel:
         return await admin_pb2_grpc.AdminStub(channel).Scale(request, metadata=client_metadata())

@@ -107,6 +107,9 @@ def server_for(config: ServeConfig, backend: Backend, *, local: bool = False) ->
         max_queued_requests=config.max_queued_requests,
         request_timeout_s=config.request_timeout_s,
         drain_timeout_s=config.grace_period_s,
+        max_message_bytes=config.max_message_mb << 20,
+        tls_cert=config.tls_cert,
+        tls_key=config.tls_key,
         api_keys=api_keys(config),
         http=http_settings(config, local=local),
     )

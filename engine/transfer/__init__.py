@@ -16,10 +16,12 @@ from .interface import (
     TransferState,
 )
 from .pool_store import PoolBlockStore
+from .security import ClusterSecurity, TLSFiles
 
 __all__ = [
     "BlockSink",
     "BlockSource",
+    "ClusterSecurity",
     "GrpcKVClient",
     "GrpcKVServer",
     "InProcHub",
@@ -31,6 +33,7 @@ __all__ = [
     "PoolBlockStore",
     "PullResult",
     "PushResult",
+    "TLSFiles",
     "TransferConfig",
     "TransferError",
     "TransferState",

@@ -12,8 +12,10 @@ plain TCP connection for its payload, and only the payload:
    gRPC as before (a server with the data channel off). A refused header
    is answered with ``PUSH_REFUSED_KEY``: the client half-closes and reads
    the call's status.
-3. The client connects to that port, sends ``PREAMBLE_MAGIC`` + the token,
-   then one frame per chunk: a ``FRAME`` header (the chunk's span, payload
+3. The client connects to that port (TLS when the cluster has TLS), sends
+   ``PREAMBLE_MAGIC`` + the token + HMAC-SHA256(cluster secret, token) (the
+   server checks it in constant time and drops the connection on a
+   mismatch), then one frame per chunk: a ``FRAME`` header (the chunk's span, payload
    size and xxh3-64 of the payload) followed by the payload, in the byte
    order kv_transfer.proto defines for KVChunk.data; then an ``END`` frame.
 4. The client writes the commit on the gRPC stream; the server waits for
@@ -22,7 +24,8 @@ plain TCP connection for its payload, and only the payload:
 
 No payload byte is copied in Python: the sender hands views of its pool to
 ``sendmsg`` and the receiver ``recvmsg_into`` views of the blocks it
-reserved (``buffers`` of the sink and source; a staging buffer for stores
+reserved (under TLS, ``sendall``/``recv_into`` per view: SSL sockets have
+no scatter/gather) (``buffers`` of the sink and source; a staging buffer for stores
 without it). Leases, the per-chunk checks and freeing the blocks on any
 failure are the receiver's, as for gRPC chunks: the receive thread is the
 transfer's chunk write in flight.
@@ -33,6 +36,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import socket
+import ssl
 import struct
 import threading
 from collections.abc import Callable, Sequence
@@ -42,6 +46,7 @@ import grpc
 import xxhash
 
 from .interface import TransferError
+from .security import MAC_BYTES, REFUSED_KEY, ClusterSecurity
 
 if TYPE_CHECKING:
     from .receiver import KVReceiver
@@ -49,7 +54,7 @@ if TYPE_CHECKING:
 
 DATA_TOKEN_KEY = "tandem-kv-data-token"
 DATA_PORT_KEY = "tandem-kv-data-port"
-PUSH_REFUSED_KEY = "tandem-kv-refused"  # initial metadata of a push refused at its header
+PUSH_REFUSED_KEY = REFUSED_KEY  # initial metadata of a push refused at its header
 PREAMBLE_MAGIC = b"TKV1"
 TOKEN_BYTES = 16
 CHUNK_MAGIC, END_MAGIC = b"KVC1", b"KVE1"
@@ -87,6 +92,10 @@ def tune(sock: socket.socket) -> None:
 
 def send_buffers(sock: socket.socket, views: Sequence[memoryview | bytes]) -> None:
     """``sendall`` of the concatenated views, without concatenating them."""
+    if isinstance(sock, ssl.SSLSocket):
+        for view in views:
+            sock.sendall(view)
+        return
     pending = [memoryview(v).cast("B") for v in views if len(v)]
     i = 0
     while i < len(pending):
@@ -103,6 +112,11 @@ def send_buffers(sock: socket.socket, views: Sequence[memoryview | bytes]) -> No
 
 def recv_into_buffers(sock: socket.socket, views: Sequence[memoryview]) -> None:
     """Fill every view from ``sock``; ConnectionError if it closes first."""
+    if isinstance(sock, ssl.SSLSocket):
+        for view in views:
+            if view.nbytes and not recv_exact(sock, view):
+                raise ConnectionError("data connection closed mid-chunk")
+        return
     pending = [v for v in views if v.nbytes]
     i = 0
     while i < len(pending):
@@ -154,8 +168,10 @@ class DataSender:
         sender: KVSender,
         timeout_s: float,
         frame_filter: FrameFilter | None = None,
+        security: ClusterSecurity | None = None,
     ) -> None:
         self.host, self.port, self.token = host, port, token
+        self.security = security or ClusterSecurity()
         self.sender = sender
         self.timeout_s = timeout_s
         self.frame_filter = frame_filter  # fault injection: sees each frame's bytes
@@ -169,6 +185,15 @@ class DataSender:
         (``connected`` tells whether the connection was made)."""
         sock = socket.create_connection((self.host, self.port), timeout=self.timeout_s)
         self.connected = True
+        ctx = self.security.client_ssl_context()
+        if ctx is not None:
+            tls = self.security.tls
+            server_name = (tls.server_name if tls else None) or self.host
+            try:
+                sock = ctx.wrap_socket(sock, server_hostname=server_name)
+            except BaseException:
+                sock.close()
+                raise
         self.send_on(sock)
 
     def send_on(self, sock: socket.socket) -> None:
@@ -180,7 +205,7 @@ class DataSender:
             self._sock = sock
         try:
             tune(sock)
-            sock.sendall(PREAMBLE_MAGIC + self.token)
+            sock.sendall(PREAMBLE_MAGIC + self.token + self.security.token_mac(self.token))
             for span, views in self.sender.chunks():
                 nbytes = sum(v.nbytes for v in views)
                 frame = encode_frame(span, nbytes, checksum(views))
@@ -288,6 +313,11 @@ class IncomingData:
                 return
             if magic != CHUNK_MAGIC:
                 raise TransferError(grpc.StatusCode.INVALID_ARGUMENT, "bad data frame")
+            if nbytes > self._server.max_frame_bytes:
+                raise TransferError(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"data frame of {nbytes} bytes; the limit is {self._server.max_frame_bytes}",
+                )
             receiver.check_span(ls, le, bs, be, nbytes)
             blocks = receiver.block_ids[bs:be]
             views = receiver.sink_buffers(blocks, ls, le)
@@ -310,8 +340,15 @@ class IncomingData:
 class DataServer:
     """Listens for data connections and hands each to the push it belongs to."""
 
-    def __init__(self, host: str) -> None:
-        self._listener = socket.create_server((host, 0), backlog=64)
+    def __init__(
+        self, host: str, security: ClusterSecurity | None = None, max_frame_bytes: int = 64 << 20
+    ) -> None:
+        self.security = security or ClusterSecurity()
+        self.max_frame_bytes = max_frame_bytes
+        self._ssl = self.security.server_ssl_context()
+        # A burst of pushes connects at once: a short backlog drops SYNs, and a
+        # dropped SYN is retried after 1, 3, 7... s.
+        self._listener = socket.create_server((host, 0), backlog=socket.SOMAXCONN)
         self.port: int = self._listener.getsockname()[1]
         self._expected: dict[bytes, IncomingData] = {}
         self._lock = threading.Lock()
@@ -357,14 +394,26 @@ class DataServer:
         try:
             tune(sock)
             sock.settimeout(PREAMBLE_TIMEOUT_S)
-            preamble = memoryview(bytearray(len(PREAMBLE_MAGIC) + TOKEN_BYTES))
-            if recv_exact(sock, preamble) and preamble[:4] == PREAMBLE_MAGIC:
-                with self._lock:
-                    incoming = self._expected.pop(bytes(preamble[4:]), None)
+            if self._ssl is not None:
+                sock = self._ssl.wrap_socket(sock, server_side=True)
+            incoming = self._read_preamble(sock)
             sock.settimeout(None)
-        except OSError:
+        except (OSError, ValueError):  # ssl.SSLError is an OSError
             incoming = None
         if incoming is None or not incoming.attach(sock):
             sock.close()
             return
         incoming.serve(sock)
+
+    def _read_preamble(self, sock: socket.socket) -> IncomingData | None:
+        """The push a connection's preamble names, if its token is expected and
+        its MAC proves the cluster secret."""
+        magic = len(PREAMBLE_MAGIC)
+        preamble = memoryview(bytearray(magic + TOKEN_BYTES + MAC_BYTES))
+        if not recv_exact(sock, preamble) or preamble[:magic] != PREAMBLE_MAGIC:
+            return None
+        token = bytes(preamble[magic : magic + TOKEN_BYTES])
+        if not self.security.check_token_mac(token, bytes(preamble[magic + TOKEN_BYTES :])):
+            return None
+        with self._lock:
+            return self._expected.pop(token, None)

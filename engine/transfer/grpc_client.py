@@ -21,7 +21,7 @@ from .datachannel import (
     DataSender,
     split_address,
 )
-from .grpc_server import GRPC_OPTIONS, PULL_METHOD, PUSH_METHOD
+from .grpc_server import PULL_METHOD, PUSH_METHOD, grpc_options
 from .interface import (
     BlockSink,
     BlockSource,
@@ -52,12 +52,21 @@ class GrpcKVClient(KVTransferClient):
         self.config = config or TransferConfig()
         self._filter = message_filter
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._push_slots: asyncio.Semaphore | None = None
         # Gathers the next chunk, and copies a pulled one, while gRPC moves
         # the previous (torch copies and zlib release the GIL).
         self._executor = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="kv-client")
 
     async def push(
         self, address: str, source: BlockSource, blocks: KVBlocks, *, timeout_s: float | None = None
+    ) -> PushResult:
+        if self._push_slots is None:  # made here: it belongs to the running loop
+            self._push_slots = asyncio.Semaphore(self.config.max_concurrent_pushes)
+        async with self._push_slots:
+            return await self._push(address, source, blocks, timeout_s)
+
+    async def _push(
+        self, address: str, source: BlockSource, blocks: KVBlocks, timeout_s: float | None
     ) -> PushResult:
         source.pin(blocks.block_ids)
         sender = KVSender(
@@ -70,11 +79,14 @@ class GrpcKVClient(KVTransferClient):
         )
         timeout = timeout_s or self.config.timeout_s
         token = secrets.token_bytes(TOKEN_BYTES) if self.config.data_channel else None
+        metadata = self.config.security.metadata()
+        if token is not None:
+            metadata += ((DATA_TOKEN_KEY, token.hex()),)
         call = self._channel(address).stream_unary(
             PUSH_METHOD,
             request_serializer=_identity,
             response_deserializer=pb.PushReply.FromString,
-        )(timeout=timeout, metadata=((DATA_TOKEN_KEY, token.hex()),) if token else None)
+        )(timeout=timeout, metadata=metadata)
         loop = asyncio.get_running_loop()
         messages = sender.messages()
         pending: asyncio.Future | None = None  # the worker thread's job in flight
@@ -91,7 +103,13 @@ class GrpcKVClient(KVTransferClient):
             port = _metadata_value(metadata, DATA_PORT_KEY)
             if token is not None and port is not None:
                 data = DataSender(
-                    split_address(address), int(port), token, sender, timeout, self._filter
+                    split_address(address),
+                    int(port),
+                    token,
+                    sender,
+                    timeout,
+                    self._filter,
+                    self.config.security,
                 )
                 pending = loop.run_in_executor(self._executor, data.run)
                 try:
@@ -161,7 +179,11 @@ class GrpcKVClient(KVTransferClient):
             PULL_METHOD,
             request_serializer=pb.PullRequest.SerializeToString,
             response_deserializer=wire.decode,
-        )(request, timeout=timeout_s or self.config.timeout_s)
+        )(
+            request,
+            timeout=timeout_s or self.config.timeout_s,
+            metadata=self.config.security.metadata(),
+        )
         receiver = KVReceiver(sink)
         try:
             async for msg in call:
@@ -187,7 +209,7 @@ class GrpcKVClient(KVTransferClient):
     def _channel(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
         if channel is None:
-            channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+            channel = self.config.security.channel(address, grpc_options(self.config))
             self._channels[address] = channel
         return channel
 

@@ -34,11 +34,9 @@ SERVICE = "tandem.v1.KVTransfer"
 PUSH_METHOD = f"/{SERVICE}/PushBlocks"
 PULL_METHOD = f"/{SERVICE}/PullBlocks"
 
-# Loopback measurements (bench/kv_transfer.py) chose these: no message size
-# limit, large HTTP/2 frames and flow-control windows, large socket reads.
+# Loopback measurements (bench/kv_transfer.py) chose these: large HTTP/2
+# frames and flow-control windows, large socket reads.
 GRPC_OPTIONS: list[tuple[str, int | str]] = [
-    ("grpc.max_send_message_length", -1),
-    ("grpc.max_receive_message_length", -1),
     ("grpc.optimization_target", "throughput"),
     ("grpc.http2.max_frame_size", 8 << 20),
     ("grpc.http2.lookahead_bytes", 64 << 20),
@@ -47,6 +45,19 @@ GRPC_OPTIONS: list[tuple[str, int | str]] = [
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 5_000),
 ]
+
+
+def message_limits(config: TransferConfig) -> list[tuple[str, int | str]]:
+    """The configured message size limit, both directions (every internal endpoint)."""
+    return [
+        ("grpc.max_send_message_length", config.max_message_bytes),
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+    ]
+
+
+def grpc_options(config: TransferConfig) -> list[tuple[str, int | str]]:
+    """The KV transfer channel's options: message limits plus GRPC_OPTIONS."""
+    return [*message_limits(config), *GRPC_OPTIONS]
 
 
 def _identity(data: bytes) -> bytes:
@@ -70,7 +81,10 @@ class GrpcKVServer(KVTransferServer):
         self.address = ""
 
     async def start(self) -> None:
-        server = grpc.aio.server(options=GRPC_OPTIONS)
+        config = self.service.config
+        server = grpc.aio.server(
+            options=grpc_options(config), interceptors=config.security.interceptors()
+        )
         handler = grpc.method_handlers_generic_handler(
             SERVICE,
             {
@@ -81,18 +95,22 @@ class GrpcKVServer(KVTransferServer):
                 ),
                 "PullBlocks": grpc.unary_stream_rpc_method_handler(
                     self._pull,
-                    request_deserializer=pb.PullRequest.FromString,
+                    request_deserializer=wire.decode_pull_request,
                     response_serializer=_identity,
                 ),
             },
         )
         server.add_generic_rpc_handlers((handler,))
-        port = server.add_insecure_port(self._bind)
+        port = config.security.add_port(server, self._bind)
+        if port == 0:
+            raise OSError(f"could not bind the KV transfer server to {self._bind}")
         await server.start()
         self._server = server
         self.address = f"{self._host}:{port}"
-        if self.service.config.data_channel:
-            self._data = DataServer(self._host.strip("[]"))
+        if config.data_channel and (config.security.tls is None or config.tls_data_channel):
+            self._data = DataServer(
+                self._host.strip("[]"), config.security, config.max_message_bytes
+            )
         self.service.start_reaper()
 
     async def stop(self, grace_s: float | None = None) -> None:
@@ -124,14 +142,15 @@ class GrpcKVServer(KVTransferServer):
                 try:
                     reply = await push.on_message_async(msg, self._executor)
                 except TransferError:
-                    # grpc may hand a client that still has a write pending
-                    # INTERNAL instead of the status: where the client is
-                    # about to half-close (it awaits the answer to its
-                    # header, or has sent its commit), end the call after.
+                    # grpc hands a client that still has a write pending
+                    # INTERNAL ("Internal error from Core") instead of the
+                    # status: end the call only once the client has
+                    # half-closed (bounded), discarding what it still sends.
+                    # The blocks are already released. A client that awaits
+                    # the answer to its header is told to half-close now.
                     if accepting:
                         await context.send_initial_metadata(((PUSH_REFUSED_KEY, "1"),))
-                    if accepting or msg is wire.COMMIT:
-                        await _until_half_closed(stream)
+                    await _until_half_closed(stream)
                     raise
                 if reply is not None:
                     await _until_half_closed(stream)
@@ -170,7 +189,13 @@ class GrpcKVServer(KVTransferServer):
         push.receiver.expect_data(incoming)
         return ((DATA_PORT_KEY, str(self._data.port)),)
 
-    async def _pull(self, request: pb.PullRequest, context: grpc.aio.ServicerContext) -> None:
+    async def _pull(
+        self, request: pb.PullRequest | wire.Malformed, context: grpc.aio.ServicerContext
+    ) -> None:
+        if isinstance(request, wire.Malformed):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"malformed PullRequest: {request.reason}"
+            )
         try:
             pull = self.service.open_pull(request, _canceller())
         except TransferError as e:

@@ -13,12 +13,17 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import grpc
 
 from engine.kv_cache import KVLayout
+
+from .security import ClusterSecurity
+
+# Room a chunk message needs beyond its payload (block hashes, span, checksum).
+CHUNK_OVERHEAD_BYTES = 1 << 20
 
 
 class TransferState(enum.Enum):
@@ -33,6 +38,11 @@ class TransferError(Exception):
         super().__init__(f"{code.name}: {message}")
         self.code = code
         self.message = message
+
+    def __reduce__(self):
+        # Pickled across Ray (a worker's failure reaches the router): rebuild
+        # from both fields, not from the one formatted message in ``args``.
+        return (TransferError, (self.code, self.message))
 
 
 @dataclass(frozen=True)
@@ -55,6 +65,36 @@ class TransferConfig:
     in the gRPC stream). Header, layout check, commit and every error stay
     on the gRPC call. False on a server: it offers no data connection and
     clients fall back to the gRPC stream; on a client: it never asks."""
+    tls_data_channel: bool = False
+    """With cluster TLS, still offer the data connection (TLS by Python's ssl
+    module). Off: under TLS, chunks go over the gRPC stream. On the 2-core dev
+    machine (bench/kv_transfer.py --tls, three runs) bulk pushes were no
+    faster over the TLS data channel (178-537 MB/s, gRPC 270-479) and a small
+    push paid a TLS handshake per data connection (10.0 ms, gRPC 5.8 ms).
+    Without TLS it has no effect."""
+    max_concurrent_pushes: int = 32
+    """Pushes one client runs at once; more wait their turn before their call
+    (and its deadline) starts. Under a burst (1,000 streams at once) this keeps
+    each push short instead of a thousand crawling past their deadlines."""
+    max_message_bytes: int = 64 << 20
+    """Largest gRPC message a KV server or client sends or accepts, and the
+    largest data-channel frame payload; must exceed ``chunk_bytes`` by
+    ``CHUNK_OVERHEAD_BYTES``. Bigger messages fail with RESOURCE_EXHAUSTED."""
+    security: ClusterSecurity = field(default_factory=ClusterSecurity)
+    """Cluster secret and TLS of the KV endpoints (security.py)."""
+
+    def __post_init__(self) -> None:
+        if self.max_concurrent_pushes < 1:
+            raise ValueError(
+                f"max_concurrent_pushes must be >= 1, got {self.max_concurrent_pushes}"
+            )
+        if self.chunk_bytes < 1:
+            raise ValueError(f"chunk_bytes must be >= 1, got {self.chunk_bytes}")
+        if self.max_message_bytes < self.chunk_bytes + CHUNK_OVERHEAD_BYTES:
+            raise ValueError(
+                f"max_message_bytes {self.max_message_bytes} leaves no room for a chunk of "
+                f"{self.chunk_bytes} bytes (+{CHUNK_OVERHEAD_BYTES} of metadata)"
+            )
 
 
 @dataclass(frozen=True)

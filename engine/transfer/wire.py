@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from google.protobuf.message import DecodeError
 
 from engine.kv_cache import KVLayout
 from protos.tandem.v1 import kv_transfer_pb2 as pb
@@ -165,7 +166,18 @@ def decode(data: bytes) -> Message:
         if number == CHUNK_FIELD:
             return _decode_chunk(body)
         return Malformed(f"unknown field {number}")
-    except (ValueError, IndexError, RuntimeError) as e:  # protobuf DecodeError is a ValueError
+    except (ValueError, IndexError, RuntimeError, DecodeError) as e:
+        # DecodeError is not a ValueError with protobuf's upb backend (bad UTF-8 in a
+        # string field of a truncated header raised out of the deserializer: INTERNAL).
+        return Malformed(str(e))
+
+
+def decode_pull_request(data: bytes) -> pb.PullRequest | Malformed:
+    """A PullRequest, or Malformed (a request that does not parse is refused
+    with INVALID_ARGUMENT, not an error escaping the deserializer)."""
+    try:
+        return pb.PullRequest.FromString(data)
+    except (ValueError, RuntimeError, DecodeError) as e:
         return Malformed(str(e))
 
 

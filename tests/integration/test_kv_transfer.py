@@ -210,7 +210,7 @@ def test_data_connection_is_offered_and_an_abandoned_one_frees_the_blocks():
             port = int(metadata[datachannel.DATA_PORT_KEY])
             assert store.num_free == 12
             with socket.create_connection(("127.0.0.1", port), timeout=10) as stray:
-                stray.sendall(b"TKV1" + bytes(16))  # a wrong token
+                stray.sendall(b"TKV1" + bytes(16) + bytes(32))  # a wrong token
                 assert stray.recv(1) == b""  # dropped
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await call  # the lease expires: blocks freed, call ended

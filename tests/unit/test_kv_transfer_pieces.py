@@ -33,6 +33,7 @@ from engine.transfer import (
 )
 from engine.transfer.lease import LeaseTable
 from engine.transfer.receiver import KVReceiver
+from engine.transfer.security import ClusterSecurity
 from engine.transfer.sender import KVSender
 from protos import codegen
 from protos.tandem.v1 import kv_transfer_pb2 as pb
@@ -358,6 +359,8 @@ def test_vectored_send_and_receive_move_every_byte():
 
 
 class _Registry:
+    max_frame_bytes = 64 << 20
+
     def unregister(self, token, incoming) -> None:
         self.unregistered = token
 
@@ -390,9 +393,10 @@ class DataPair:
 
         sender = threading.Thread(target=send)
         sender.start()
-        preamble = memoryview(bytearray(20))
+        preamble = memoryview(bytearray(20 + 32))
         datachannel.recv_exact(b, preamble)
-        assert bytes(preamble) == b"TKV1" + b"t" * 16
+        mac = ClusterSecurity().token_mac(b"t" * 16)
+        assert bytes(preamble) == b"TKV1" + b"t" * 16 + mac
         self.incoming.serve(b)
         sender.join()
 
@@ -470,3 +474,12 @@ def test_failing_mid_connection_frees_the_blocks_only_after_the_thread_stops():
         assert (pair.src.num_free, pair.dst.num_free) == pair.free
 
     run(go())
+
+
+def test_transfer_error_survives_pickling():
+    """Ray pickles a worker's exception for the router: it must come back whole."""
+    import pickle
+
+    err = pickle.loads(pickle.dumps(TransferError(grpc.StatusCode.DATA_LOSS, "bad chunk")))
+    assert (err.code, err.message) == (grpc.StatusCode.DATA_LOSS, "bad chunk")
+    assert str(err) == "DATA_LOSS: bad chunk"

@@ -205,6 +205,20 @@ def test_repetition_penalty_by_hand():
     assert logits[0, 0] == 2.0  # the input is not modified
 
 
+@pytest.mark.parametrize("seeded", [True, False])
+def test_overflowing_penalties_and_temperatures_still_sample(seeded):
+    """Found by fuzzing Generate: a denormal repetition penalty divides positive
+    logits to +inf; the draw must still pick one of the highest, not raise."""
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0]] * 2)
+    sampler = Sampler(5, [EOS])
+    tiny = SamplingParams(repetition_penalty=1.4e-45, seed=1)
+    cold = SamplingParams(temperature=2e-5, seed=2)
+    reqs = [_req(tiny, prompt=[0, 3], seeded=seeded), _req(cold, seeded=seeded)]
+    tokens = sampler(logits * torch.tensor([[1.0], [1e34]]), reqs)
+    assert tokens[0].token_id in (0, 3)  # both overflowed to +inf
+    assert tokens[1].token_id == 3
+
+
 def test_frequency_and_presence_penalties_by_hand():
     logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0]])
     sampler = Sampler(5, [EOS])

@@ -1,0 +1,196 @@
+"""How internal endpoints (KV transfer, decode output streams) trust a peer.
+
+Two independent locks, both optional:
+
+- A cluster secret every internal call presents in its metadata
+  (``SECRET_KEY``) and every data connection proves in its preamble (an
+  HMAC of its token, datachannel.py). Servers compare in constant time and
+  answer UNAUTHENTICATED without reading anything else.
+- TLS from PEM files: the server presents ``cert``/``key``; with ``ca`` set,
+  servers demand, and clients present, a certificate signed by it (mutual
+  TLS), and clients check the server's against it.
+
+The secret never appears in a repr, a log line or a command line: workers
+receive it inside their (pickled) TransferConfig.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import hmac
+import ssl
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+SECRET_KEY = "tandem-cluster-secret"
+# Initial metadata of a client-streaming call refused before its messages are
+# read: the client half-closes, then reads the status (see grpc_client.py).
+REFUSED_KEY = "tandem-kv-refused"
+REFUSED_DRAIN_S = 10.0
+MAC_BYTES = 32  # HMAC-SHA256
+
+
+@dataclass(frozen=True)
+class TLSFiles:
+    """PEM files of one endpoint."""
+
+    cert: str
+    """Certificate chain this endpoint presents."""
+    key: str
+    """Its private key."""
+    ca: str | None = None
+    """CA that signs the peers' certificates; set: mutual TLS and server checks."""
+    server_name: str | None = None
+    """Name clients expect in servers' certificates; None: the address's host."""
+
+    def read(self) -> tuple[bytes, bytes, bytes | None]:
+        ca = Path(self.ca).read_bytes() if self.ca else None
+        return Path(self.cert).read_bytes(), Path(self.key).read_bytes(), ca
+
+
+@dataclass(frozen=True)
+class ClusterSecurity:
+    """Authentication and encryption of the internal endpoints."""
+
+    secret: bytes = field(default=b"", repr=False)
+    """Shared secret of the cluster; empty: no secret asked or sent."""
+    tls: TLSFiles | None = None
+    """TLS of every internal server and client; None: plaintext."""
+
+    # ---- the secret ----
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        """What a client adds to each internal call."""
+        return ((SECRET_KEY, self.secret.hex()),) if self.secret else ()
+
+    def check_metadata(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> bool:
+        """True when the call presents the secret (or none is configured)."""
+        if not self.secret:
+            return True
+        presented = b""
+        for key, value in metadata or ():
+            if key == SECRET_KEY:
+                presented = value.encode() if isinstance(value, str) else value
+        return hmac.compare_digest(presented, self.secret.hex().encode())
+
+    def token_mac(self, token: bytes) -> bytes:
+        """Proof, in a data connection's preamble, that its sender knows the secret."""
+        return hmac.new(self.secret, token, hashlib.sha256).digest()
+
+    def check_token_mac(self, token: bytes, mac: bytes) -> bool:
+        return hmac.compare_digest(self.token_mac(token), mac)
+
+    def interceptors(self) -> list[grpc.aio.ServerInterceptor]:
+        return [SecretInterceptor(self)] if self.secret else []
+
+    # ---- gRPC ----
+
+    def add_port(self, server: grpc.aio.Server, address: str) -> int:
+        """Bind ``address`` with TLS when configured; the port (0: failed)."""
+        if self.tls is None:
+            return server.add_insecure_port(address)
+        cert, key, ca = self.tls.read()
+        creds = grpc.ssl_server_credentials(
+            [(key, cert)], root_certificates=ca, require_client_auth=ca is not None
+        )
+        return server.add_secure_port(address, creds)
+
+    def channel(
+        self, address: str, options: Sequence[tuple[str, int | str]] = ()
+    ) -> grpc.aio.Channel:
+        """A client channel to an internal server."""
+        if self.tls is None:
+            return grpc.aio.insecure_channel(address, options=list(options))
+        cert, key, ca = self.tls.read()
+        creds = grpc.ssl_channel_credentials(
+            root_certificates=ca, private_key=key, certificate_chain=cert
+        )
+        opts = list(options)
+        if self.tls.server_name:
+            opts.append(("grpc.ssl_target_name_override", self.tls.server_name))
+        return grpc.aio.secure_channel(address, creds, options=opts)
+
+    # ---- raw TCP (the data channel) ----
+
+    def server_ssl_context(self) -> ssl.SSLContext | None:
+        if self.tls is None:
+            return None
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        # No TLS 1.3 session tickets: a data connection is never resumed, and a
+        # ticket the sender never reads makes its close() send a RST that can
+        # destroy the tail of the payload still in flight to us.
+        ctx.num_tickets = 0
+        ctx.load_cert_chain(self.tls.cert, self.tls.key)
+        if self.tls.ca:
+            ctx.load_verify_locations(self.tls.ca)
+            ctx.verify_mode = ssl.CERT_REQUIRED
+        return ctx
+
+    def client_ssl_context(self) -> ssl.SSLContext | None:
+        if self.tls is None:
+            return None
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        ctx.load_cert_chain(self.tls.cert, self.tls.key)
+        if self.tls.ca:
+            ctx.load_verify_locations(self.tls.ca)
+        else:
+            ctx.load_default_certs()
+        return ctx
+
+
+class SecretInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses every call that does not present the cluster secret."""
+
+    def __init__(self, security: ClusterSecurity) -> None:
+        self._security = security
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], object],
+        handler_call_details: grpc.HandlerCallDetails,
+    ):
+        if self._security.check_metadata(handler_call_details.invocation_metadata):
+            return await continuation(handler_call_details)
+        handler = await continuation(handler_call_details)
+        return _refusing(handler)
+
+
+_UNAUTHENTICATED = "missing or wrong cluster secret"
+
+
+async def _refuse(_request, context: grpc.aio.ServicerContext) -> None:
+    await context.abort(grpc.StatusCode.UNAUTHENTICATED, _UNAUTHENTICATED)
+
+
+async def _refuse_stream(requests, context: grpc.aio.ServicerContext) -> None:
+    """Refuse a client-streaming call: grpc may report INTERNAL to a client
+    whose write is pending when the status arrives, so say "refused" first,
+    discard what it still sends until it half-closes (bounded), then abort."""
+    await context.send_initial_metadata(((REFUSED_KEY, "1"),))
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(REFUSED_DRAIN_S):
+            async for _ in requests:
+                pass
+    await context.abort(grpc.StatusCode.UNAUTHENTICATED, _UNAUTHENTICATED)
+
+
+def _refusing(handler):
+    """A handler of the same shape as ``handler`` that refuses the call."""
+    if handler is None:
+        return None
+    if handler.request_streaming and handler.response_streaming:
+        make = grpc.stream_stream_rpc_method_handler
+    elif handler.request_streaming:
+        make = grpc.stream_unary_rpc_method_handler
+    elif handler.response_streaming:
+        make = grpc.unary_stream_rpc_method_handler
+    else:
+        make = grpc.unary_unary_rpc_method_handler
+    # Requests are not deserialized: a refused call's bytes are never parsed.
+    refuse = _refuse_stream if handler.request_streaming else _refuse
+    return make(refuse, request_deserializer=None, response_serializer=None)

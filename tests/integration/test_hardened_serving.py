@@ -1,0 +1,268 @@
+"""A whole deployment with every lock on (router TLS, cluster TLS with a CA,
+cluster secret), then fuzzed.
+
+- Requests through the TLS router work, and the workers' internal endpoints
+  listen on the node address Ray gave them (127.0.0.2), not every interface.
+- A KV client without the secret, or without TLS, is refused by a worker.
+- Property-based fuzzing of ``Generate``: random field values, huge prompts,
+  extreme sampling values, thousands of stop strings, out-of-vocabulary ids.
+  Every call ends with a precise status (INVALID_ARGUMENT naming a field) or
+  a valid completion, within a deadline, and every worker's free block count
+  returns to its start after each example.
+
+Examples: ``TANDEM_FUZZ_EXAMPLES`` (default 60; raise it for a long run).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+import os
+import time
+
+import grpc
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from engine.transfer import ClusterSecurity, GrpcKVClient, TransferError
+from protos.tandem.v1 import generate_pb2 as pb
+from router.client import TandemClient
+from tandem_cli.config import ServeConfig
+from tandem_cli.deployment import Deployment
+from tests.kv_harness import make_store
+from tests.tls_certs import make_certs, openssl_available
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+SECRET = "hardened-cluster-secret"
+MAX_MODEL_LEN = 96  # bounds every completion: a fuzzed max_tokens cannot run long
+EXAMPLES = int(os.environ.get("TANDEM_FUZZ_EXAMPLES", "60"))
+CALL_TIMEOUT_S = 60.0  # a call that outlives this is a hang: the test fails
+INT32 = st.integers(-(2**31), 2**31 - 1)
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory):
+    if not openssl_available():
+        pytest.skip("the openssl command is not installed")
+    return make_certs(tmp_path_factory.mktemp("hardened"), "cluster")
+
+
+@pytest.fixture(scope="module")
+def hardened(ray_cluster, certs):
+    config = ServeConfig(
+        prefill=1,
+        decode=1,
+        kv_cache_memory_mb=16,
+        max_model_len=MAX_MODEL_LEN,
+        kv_lease_s=120,  # blocks must come back through the abort paths, not the lease
+        tls_cert=certs.cert,
+        tls_key=certs.key,
+        cluster_tls_cert=certs.cert,
+        cluster_tls_key=certs.key,
+        cluster_tls_ca=certs.ca,
+        cluster_secret=SECRET,
+    )
+    deployment = Deployment(config)
+    yield deployment
+    try:
+        assert _wait_no_leaks(deployment) == {}
+    finally:
+        deployment.stop()
+
+
+def _wait_no_leaks(deployment: Deployment, timeout_s: float = 30) -> dict[str, int]:
+    deadline = time.monotonic() + timeout_s
+    while (leaks := deployment.leaked_blocks()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return leaks
+
+
+async def _call(
+    address: str, ca: bytes, request: pb.GenerateRequest
+) -> tuple[grpc.StatusCode, str, list[pb.GenerateResponse]]:
+    async with TandemClient(address, root_certificates=ca) as client:
+        assert client._stub is not None
+        call = client._stub.Generate(request, timeout=CALL_TIMEOUT_S)
+        responses: list[pb.GenerateResponse] = []
+        try:
+            async for r in call:
+                responses.append(r)
+        except grpc.aio.AioRpcError as e:
+            return e.code(), e.details() or "", responses
+        return grpc.StatusCode.OK, "", responses
+
+
+def test_tls_router_and_secured_workers_serve(hardened, certs):
+    ca = certs.ca.read_bytes()
+    request = pb.GenerateRequest(prompt="def main():", max_tokens=12, temperature=0)
+    code, _, responses = asyncio.run(_call(hardened.address, ca, request))
+    assert code == grpc.StatusCode.OK
+    final = responses[-1].final
+    assert final.usage.completion_tokens == 12
+    assert final.timings.prefill_worker.startswith("prefill")
+    assert final.timings.decode_worker.startswith("decode")
+    workers = hardened.backend.prefill.workers + hardened.backend.decode.workers
+    for worker in workers:  # internal endpoints bind the node address Ray gave them
+        assert worker.info["kv"].startswith("127.0.0.2:"), worker.info
+    assert hardened.backend.decode.workers[0].info["outputs"].startswith("127.0.0.2:")
+    assert _wait_no_leaks(hardened) == {}
+
+
+@pytest.mark.parametrize("who", ["no secret", "no tls"])
+def test_a_worker_refuses_a_kv_peer_without_credentials(hardened, certs, who):
+    good = hardened.config.transfer_config()
+    if who == "no secret":
+        config = dataclasses.replace(good, security=ClusterSecurity(b"", good.security.tls))
+        expected = grpc.StatusCode.UNAUTHENTICATED
+    else:
+        config = dataclasses.replace(good, security=ClusterSecurity(SECRET.encode()))
+        expected = grpc.StatusCode.UNAVAILABLE
+    address = hardened.backend.prefill.workers[0].info["kv"]
+
+    async def pull() -> grpc.StatusCode:
+        client = GrpcKVClient(config)
+        try:
+            # Any sink: the layout is checked only once the peer is let in.
+            await client.pull(address, make_store(4), [bytes(32)], timeout_s=10)
+        except TransferError as e:
+            return e.code
+        finally:
+            await client.close()
+        return grpc.StatusCode.OK
+
+    assert asyncio.run(pull()) == expected
+    assert _wait_no_leaks(hardened) == {}
+
+
+def test_a_decode_worker_refuses_an_output_stream_without_the_secret(hardened):
+    """The token streams are internal too: no secret, no tokens."""
+    from protos.tandem.v1 import worker_pb2, worker_pb2_grpc
+
+    transfer = hardened.config.transfer_config()
+    no_secret = ClusterSecurity(b"", transfer.security.tls)
+    address = hardened.backend.decode.workers[0].info["outputs"]
+
+    async def subscribe() -> grpc.StatusCode:
+        async with no_secret.channel(address) as channel:
+            stream = worker_pb2_grpc.DecodeOutputsStub(channel).Subscribe(
+                worker_pb2.SubscribeRequest(router_id="intruder"), timeout=10
+            )
+            try:
+                await stream.read()
+            except grpc.aio.AioRpcError as e:
+                return e.code()
+        return grpc.StatusCode.OK
+
+    assert asyncio.run(subscribe()) == grpc.StatusCode.UNAUTHENTICATED
+
+
+# ---- fuzzing Generate ----
+
+_floats = st.floats(width=32, allow_nan=True, allow_infinity=True)
+_extreme_floats = st.one_of(
+    _floats, st.sampled_from([-0.0, 1e-45, 1e-7, 1e38, math.inf, -math.inf, math.nan, -1.0])
+)
+
+
+def _mostly(valid: st.SearchStrategy, extreme: st.SearchStrategy) -> st.SearchStrategy:
+    """Valid values about five times out of six, so that many requests reach
+    the engine (``one_of`` alone leans towards the simplest branch)."""
+    return st.sampled_from([False] * 5 + [True]).flatmap(lambda bad: extreme if bad else valid)
+
+
+def _f32(lo: float, hi: float) -> st.SearchStrategy:
+    return st.floats(lo, hi, width=32)
+
+
+_prompt_text = _mostly(
+    st.text(min_size=1, max_size=80),
+    st.one_of(st.just(""), st.integers(1, 200_000).map(lambda n: "ab " * n)),  # to 600k chars
+)
+_prompt_ids = _mostly(
+    st.lists(st.integers(0, 1000), min_size=1, max_size=40),
+    st.one_of(
+        st.lists(INT32, max_size=40),  # out of vocabulary, negative
+        st.integers(MAX_MODEL_LEN - 2, 50_000).map(lambda n: [7] * n),  # at and over the limit
+    ),
+)
+_stop = _mostly(
+    st.lists(st.text(min_size=1, max_size=6), max_size=8),
+    st.one_of(
+        st.integers(1000, 5000).map(lambda n: [f"s{i}" for i in range(n)]),  # thousands
+        st.lists(st.text(max_size=300), max_size=3),  # empty and over-long ones
+    ),
+)
+_stop_ids = _mostly(
+    st.lists(st.integers(0, 1000), max_size=8),
+    st.one_of(st.lists(INT32, max_size=8), st.integers(1000, 5000).map(lambda n: list(range(n)))),
+)
+_optional = {
+    "max_tokens": _mostly(st.integers(1, 40), st.sampled_from([0, 10_000, 2**32 - 1])),
+    "temperature": _mostly(_f32(0, 2), _extreme_floats),
+    "top_p": _mostly(_f32(0.0625, 1), _extreme_floats),
+    "top_k": _mostly(st.integers(-1, 100), INT32),
+    "min_p": _mostly(_f32(0, 1), _extreme_floats),
+    "repetition_penalty": _mostly(_f32(0.125, 2), _extreme_floats),
+    "frequency_penalty": _mostly(_f32(-2, 2), _extreme_floats),
+    "presence_penalty": _mostly(_f32(-2, 2), _extreme_floats),
+    "seed": st.integers(0, 2**64 - 1),
+    "logprobs": _mostly(st.integers(0, 20), st.sampled_from([21, 2**32 - 1])),
+}
+
+
+@st.composite
+def generate_requests(draw) -> pb.GenerateRequest:
+    req = pb.GenerateRequest()
+    kind = draw(st.sampled_from(["text"] * 5 + ["ids"] * 5 + ["both", "neither"]))
+    if kind in ("text", "both"):
+        req.prompt = draw(_prompt_text)
+    if kind in ("ids", "both"):
+        req.prompt_token_ids.extend(draw(_prompt_ids))
+    if draw(st.booleans()):
+        req.request_id = draw(_mostly(st.text(max_size=40), st.text(min_size=250, max_size=300)))
+    for name, strategy in _optional.items():
+        if draw(st.integers(0, 3)) == 0:  # each field set one time in four
+            setattr(req, name, draw(strategy))
+    if draw(st.integers(0, 3)) == 0:
+        req.stop.extend(draw(_stop))
+    if draw(st.integers(0, 3)) == 0:
+        req.stop_token_ids.extend(draw(_stop_ids))
+    req.ignore_eos = draw(st.booleans())
+    return req
+
+
+def _check_completion(req: pb.GenerateRequest, responses: list[pb.GenerateResponse]) -> None:
+    assert responses and responses[-1].HasField("final"), "OK without a final message"
+    assert all(r.HasField("chunk") for r in responses[:-1])
+    final = responses[-1].final
+    token_ids = [t for r in responses[:-1] for t in r.chunk.token_ids]
+    assert final.usage.completion_tokens == len(token_ids)
+    assert final.finish_reason in ("stop", "length")
+    assert all(0 <= t < 2**31 for t in token_ids)
+    limit = req.max_tokens if req.HasField("max_tokens") else 16
+    assert 1 <= len(token_ids) <= limit
+    assert final.usage.prompt_tokens + len(token_ids) <= MAX_MODEL_LEN
+    if req.HasField("logprobs"):
+        assert sum(len(r.chunk.logprobs) for r in responses[:-1]) == len(token_ids)
+
+
+@settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+    derandomize=False,
+)
+@given(req=generate_requests())
+def test_fuzzed_generate_gets_a_precise_status_or_a_completion(hardened, certs, req):
+    ca = certs.ca.read_bytes()
+    code, details, responses = asyncio.run(_call(hardened.address, ca, req))
+    event(code.name)
+    if code == grpc.StatusCode.OK:
+        _check_completion(req, responses)
+    else:
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, (code, details)
+        assert details, "INVALID_ARGUMENT without a message"
+    assert _wait_no_leaks(hardened) == {}

@@ -1,0 +1,277 @@
+"""Cluster secret, TLS and message limits of the KV endpoints (gRPC and the
+raw data channel), each server in this process on 127.0.0.1.
+
+Every test checks that the receiving pool's free block count returns to its
+start: a refused peer never holds a block.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import socket
+import ssl
+
+import grpc
+import pytest
+import torch
+
+from engine.transfer import (
+    ClusterSecurity,
+    GrpcKVClient,
+    KVBlocks,
+    TLSFiles,
+    TransferConfig,
+    TransferError,
+    datachannel,
+    wire,
+)
+from engine.transfer.security import SECRET_KEY
+from tests.kv_harness import LAYOUT, KVServerHarness, header, make_store
+from tests.tls_certs import make_certs, openssl_available
+
+pytestmark = pytest.mark.integration
+
+SECRET = b"correct horse battery staple"
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory):
+    if not openssl_available():
+        pytest.skip("the openssl command is not installed")
+    root = tmp_path_factory.mktemp("tls")
+    return make_certs(root, "cluster"), make_certs(root, "stranger")
+
+
+def _tls(certs, which: int = 0) -> TLSFiles:
+    c = certs[which]
+    return TLSFiles(str(c.cert), str(c.key), str(c.ca))
+
+
+def _push(harness: KVServerHarness, config: TransferConfig, n: int = 3, rid: str = "r"):
+    """Push ``n`` blocks from a fresh sender pool with a client of ``config``;
+    checks the data arrived, releases it, returns the push result."""
+    src = make_store(32, seed=7)
+    ids = src.reserve(n)[::-1]  # one payload view per block: many small TLS records
+    client = GrpcKVClient(config)
+    try:
+        result = harness.thread.run(
+            client.push(harness.server.address, src, KVBlocks(rid, ids, [None] * n, []))
+        )
+        claimed = harness.server.claim(rid)
+        assert claimed == result.remote_block_ids
+        got = harness.store.cache.read_blocks(claimed)
+        assert torch.equal(got, src.cache.read_blocks(ids))
+        harness.store.release(claimed)
+    finally:
+        harness.thread.run(client.close())
+        src.release(ids)
+    assert src.num_free == 32
+    return result
+
+
+def _dropped(conn: socket.socket) -> bool:
+    """Whether the server closed (or reset) the connection without a byte."""
+    try:
+        return conn.recv(1) == b""
+    except (ConnectionError, ssl.SSLError):
+        return True
+
+
+def _status_of_push(harness: KVServerHarness, config: TransferConfig) -> grpc.StatusCode:
+    src = make_store(16, seed=7)
+    ids = src.reserve(2)
+    client = GrpcKVClient(config)
+    try:
+        harness.thread.run(
+            client.push(harness.server.address, src, KVBlocks("x", ids, [None, None], []))
+        )
+    except TransferError as e:
+        return e.code
+    finally:
+        harness.thread.run(client.close())
+        src.release(ids)
+    return grpc.StatusCode.OK
+
+
+@pytest.mark.parametrize("data_channel", [True, False])
+def test_a_push_without_the_cluster_secret_is_refused(data_channel):
+    secured = TransferConfig(security=ClusterSecurity(SECRET), data_channel=data_channel)
+    harness = KVServerHarness(secured)
+    try:
+        for wrong in (b"", b"correct horse battery stapler"):
+            config = dataclasses.replace(secured, security=ClusterSecurity(wrong))
+            assert _status_of_push(harness, config) == grpc.StatusCode.UNAUTHENTICATED
+            client = GrpcKVClient(config)
+            with pytest.raises(TransferError) as err:
+                harness.thread.run(client.pull(harness.server.address, make_store(), [bytes(32)]))
+            harness.thread.run(client.close())
+            assert err.value.code == grpc.StatusCode.UNAUTHENTICATED
+        assert harness.free_blocks_settle() == harness.initial_free
+        result = _push(harness, secured)  # the peer that knows it gets through
+        assert result.bytes_sent == 3 * LAYOUT.block_bytes
+        assert harness.free_blocks_settle() == harness.initial_free
+    finally:
+        harness.close()
+
+
+def test_the_secret_never_shows_in_a_repr():
+    config = TransferConfig(security=ClusterSecurity(SECRET))
+    assert SECRET.decode() not in repr(config)
+    assert SECRET.hex() not in repr(config)
+
+
+def test_a_data_connection_without_the_secrets_mac_is_dropped():
+    """The token travels in the (authenticated) call; a connection that knows
+    the token but not the secret still gets nothing."""
+    harness = KVServerHarness(TransferConfig(security=ClusterSecurity(SECRET), lease_s=60))
+    try:
+
+        async def go() -> None:
+            token = bytes(range(16))
+            from engine.transfer.grpc_server import PUSH_METHOD
+            from protos.tandem.v1 import kv_transfer_pb2 as pb
+
+            call = harness.channel.stream_unary(
+                PUSH_METHOD,
+                request_serializer=lambda b: b,
+                response_deserializer=pb.PushReply.FromString,
+            )(
+                metadata=(
+                    (SECRET_KEY, SECRET.hex()),
+                    (datachannel.DATA_TOKEN_KEY, token.hex()),
+                ),
+                timeout=30,
+            )
+            await call.write(wire.encode_header(header("stolen", 2)))
+            port = int(dict(await call.initial_metadata())[datachannel.DATA_PORT_KEY])
+            assert harness.store.num_free == harness.initial_free - 2
+            forged = ClusterSecurity(b"guess").token_mac(token)
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
+                conn.sendall(b"TKV1" + token + forged)
+                assert _dropped(conn)  # before any frame
+            call.cancel()
+
+        harness.thread.run(go())
+        assert harness.free_blocks_settle() == harness.initial_free
+        _push(harness, TransferConfig(security=ClusterSecurity(SECRET)))  # still serves
+    finally:
+        harness.close()
+
+
+@pytest.mark.parametrize("data_channel", [True, False])
+def test_tls_kv_endpoints_refuse_plaintext_and_strangers(certs, data_channel):
+    """TLS pushes over the gRPC stream (the default under TLS) and over the
+    data channel (``tls_data_channel``)."""
+    tls = TransferConfig(
+        security=ClusterSecurity(SECRET, _tls(certs)), tls_data_channel=data_channel
+    )
+    harness = KVServerHarness(tls)
+    try:
+        assert (harness.server._data is not None) == data_channel
+        plaintext = dataclasses.replace(tls, security=ClusterSecurity(SECRET))
+        assert _status_of_push(harness, plaintext) == grpc.StatusCode.UNAVAILABLE
+        stranger = dataclasses.replace(tls, security=ClusterSecurity(SECRET, _tls(certs, 1)))
+        assert _status_of_push(harness, stranger) == grpc.StatusCode.UNAVAILABLE
+        assert harness.free_blocks_settle() == harness.initial_free
+        for n in (1, 5, 17):  # 5 once lost its tail to a RST (an unread TLS session ticket)
+            result = _push(harness, tls, n, rid=f"r{n}")
+            assert result.bytes_sent == n * LAYOUT.block_bytes
+        assert harness.free_blocks_settle() == harness.initial_free
+    finally:
+        harness.close()
+
+
+def test_tls_data_channel_refuses_a_plaintext_connection(certs):
+    harness = KVServerHarness(
+        TransferConfig(security=ClusterSecurity(SECRET, _tls(certs)), tls_data_channel=True)
+    )
+    try:
+        data = harness.server._data
+        assert data is not None
+        with socket.create_connection(("127.0.0.1", data.port), timeout=10) as conn:
+            conn.sendall(b"TKV1" + bytes(16) + bytes(32))
+            assert _dropped(conn)  # not a TLS hello
+        # A TLS client whose certificate another CA signed: no further.
+        ctx = ClusterSecurity(b"", _tls(certs, 1)).client_ssl_context()
+        assert ctx is not None
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+        with socket.create_connection(("127.0.0.1", data.port), timeout=10) as raw:
+            try:
+                conn = ctx.wrap_socket(raw)
+            except (ssl.SSLError, ConnectionError):
+                pass  # refused in the handshake
+            else:
+                with conn:
+                    with contextlib.suppress(ssl.SSLError, ConnectionError):
+                        conn.sendall(b"TKV1" + bytes(48))
+                    assert _dropped(conn)
+        _push(harness, TransferConfig(security=ClusterSecurity(SECRET, _tls(certs))))
+        assert harness.free_blocks_settle() == harness.initial_free
+    finally:
+        harness.close()
+
+
+def test_kv_messages_over_the_limit_are_refused():
+    limit = TransferConfig(chunk_bytes=1024, max_message_bytes=(1 << 20) + 1024)
+    harness = KVServerHarness(limit)
+    try:
+        huge = wire.encode_header(header("big", 2, token_ids=list(range(400_000))))
+        assert len(huge) > limit.max_message_bytes
+        status = harness.raw_push([huge])
+        assert status == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert harness.free_blocks_settle() == harness.initial_free
+        _push(harness, limit)
+    finally:
+        harness.close()
+
+
+def test_transfer_config_refuses_a_limit_below_the_chunk_size():
+    with pytest.raises(ValueError, match="max_message_bytes"):
+        TransferConfig(chunk_bytes=8 << 20, max_message_bytes=8 << 20)
+
+
+def test_a_client_runs_at_most_max_concurrent_pushes_at_once():
+    """A burst of pushes queues in the client (found by bench/load.py: 1,000
+    pushes at once crawled past their deadlines)."""
+    harness = KVServerHarness(TransferConfig(), num_blocks=64)
+
+    class CountingStore(type(make_store())):
+        active = peak = 0
+
+        def pin(self, block_ids):
+            CountingStore.active += 1
+            CountingStore.peak = max(CountingStore.peak, CountingStore.active)
+            super().pin(block_ids)
+
+        def unpin(self, block_ids):
+            CountingStore.active -= 1
+            super().unpin(block_ids)
+
+    plain = make_store(64)
+    src = CountingStore(plain.pool, plain.cache)
+    client = GrpcKVClient(TransferConfig(max_concurrent_pushes=2))
+
+    async def burst() -> list:
+        ids = [src.reserve(2) for _ in range(8)]
+        pushes = [
+            client.push(harness.server.address, src, KVBlocks(f"b{i}", b, [b"", b""], []))
+            for i, b in enumerate(ids)
+        ]
+        results = await asyncio.gather(*pushes)
+        for i, b in enumerate(ids):
+            harness.store.release(harness.server.claim(f"b{i}"))
+            src.release(b)
+        return results
+
+    try:
+        results = harness.thread.run(burst())
+        assert len(results) == 8
+        assert CountingStore.peak == 2
+        assert src.num_free == 64
+        assert harness.free_blocks_settle() == harness.initial_free
+    finally:
+        harness.thread.run(client.close())
+        harness.close()
