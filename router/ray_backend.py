@@ -51,6 +51,7 @@ class RayBackend:
         self._channels: dict[str, grpc.aio.Channel] = {}  # decode worker name -> channel
         self.index: BlockIndex | None = None
         self.routing: PrefixRouter | None = None
+        self._watcher: asyncio.Task | None = None
 
     async def start(self) -> None:
         from transformers import AutoTokenizer
@@ -77,6 +78,10 @@ class RayBackend:
         )
         for worker in self.decode.workers:
             await self._subscribe(worker)
+        if self.config.worker_check_interval_s > 0:
+            self._watcher = asyncio.create_task(
+                self._watch_workers(self.config.worker_check_interval_s)
+            )
 
     def _make_index(self, fingerprint: str) -> BlockIndex:
         if self.config.redis_url is None:
@@ -90,6 +95,8 @@ class RayBackend:
             self.index.apply(KVEvent(e.worker, tuple(e.stored), tuple(e.removed)))
 
     async def shutdown(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
         for task in self._subscriptions.values():
             task.cancel()
         if self.index is not None:
@@ -121,16 +128,49 @@ class RayBackend:
                 else:
                     gone += pool.take_out(len(pool.workers) - n)
             await WorkerPool.drain(gone, drain_timeout_s)
-            for worker in gone:
-                self.index.drop_worker(worker.name)
-                task = self._subscriptions.pop(worker.name, None)
-                if task is not None:
-                    task.cancel()
-                channel = self._channels.pop(worker.name, None)
-                if channel is not None:
-                    await channel.close()
+            await self._forget(gone)
             await WorkerPool.stop_workers(gone)
             return len(self.prefill.workers), len(self.decode.workers)
+
+    async def replace_dead_workers(self, ping_timeout_s: float = 10.0) -> list[str]:
+        """Drop the workers whose actor died (a node went away) and start as
+        many new ones, which Ray places on nodes that have the pool's
+        resources. Requests on a dead decode worker end as aborted. Returns
+        the names dropped."""
+        async with self._scale_lock:
+            dropped: list[str] = []
+            for pool in (self.prefill, self.decode):
+                dead = await pool.find_dead(ping_timeout_s)
+                if not dead:
+                    continue
+                target = len(pool.workers)
+                log.warning("%s workers died: %s", pool.role, [w.name for w in dead])
+                pool.remove(dead)
+                await self._forget(dead)
+                for worker in await pool.scale_to(target):
+                    if pool is self.decode:
+                        await self._subscribe(worker)
+                dropped += [w.name for w in dead]
+            return dropped
+
+    async def _watch_workers(self, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await self.replace_dead_workers()
+            except Exception:
+                log.exception("replacing dead workers failed; trying again in %.1f s", interval_s)
+
+    async def _forget(self, workers: list[WorkerHandle]) -> None:
+        """Drop the router's state of workers that leave the pools."""
+        for worker in workers:
+            self.index.drop_worker(worker.name)
+            task = self._subscriptions.pop(worker.name, None)
+            if task is not None:
+                task.cancel()
+            channel = self._channels.pop(worker.name, None)
+            if channel is not None:
+                await channel.close()
 
     async def worker_status(self) -> list[dict]:
         workers = self.prefill.workers + self.decode.workers

@@ -22,6 +22,9 @@ class WorkerResources(BaseModel):
     """torch threads inside the worker (CPU)."""
     resources: dict[str, float] = Field(default_factory=dict)
     """Custom Ray resources, to pin a pool to a node type."""
+    labels: dict[str, str] = Field(default_factory=dict)
+    """Ray node labels the worker's node must carry (``ray start --labels``), another
+    way to pin a pool to a node type."""
 
 
 class ServeConfig(BaseModel):
@@ -92,6 +95,9 @@ class ServeConfig(BaseModel):
     """Blocks reserved or pinned for a KV transfer are freed after this."""
     request_timeout_s: float = Field(600.0, gt=0)
     """Upper bound on one request when the client sets no deadline."""
+    worker_check_interval_s: float = Field(0.0, ge=0)
+    """Every this many seconds the router looks for workers whose actor died (their node
+    went away) and starts replacements where Ray finds the pool's resources; 0: off."""
 
     @model_validator(mode="after")
     def _check_pools(self) -> ServeConfig:
