@@ -92,8 +92,8 @@ class EngineConfig:
     """'dummy' gives random weights of the model's config (benchmarks)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Weights and KV cache dtype."""
-    device: str = "cpu"
-    """torch device of the weights and the KV cache."""
+    device: str = "auto"
+    """torch device of the weights and the KV cache; 'auto': cuda where available, else cpu."""
     seed: int = 0
     """Seed of the global RNG (dummy weights, sampling without a per-request seed)."""
     block_size: int = 16

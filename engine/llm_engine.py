@@ -18,6 +18,7 @@ import torch
 from engine.attention import PrefillSlice, build_metadata
 from engine.config import EngineConfig, ModelSpec
 from engine.detokenizer import IncrementalDetokenizer
+from engine.device import resolve_device
 from engine.hashing import BlockHash, root_hash
 from engine.kv_cache import BlockPool, KVCache, KVLayout
 from engine.loader import (
@@ -65,7 +66,7 @@ class LLMEngine:
         self.model_dir = model_dir
         self.tokenizer = self._load_tokenizer(config, model_dir)
         dtype = getattr(torch, config.dtype)
-        device = torch.device(config.device)
+        device = resolve_device(config.device)
         fingerprint = model_fingerprint(model_dir, hf_config, config.load_format, config.seed)
         self.kv_layout = KVLayout(
             model_fingerprint=fingerprint,
