@@ -112,6 +112,9 @@ class EngineConfig:
     """Keep full blocks of finished requests for reuse by later ones with the same prefix."""
     num_threads: int | None = None
     """torch intra-op threads; None keeps torch's default."""
+    cuda_graphs: bool = False
+    """Replay decode-only steps as CUDA graphs captured at fixed batch sizes (CUDA only;
+    ignored on other devices). One KV block is set aside for padding rows."""
 
     def __post_init__(self) -> None:
         checks = {

@@ -17,6 +17,7 @@ import torch
 
 from engine.attention import PrefillSlice, build_metadata
 from engine.config import EngineConfig, ModelSpec
+from engine.cuda_graphs import BATCH_SIZES, DecodeGraphRunner
 from engine.detokenizer import IncrementalDetokenizer
 from engine.device import resolve_device
 from engine.hashing import BlockHash, root_hash
@@ -103,6 +104,27 @@ class LLMEngine:
         self._seqs: dict[str, Sequence] = {}
         self._arrival = itertools.count()
         self.device = device
+        self.decode_graphs: DecodeGraphRunner | None = None
+        if config.cuda_graphs and device.type == "cuda":
+            self.enable_decode_graphs(use_graphs=True)
+
+    def enable_decode_graphs(self, use_graphs: bool = True) -> None:
+        """Run decode-only steps at fixed shapes (see cuda_graphs.py), as CUDA
+        graphs when ``use_graphs`` and the device is a GPU, else eagerly. Sets
+        one block aside for the padding rows; call before adding requests."""
+        scratch = self.block_pool.allocate(1)
+        if scratch is None:
+            raise RuntimeError("no free block to set aside for decode graphs")
+        bs = self.config.block_size
+        self.decode_graphs = DecodeGraphRunner(
+            self.model,
+            self.kv_cache,
+            bs,
+            max_blocks_per_seq=-(-self.max_model_len // bs),
+            max_batch=min(self.config.max_num_seqs, BATCH_SIZES[-1]),
+            scratch_block=scratch[0],
+            use_graphs=use_graphs,
+        )
 
     @staticmethod
     def _load_tokenizer(config: EngineConfig, model_dir):
@@ -233,6 +255,11 @@ class LLMEngine:
                 slots += [table[p // bs] * bs + p % bs for p in span]
             if start + n == seq.num_tokens:
                 sample_rows.append(len(slots) - 1)
+        graphs = self.decode_graphs
+        if graphs is not None and not prefills and graphs.supports(len(decode_tables)):
+            return sample_rows, graphs.forward(
+                input_ids, positions, slots, decode_tables, decode_lens
+            )
         meta = build_metadata(bs, decode_tables, decode_lens, prefills, slots, self.device)
         hidden = self.model.forward(
             torch.tensor(input_ids, device=self.device),
