@@ -8,8 +8,8 @@ static, so a step is padded:
 - the batch up to the next size in ``BATCH_SIZES``, with rows that read and
   write only a scratch block the engine sets aside; their outputs are
   dropped;
-- the block tables up to a power-of-two width (padding entries point at
-  block 0 and are masked out);
+- the block tables up to a multiple of ``WIDTH_STEP`` blocks (padding
+  entries point at block 0 and are masked out);
 - one attention group with a length mask for every row (``attention.py``'s
   single-sequence shortcut cuts by a Python int, which a graph cannot).
 
@@ -26,6 +26,7 @@ from engine.attention import AttentionMetadata, DecodeGroup
 from engine.kv_cache import KVCache
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+WIDTH_STEP = 8  # blocks: at most 8 * block_size - 1 padded tokens of KV read per sequence
 
 
 def _bucket(n: int, sizes: tuple[int, ...]) -> int | None:
@@ -95,9 +96,10 @@ class DecodeGraphRunner:
     ) -> torch.Tensor:  # [len(input_ids), hidden]
         n = len(input_ids)
         batch = _bucket(n, self.batch_sizes)
-        width = min(_bucket(max(len(t) for t in tables), _powers_of_two()), self.max_width)
-        if batch is None or width < max(len(t) for t in tables):
-            raise ValueError(f"no fixed shape for {n} sequences of up to {width} blocks")
+        longest = max(len(t) for t in tables)
+        width = min(-(-longest // WIDTH_STEP) * WIDTH_STEP, self.max_width)
+        if batch is None or width < longest:
+            raise ValueError(f"no fixed shape for {n} sequences of up to {longest} blocks")
         shape = self._shapes.get((batch, width))
         if shape is None:
             shape = self._shapes[(batch, width)] = _Shape(
@@ -151,7 +153,3 @@ class DecodeGraphRunner:
             shape.output = self._run(shape)
         self._pool = graph.pool()
         shape.graph = graph
-
-
-def _powers_of_two() -> tuple[int, ...]:
-    return tuple(1 << i for i in range(24))
