@@ -63,6 +63,7 @@ def engine_config(config: ServeConfig, resources: WorkerResources, num_gpus: flo
         max_model_len=config.max_model_len,
         enable_prefix_caching=config.enable_prefix_caching,
         num_threads=resources.num_threads,
+        cuda_graphs=config.cuda_graphs,
     )
 
 

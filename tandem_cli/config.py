@@ -41,6 +41,8 @@ class ServeConfig(BaseModel):
     """auto: read the checkpoint's safetensors; dummy: random weights of its config."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Weights and KV cache dtype."""
+    cuda_graphs: bool = False
+    """GPU workers replay decode steps as CUDA graphs captured at fixed batch sizes."""
     mode: Literal["disaggregated", "colocated"] = "disaggregated"
     """disaggregated: separate prefill and decode pools; colocated: one pool does both."""
     prefill: int = Field(1, ge=0)
