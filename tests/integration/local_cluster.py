@@ -107,20 +107,31 @@ class LocalRayCluster:
             ],
         )
 
-    def add_node(self, ip: str, num_cpus: int, resources: dict[str, float]) -> Node:
-        return self._start(
-            ip,
-            [
-                "--address",
-                self.address,
-                "--num-cpus",
-                str(num_cpus),
-                "--resources",
-                json.dumps(resources),
-            ],
-        )
+    def add_node(
+        self,
+        ip: str,
+        num_cpus: int,
+        resources: dict[str, float],
+        labels: dict[str, str] | None = None,
+    ) -> Node:
+        args = ["--address", self.address, "--num-cpus", str(num_cpus)]
+        args += ["--resources", json.dumps(resources)]
+        if labels:
+            args += ["--labels", ",".join(f"{k}={v}" for k, v in labels.items())]
+        return self._start(ip, args)
 
     def _start(self, ip: str, args: list[str]) -> Node:
+        # Free ports for what would otherwise take fixed ones, so this cluster
+        # never meets another on the machine.
+        for flag in (
+            "--dashboard-agent-listen-port",
+            "--dashboard-agent-grpc-port",
+            "--metrics-export-port",
+            "--runtime-env-agent-port",
+        ):
+            args += [flag, str(_free_port(ip))]
+        if "--head" in args:
+            args += ["--ray-client-server-port", str(_free_port(ip))]
         log = open(self.log_dir / f"ray-{ip}.log", "w")  # noqa: SIM115 (the node keeps it)
         process = subprocess.Popen(
             [RAY, "start", "--block", "--node-ip-address", ip, "--disable-usage-stats", *args],

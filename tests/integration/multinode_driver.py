@@ -2,7 +2,8 @@
 a process of its own because a process joins one Ray cluster at most.
 
 It joins the cluster at argv[1] from the head's address, starts a router
-with a prefill and a decode pool pinned by custom resources, and talks to
+with a prefill pool pinned by a node label and a decode pool pinned by a
+custom resource, and talks to
 the test over stdin/stdout, one JSON object a line:
 
   -> {"phase": "placed", "workers": {...}, "outputs": [[...], ...]}
@@ -78,7 +79,8 @@ def main() -> None:
         prefill=1,
         decode=1,
         kv_cache_memory_mb=16,
-        prefill_resources=WorkerResources(resources={"prefill_node": 1}),
+        # Prefill pinned by a node label alone, decode by a custom resource.
+        prefill_resources=WorkerResources(labels={"pool": "prefill"}),
         decode_resources=WorkerResources(resources={"decode_node": 1}),
         worker_check_interval_s=0.5,
         grace_period_s=2,

@@ -1,6 +1,6 @@
 """Three Ray nodes on one machine, each on its own loopback address: the
-router on the head (127.0.0.2), prefill pinned to 127.0.0.3 by a custom
-resource, decode on 127.0.0.4. Greedy output equals the engine alone, KV
+router on the head (127.0.0.2), prefill pinned to 127.0.0.3 by a node
+label, decode pinned by a custom resource to 127.0.0.4. Greedy output equals the engine alone, KV
 blocks cross nodes at the addresses Ray gives each node, and when the
 decode node is stopped the pool recovers on the node left that offers its
 resource."""
@@ -52,10 +52,10 @@ def test_pools_on_separate_nodes_recover_from_a_lost_node(tmp_path):
     try:
         cluster.start_head(num_cpus=0)  # the router only: no worker lands here
         cluster.wait_for_nodes(1)
-        # 127.0.0.3 is the prefill node and also offers a spare decode slot;
-        # 127.0.0.4 is a decode node. Ray puts the decode worker on the
-        # emptier node, 127.0.0.4, while both are up.
-        cluster.add_node(PREFILL_IP, 2, {"prefill_node": 1, "decode_node": 1})
+        # 127.0.0.3 is the prefill node (label pool=prefill) with a spare
+        # decode slot; 127.0.0.4 is a decode node. Ray puts the decode worker
+        # on the emptier node, 127.0.0.4, while both are up.
+        cluster.add_node(PREFILL_IP, 2, {"decode_node": 1}, labels={"pool": "prefill"})
         cluster.wait_for_nodes(2)
         decode_node = cluster.add_node(DECODE_IP, 2, {"decode_node": 1})
         cluster.wait_for_nodes(3)
