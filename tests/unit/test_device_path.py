@@ -98,3 +98,37 @@ def test_low_precision_blocks_round_trip_through_staging(dtype, device):
     dst.release(targets)
     if device == "cuda":
         assert torch.frombuffer(staging, dtype=torch.uint8).is_pinned()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_low_precision_engine_hands_its_kv_to_another_through_the_store(llama_dir, dtype):
+    """Prefill on one engine, blocks moved as a transfer moves them (read into
+    a staging buffer, written into reserved blocks), decode on another: the
+    same tokens as one engine alone, in bf16 and fp16."""
+    config = EngineConfig(model=str(llama_dir), num_kv_blocks=64, dtype=dtype)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompt = _prompts()[2]
+    prefill, decode = LLMEngine(config), LLMEngine(config)
+    start = (prefill.block_pool.num_free, decode.block_pool.num_free)
+    prefill.add_request("alone", prompt, params)
+    alone = []
+    while prefill.has_unfinished():
+        alone += [t for o in prefill.step() for t in o.new_token_ids]
+
+    prefill.add_request("r", prompt, params, prefill_only=True)
+    first = [t for o in prefill.step() for t in o.new_token_ids]
+    export = prefill.export_kv("r", with_data=False)
+    src = PoolBlockStore(prefill.block_pool, prefill.kv_cache)
+    dst = PoolBlockStore(decode.block_pool, decode.kv_cache)
+    n, layers = len(export.block_ids), prefill.kv_layout.num_layers
+    staging = src.staging_buffer(layers * n * src.layout.block_bytes_per_layer)
+    src.read_into(export.block_ids, 0, layers, staging)
+    prefill.release("r")
+    blocks = dst.reserve(n)
+    dst.write(blocks, 0, staging)
+    decode.add_prefilled_request("r", prompt, first, params, blocks)
+    rest = []
+    while decode.has_unfinished():
+        rest += [t for o in decode.step() for t in o.new_token_ids]
+    assert first + rest == alone
+    assert (prefill.block_pool.num_free, decode.block_pool.num_free) == start
