@@ -79,10 +79,19 @@ class WorkerPool:
         self.workers: list[WorkerHandle] = []
         self.resources = config.prefill_resources if role == "prefill" else config.decode_resources
 
-    async def scale_to(self, n: int) -> list[WorkerHandle]:
-        """Add workers until there are ``n``; returns the new ones, started."""
+    async def scale_to(self, n: int, timeout_s: float | None = None) -> list[WorkerHandle]:
+        """Add workers until there are ``n``; returns the new ones, started.
+        If they do not all start (within ``timeout_s``: Ray may find no node
+        with the pool's resources), none is added and the new actors are killed."""
         new = [self._create() for _ in range(n - len(self.workers))]
-        infos = await asyncio.gather(*(w.actor.start.remote() for w in new))
+        try:
+            infos = await asyncio.wait_for(
+                asyncio.gather(*(w.actor.start.remote() for w in new)), timeout_s
+            )
+        except BaseException:
+            for worker in new:
+                ray.kill(worker.actor)
+            raise
         for worker, info in zip(new, infos, strict=True):
             worker.info = info
         self.workers += new

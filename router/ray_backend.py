@@ -52,6 +52,7 @@ class RayBackend:
         self.index: BlockIndex | None = None
         self.routing: PrefixRouter | None = None
         self._watcher: asyncio.Task | None = None
+        self._missing: dict[str, int] = {}  # role -> dead workers not replaced yet
 
     async def start(self) -> None:
         from transformers import AutoTokenizer
@@ -121,6 +122,7 @@ class RayBackend:
             for pool, n in ((self.prefill, prefill), (self.decode, decode)):
                 if n is None or (self.colocated and pool is self.prefill):
                     continue
+                self._missing.pop(pool.role, None)  # an explicit size replaces the old one
                 if n > len(pool.workers):
                     for worker in await pool.scale_to(n):
                         if pool is self.decode:
@@ -132,25 +134,36 @@ class RayBackend:
             await WorkerPool.stop_workers(gone)
             return len(self.prefill.workers), len(self.decode.workers)
 
-    async def replace_dead_workers(self, ping_timeout_s: float = 10.0) -> list[str]:
+    async def replace_dead_workers(
+        self, ping_timeout_s: float = 10.0, placement_timeout_s: float = 120.0
+    ) -> list[str]:
         """Drop the workers whose actor died (a node went away) and start as
         many new ones, which Ray places on nodes that have the pool's
-        resources. Requests on a dead decode worker end as aborted. Returns
-        the names dropped."""
+        resources; replacements that cannot be placed yet are tried again on
+        the next call. Requests on a dead decode worker end as aborted.
+        Returns the names dropped."""
         async with self._scale_lock:
             dropped: list[str] = []
             for pool in (self.prefill, self.decode):
                 dead = await pool.find_dead(ping_timeout_s)
-                if not dead:
+                if dead:
+                    log.warning("%s workers died: %s", pool.role, [w.name for w in dead])
+                    pool.remove(dead)
+                    await self._forget(dead)
+                    self._missing[pool.role] = self._missing.get(pool.role, 0) + len(dead)
+                    dropped += [w.name for w in dead]
+                missing = self._missing.get(pool.role, 0)
+                if not missing:
                     continue
-                target = len(pool.workers)
-                log.warning("%s workers died: %s", pool.role, [w.name for w in dead])
-                pool.remove(dead)
-                await self._forget(dead)
-                for worker in await pool.scale_to(target):
-                    if pool is self.decode:
+                try:
+                    new = await pool.scale_to(len(pool.workers) + missing, placement_timeout_s)
+                except Exception as exc:
+                    log.warning("%d %s workers not placed yet: %r", missing, pool.role, exc)
+                    continue
+                self._missing[pool.role] = 0
+                if pool is self.decode:
+                    for worker in new:
                         await self._subscribe(worker)
-                dropped += [w.name for w in dead]
             return dropped
 
     async def _watch_workers(self, interval_s: float) -> None:

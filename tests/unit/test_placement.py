@@ -67,3 +67,47 @@ def test_only_workers_whose_actor_died_are_dead():
     assert [w.name for w in dead] == ["dead"]
     pool.remove(dead)
     assert [w.name for w in pool.workers] == ["alive", "slow", "restarting"]
+
+
+def test_a_replacement_that_cannot_be_placed_is_tried_again():
+    from router.ray_backend import RayBackend
+
+    backend = RayBackend(ServeConfig())
+    pool = backend.decode
+    survivor, lost = WorkerHandle("d0", "decode", None), WorkerHandle("d1", "decode", None)
+    pool.workers = [survivor, lost]
+    deaths = [[lost], []]
+    placeable = [False, True]
+    forgotten, subscribed = [], []
+
+    async def find_dead(timeout_s):
+        return [w for w in deaths.pop(0) if w in pool.workers]
+
+    async def scale_to(n, timeout_s=None):
+        if not placeable.pop(0):
+            raise TimeoutError("no node offers decode_node")
+        new = [
+            WorkerHandle(f"d{len(pool.workers) + i + 1}", "decode", None)
+            for i in range(n - len(pool.workers))
+        ]
+        pool.workers += new
+        return new
+
+    async def no_prefill_deaths(timeout_s):
+        return []
+
+    async def forget(workers):
+        forgotten.extend(w.name for w in workers)
+
+    async def subscribe(worker):
+        subscribed.append(worker.name)
+
+    pool.find_dead, pool.scale_to = find_dead, scale_to
+    backend.prefill.find_dead = no_prefill_deaths
+    backend._forget, backend._subscribe = forget, subscribe
+
+    assert asyncio.run(backend.replace_dead_workers()) == ["d1"]
+    assert [w.name for w in pool.workers] == ["d0"] and forgotten == ["d1"]
+    assert subscribed == []  # nothing placed yet
+    assert asyncio.run(backend.replace_dead_workers()) == []
+    assert len(pool.workers) == 2 and subscribed == [pool.workers[1].name]
