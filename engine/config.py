@@ -126,8 +126,8 @@ class EngineConfig:
     """'dummy' gives random weights of the model's config (benchmarks)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Weights and KV cache dtype."""
-    device: str = "cpu"
-    """torch device of the weights and the KV cache."""
+    device: str = "auto"
+    """torch device of the weights and the KV cache; 'auto': cuda where available, else cpu."""
     seed: int = 0
     """Seed of the global RNG (dummy weights, sampling without a per-request seed)."""
     block_size: int = 16
@@ -153,6 +153,9 @@ class EngineConfig:
     int8 / fp8 (e4m3) send one byte per value with a scale per block, layer, K/V
     and kv head (engine/transfer/quantized.py). Every worker of a deployment must
     use the same value."""
+    cuda_graphs: bool = False
+    """Replay decode-only steps as CUDA graphs captured at fixed batch sizes (CUDA only;
+    ignored on other devices). One KV block is set aside for padding rows."""
 
     def __post_init__(self) -> None:
         checks = {

@@ -222,7 +222,7 @@ class KVCache:
         """Inverse of ``read_blocks``."""
         idx = torch.as_tensor(list(block_ids), dtype=torch.long, device=self.layers[0].device)
         for layer, t in enumerate(self.layers):
-            t.index_copy_(1, idx, data[layer].to(t.dtype))
+            t.index_copy_(1, idx, data[layer].to(device=t.device, dtype=t.dtype))
 
     @staticmethod
     def blocks_for_budget(layout: KVLayout, memory_bytes: int) -> int:

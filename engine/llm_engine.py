@@ -17,7 +17,9 @@ import torch
 
 from engine.attention import PrefillSlice, build_metadata
 from engine.config import EngineConfig, ModelSpec
+from engine.cuda_graphs import BATCH_SIZES, DecodeGraphRunner
 from engine.detokenizer import IncrementalDetokenizer
+from engine.device import resolve_device
 from engine.hashing import BlockHash, root_hash
 from engine.kv_cache import BlockPool, KVCache, KVLayout
 from engine.loader import (
@@ -66,7 +68,7 @@ class LLMEngine:
         self.model_dir = model_dir
         self.tokenizer = self._load_tokenizer(config, model_dir)
         dtype = getattr(torch, config.dtype)
-        device = torch.device(config.device)
+        device = resolve_device(config.device)
         fingerprint = model_fingerprint(model_dir, hf_config, config.load_format, config.seed)
         self.kv_layout = KVLayout(
             model_fingerprint=fingerprint,
@@ -106,6 +108,27 @@ class LLMEngine:
         self.speculator: SpecDecoder | None = None
         if config.speculative is not None:
             self.speculator = SpecDecoder(self, config.speculative)
+        self.decode_graphs: DecodeGraphRunner | None = None
+        if config.cuda_graphs and device.type == "cuda":
+            self.enable_decode_graphs(use_graphs=True)
+
+    def enable_decode_graphs(self, use_graphs: bool = True) -> None:
+        """Run decode-only steps at fixed shapes (see cuda_graphs.py), as CUDA
+        graphs when ``use_graphs`` and the device is a GPU, else eagerly. Sets
+        one block aside for the padding rows; call before adding requests."""
+        scratch = self.block_pool.allocate(1)
+        if scratch is None:
+            raise RuntimeError("no free block to set aside for decode graphs")
+        bs = self.config.block_size
+        self.decode_graphs = DecodeGraphRunner(
+            self.model,
+            self.kv_cache,
+            bs,
+            max_blocks_per_seq=-(-self.max_model_len // bs),
+            max_batch=min(self.config.max_num_seqs, BATCH_SIZES[-1]),
+            scratch_block=scratch[0],
+            use_graphs=use_graphs,
+        )
 
     @staticmethod
     def _load_tokenizer(config: EngineConfig, model_dir):
@@ -255,6 +278,10 @@ class LLMEngine:
                 spec_rows += range(len(slots) - n, len(slots))
             elif start + n == seq.num_tokens:
                 sample_rows.append(len(slots) - 1)
+        graphs = self.decode_graphs
+        if graphs is not None and not prefills and graphs.supports(len(decode_tables)):
+            hidden = graphs.forward(input_ids, positions, slots, decode_tables, decode_lens)
+            return sample_rows, spec_rows, hidden
         meta = build_metadata(bs, decode_tables, decode_lens, prefills, slots, self.device)
         hidden = self.model.forward(
             torch.tensor(input_ids, device=self.device),

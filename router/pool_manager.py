@@ -33,6 +33,21 @@ def gpus_per_worker(resources: WorkerResources) -> float:
     return 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
 
 
+def actor_options(resources: WorkerResources, num_gpus: float) -> dict[str, Any]:
+    """Ray actor options of one worker: what it reserves, and where it may run
+    (custom resources and node labels pin a pool to a node type)."""
+    options: dict[str, Any] = {
+        "num_cpus": resources.num_cpus,
+        "num_gpus": num_gpus,
+        "resources": resources.resources or None,
+        "max_restarts": 0,
+        "name": None,
+    }
+    if resources.labels:
+        options["label_selector"] = dict(resources.labels)
+    return options
+
+
 def engine_config(
     config: ServeConfig, resources: WorkerResources, num_gpus: float, role: str = "decode"
 ) -> EngineConfig:
@@ -61,6 +76,7 @@ def engine_config(
         num_threads=resources.num_threads,
         speculative=speculative,
         kv_transfer_dtype=config.kv_transfer_dtype,
+        cuda_graphs=config.cuda_graphs,
     )
 
 
@@ -76,10 +92,19 @@ class WorkerPool:
         self.workers: list[WorkerHandle] = []
         self.resources = config.prefill_resources if role == "prefill" else config.decode_resources
 
-    async def scale_to(self, n: int) -> list[WorkerHandle]:
-        """Add workers until there are ``n``; returns the new ones, started."""
+    async def scale_to(self, n: int, timeout_s: float | None = None) -> list[WorkerHandle]:
+        """Add workers until there are ``n``; returns the new ones, started.
+        If they do not all start (within ``timeout_s``: Ray may find no node
+        with the pool's resources), none is added and the new actors are killed."""
         new = [self._create() for _ in range(n - len(self.workers))]
-        infos = await asyncio.gather(*(w.actor.start.remote() for w in new))
+        try:
+            infos = await asyncio.wait_for(
+                asyncio.gather(*(w.actor.start.remote() for w in new)), timeout_s
+            )
+        except BaseException:
+            for worker in new:
+                ray.kill(worker.actor)
+            raise
         for worker, info in zip(new, infos, strict=True):
             worker.info = info
         self.workers += new
@@ -94,6 +119,27 @@ class WorkerPool:
         gone = order[:n]
         self.workers = [w for w in self.workers if w not in gone]
         return gone
+
+    async def find_dead(self, timeout_s: float) -> list[WorkerHandle]:
+        """Workers whose actor has died (its process or its node is gone). A
+        worker that does not answer within ``timeout_s`` counts as alive:
+        Ray reports a lost node as a died actor once it notices."""
+
+        async def dead(worker: WorkerHandle) -> bool:
+            try:
+                await asyncio.wait_for(worker.actor.stats.remote(), timeout_s)
+            except ray.exceptions.ActorDiedError:
+                return True
+            except (TimeoutError, ray.exceptions.RayActorError):
+                return False
+            return False
+
+        flags = await asyncio.gather(*(dead(w) for w in self.workers))
+        return [w for w, is_dead in zip(self.workers, flags, strict=True) if is_dead]
+
+    def remove(self, workers: list[WorkerHandle]) -> None:
+        """Take ``workers`` out of routing (they are gone already)."""
+        self.workers = [w for w in self.workers if w not in workers]
 
     async def stop(self) -> None:
         workers, self.workers = self.workers, []
@@ -117,13 +163,7 @@ class WorkerPool:
         name = f"{self.role}-{next(self._ids)}"
         res = self.resources
         num_gpus = gpus_per_worker(res)
-        options = {
-            "num_cpus": res.num_cpus,
-            "num_gpus": num_gpus,
-            "resources": res.resources or None,
-            "max_restarts": 0,
-            "name": None,
-        }
+        options = actor_options(res, num_gpus)
         engine = engine_config(self.config, res, num_gpus, self.role)
         index = IndexSettings(redis_url=self.config.redis_url, deployment=self.config.deployment)
         transfer = self.config.transfer_config()

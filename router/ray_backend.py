@@ -53,6 +53,8 @@ class RayBackend:
         self._channels: dict[str, grpc.aio.Channel] = {}  # decode worker name -> channel
         self.index: BlockIndex | None = None
         self.routing: PrefixRouter | None = None
+        self._watcher: asyncio.Task | None = None
+        self._missing: dict[str, int] = {}  # role -> dead workers not replaced yet
 
     async def start(self) -> None:
         from transformers import AutoTokenizer
@@ -79,6 +81,10 @@ class RayBackend:
         )
         for worker in self.decode.workers:
             await self._subscribe(worker)
+        if self.config.worker_check_interval_s > 0:
+            self._watcher = asyncio.create_task(
+                self._watch_workers(self.config.worker_check_interval_s)
+            )
 
     def _make_index(self, fingerprint: str) -> BlockIndex:
         if self.config.redis_url is None:
@@ -92,6 +98,8 @@ class RayBackend:
             self.index.apply(KVEvent(e.worker, tuple(e.stored), tuple(e.removed)))
 
     async def shutdown(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
         for task in self._subscriptions.values():
             task.cancel()
         if self.index is not None:
@@ -116,6 +124,7 @@ class RayBackend:
             for pool, n in ((self.prefill, prefill), (self.decode, decode)):
                 if n is None or (self.colocated and pool is self.prefill):
                     continue
+                self._missing.pop(pool.role, None)  # an explicit size replaces the old one
                 if n > len(pool.workers):
                     for worker in await pool.scale_to(n):
                         if pool is self.decode:
@@ -123,16 +132,60 @@ class RayBackend:
                 else:
                     gone += pool.take_out(len(pool.workers) - n)
             await WorkerPool.drain(gone, drain_timeout_s)
-            for worker in gone:
-                self.index.drop_worker(worker.name)
-                task = self._subscriptions.pop(worker.name, None)
-                if task is not None:
-                    task.cancel()
-                channel = self._channels.pop(worker.name, None)
-                if channel is not None:
-                    await channel.close()
+            await self._forget(gone)
             await WorkerPool.stop_workers(gone)
             return len(self.prefill.workers), len(self.decode.workers)
+
+    async def replace_dead_workers(
+        self, ping_timeout_s: float = 10.0, placement_timeout_s: float = 120.0
+    ) -> list[str]:
+        """Drop the workers whose actor died (a node went away) and start as
+        many new ones, which Ray places on nodes that have the pool's
+        resources; replacements that cannot be placed yet are tried again on
+        the next call. Requests on a dead decode worker end as aborted.
+        Returns the names dropped."""
+        async with self._scale_lock:
+            dropped: list[str] = []
+            for pool in (self.prefill, self.decode):
+                dead = await pool.find_dead(ping_timeout_s)
+                if dead:
+                    log.warning("%s workers died: %s", pool.role, [w.name for w in dead])
+                    pool.remove(dead)
+                    await self._forget(dead)
+                    self._missing[pool.role] = self._missing.get(pool.role, 0) + len(dead)
+                    dropped += [w.name for w in dead]
+                missing = self._missing.get(pool.role, 0)
+                if not missing:
+                    continue
+                try:
+                    new = await pool.scale_to(len(pool.workers) + missing, placement_timeout_s)
+                except Exception as exc:
+                    log.warning("%d %s workers not placed yet: %r", missing, pool.role, exc)
+                    continue
+                self._missing[pool.role] = 0
+                if pool is self.decode:
+                    for worker in new:
+                        await self._subscribe(worker)
+            return dropped
+
+    async def _watch_workers(self, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await self.replace_dead_workers()
+            except Exception:
+                log.exception("replacing dead workers failed; trying again in %.1f s", interval_s)
+
+    async def _forget(self, workers: list[WorkerHandle]) -> None:
+        """Drop the router's state of workers that leave the pools."""
+        for worker in workers:
+            self.index.drop_worker(worker.name)
+            task = self._subscriptions.pop(worker.name, None)
+            if task is not None:
+                task.cancel()
+            channel = self._channels.pop(worker.name, None)
+            if channel is not None:
+                await channel.close()
 
     async def worker_status(self) -> list[dict]:
         workers = self.prefill.workers + self.decode.workers

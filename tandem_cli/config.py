@@ -28,6 +28,9 @@ class WorkerResources(BaseModel):
     """torch threads inside the worker (CPU)."""
     resources: dict[str, float] = Field(default_factory=dict)
     """Custom Ray resources, to pin a pool to a node type."""
+    labels: dict[str, str] = Field(default_factory=dict)
+    """Ray node labels the worker's node must carry (``ray start --labels``), another
+    way to pin a pool to a node type."""
 
 
 class ServeConfig(BaseModel):
@@ -44,6 +47,8 @@ class ServeConfig(BaseModel):
     """auto: read the checkpoint's safetensors; dummy: random weights of its config."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Weights and KV cache dtype."""
+    cuda_graphs: bool = False
+    """GPU workers replay decode steps as CUDA graphs captured at fixed batch sizes."""
     mode: Literal["disaggregated", "colocated"] = "disaggregated"
     """disaggregated: separate prefill and decode pools; colocated: one pool does both."""
     prefill: int = Field(1, ge=0)
@@ -156,6 +161,9 @@ class ServeConfig(BaseModel):
     """Shared secret internal KV and output-stream calls must present (else
     UNAUTHENTICATED); YAML or the TANDEM_CLUSTER_SECRET environment variable, never a
     flag; never logged."""
+    worker_check_interval_s: float = Field(0.0, ge=0)
+    """Every this many seconds the router looks for workers whose actor died (their node
+    went away) and starts replacements where Ray finds the pool's resources; 0: off."""
 
     @model_validator(mode="after")
     def _check_pools(self) -> ServeConfig:

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING
 import grpc
 import xxhash
 
-from .interface import TransferError
+from .interface import TransferError, new_staging
 from .security import MAC_BYTES, REFUSED_KEY, ClusterSecurity
 
 if TYPE_CHECKING:
@@ -324,7 +324,7 @@ class IncomingData:
             staged = views is None
             if views is None:
                 if staging is None or staging.nbytes < nbytes:
-                    staging = memoryview(bytearray(nbytes))
+                    staging = new_staging(receiver.sink, nbytes)
                 views = [staging[:nbytes]]
             recv_into_buffers(sock, views)
             if checksum(views) != digest:

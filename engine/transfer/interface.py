@@ -146,6 +146,9 @@ class BlockSink(Protocol):
     # Optional, for movers that write into the blocks without a staging copy:
     # def buffers(self, block_ids, layer_start, layer_end) -> list[memoryview] | None:
     #     """Writable views of the blocks laid out as a chunk's payload."""
+    # Optional, where staging copies are best made from special memory:
+    # def staging_buffer(self, nbytes) -> memoryview:
+    #     """A host buffer for chunk payloads (page-locked for a GPU cache)."""
 
 
 class BlockSource(Protocol):
@@ -169,6 +172,7 @@ class BlockSource(Protocol):
     # Optional, for movers that send from the blocks without a gather copy:
     # def buffers(self, block_ids, layer_start, layer_end) -> list[memoryview] | None:
     #     """Views of the blocks laid out as a chunk's payload (PoolBlockStore)."""
+    # def staging_buffer(self, nbytes) -> memoryview: as for BlockSink.
 
 
 class KVTransferClient(ABC):
@@ -216,3 +220,10 @@ class KVTransferServer(ABC):
     def discard(self, request_id: str) -> None:
         """The request is gone: free what a push for it holds, committed or in
         flight, and refuse one that has not begun."""
+
+
+def new_staging(store: BlockSink | BlockSource, nbytes: int) -> memoryview:
+    """A staging buffer for chunk payloads: the store's own kind where it
+    offers one (pinned memory for a GPU cache), else plain host memory."""
+    make = getattr(store, "staging_buffer", None)
+    return make(nbytes) if make is not None else memoryview(bytearray(nbytes))

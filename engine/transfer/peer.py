@@ -156,7 +156,8 @@ class _Handler:
         return self.server.claim(request_id)
 
     async def do_digest(self, block_ids: list[int]) -> int:
-        return zlib.crc32(self.store.cache.read_blocks(block_ids).numpy())
+        data = self.store.cache.read_blocks(block_ids).cpu()
+        return zlib.crc32(data.view(-1).view(torch.uint8).numpy())
 
     async def do_make_cached(self, n: int, seed: int) -> tuple[list[bytes], list[int], int]:
         """Index ``n`` blocks under a hash chain of random tokens, leave them

@@ -5,15 +5,23 @@ uses around its own pool calls when the engine runs in another thread than
 the transfer server; with both on one asyncio loop no lock is needed. Tensor
 copies run outside the lock: a transfer only touches blocks it reserved or
 pinned, which nobody else writes.
+
+A cache in host memory is sent from and received into its own blocks
+(``buffers``). A cache on a GPU goes device -> page-locked host buffer ->
+wire -> page-locked host buffer -> device (``staging_buffer``, ``read_into``,
+``write``), the copies on a stream of their own that first waits for the
+engine's queued work.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
+from engine.device import host_buffer
 from engine.hashing import BlockHash
 from engine.kv_cache import BlockPool, KVCache
 
@@ -39,6 +47,8 @@ class PoolBlockStore:
                 memoryview(t.view(-1).view(torch.uint8).numpy()) for t in cache.layers
             ]
         self._half_block_bytes = self.layout.block_bytes_per_layer // 2  # K or V of one block
+        self._device = cache.layers[0].device
+        self._copies = _CopyStream(self._device)
 
     @property
     def num_free(self) -> int:
@@ -53,9 +63,11 @@ class PoolBlockStore:
 
     def write(self, block_ids: Sequence[int], layer_start: int, data: memoryview) -> None:
         idx, src = self._index(block_ids), self._layers_view(block_ids, data)
-        for i, layer_src in enumerate(src):
-            # layer: [2, num_blocks, block_size, kv_heads, head_dim]
-            self.cache.layers[layer_start + i].index_copy_(1, idx, layer_src)
+        with self._copies.active():
+            for i, layer_src in enumerate(src):
+                # layer: [2, num_blocks, block_size, kv_heads, head_dim]
+                layer_src = self._copies.to_device(layer_src)
+                self.cache.layers[layer_start + i].index_copy_(1, idx, layer_src)
 
     def commit(
         self,
@@ -97,8 +109,18 @@ class PoolBlockStore:
         self, block_ids: Sequence[int], layer_start: int, layer_end: int, out: memoryview
     ) -> None:
         idx, dst = self._index(block_ids), self._layers_view(block_ids, out)
-        for i, layer_dst in enumerate(dst[: layer_end - layer_start]):
-            torch.index_select(self.cache.layers[layer_start + i], 1, idx, out=layer_dst)
+        with self._copies.active():
+            for i, layer_dst in enumerate(dst[: layer_end - layer_start]):
+                layer = self.cache.layers[layer_start + i]
+                if self._device.type == "cpu":
+                    torch.index_select(layer, 1, idx, out=layer_dst)
+                else:
+                    self._copies.to_host(layer.index_select(1, idx), layer_dst)
+
+    def staging_buffer(self, nbytes: int) -> memoryview:
+        """A host buffer for chunks that cannot be read or written in place:
+        page-locked when the cache is on a GPU."""
+        return host_buffer(nbytes, self._device)
 
     def unpin(self, block_ids: Sequence[int]) -> None:
         self.release(block_ids)
@@ -126,7 +148,7 @@ class PoolBlockStore:
         return views
 
     def _index(self, block_ids: Sequence[int]) -> torch.Tensor:
-        return torch.as_tensor(block_ids, dtype=torch.long)
+        return torch.as_tensor(block_ids, dtype=torch.long).to(self._device)
 
     def _layers_view(self, block_ids: Sequence[int], buf: memoryview) -> torch.Tensor:
         """``buf`` as [layers, 2, len(block_ids), block_size, kv_heads, head_dim]."""
@@ -143,3 +165,32 @@ def _runs(block_ids: Sequence[int]) -> list[tuple[int, int]]:
         else:
             runs.append([block, 1])
     return [(first, count) for first, count in runs]
+
+
+class _CopyStream:
+    """Runs transfer copies on a CUDA stream of their own (nothing to do on
+    the host). ``active()`` first waits for the work the engine queued so far
+    (the blocks it wrote) and at the end for the copies, so host buffers can
+    be reused and blocks are complete before they are committed."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        if self._stream is None:
+            yield
+            return
+        self._stream.wait_stream(torch.cuda.default_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            yield
+        self._stream.synchronize()
+
+    def to_device(self, host: torch.Tensor) -> torch.Tensor:
+        if self.device.type == "cpu":
+            return host
+        return host.to(self.device, non_blocking=host.is_pinned())
+
+    def to_host(self, device_tensor: torch.Tensor, out: torch.Tensor) -> None:
+        out.copy_(device_tensor, non_blocking=out.is_pinned())

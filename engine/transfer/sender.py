@@ -11,7 +11,7 @@ from collections.abc import Iterator, Sequence
 
 from protos.tandem.v1 import kv_transfer_pb2 as pb
 
-from .interface import BlockSource, TransferState
+from .interface import BlockSource, TransferState, new_staging
 from .wire import encode_chunk, encode_header, layout_to_proto, plan_chunks
 
 
@@ -73,7 +73,7 @@ class KVSender:
             if views is None:
                 size = (le - ls) * len(blocks) * layout.block_bytes_per_layer
                 if staging is None or staging.nbytes < size:
-                    staging = memoryview(bytearray(size))
+                    staging = new_staging(self.source, size)
                 self.source.read_into(blocks, ls, le, staging[:size])
                 views = [staging[:size]]
             yield span, views

@@ -1,0 +1,241 @@
+"""GPU check: a 1B-class Llama on one GPU, no network and no Ray.
+
+    python bench/gpu_check.py [--device cuda] [--dtype bfloat16] [--bandwidth 4.8e12]
+    python bench/gpu_check.py --device cpu --tiny        # smoke test of the script itself
+
+1. Writes a random-weight checkpoint of a Llama-3.2-1B-shaped config (hidden
+   2048, 16 layers, 32 heads, 8 kv heads, intermediate 8192, vocab 128256,
+   tied embeddings) and checks that the engine's greedy tokens equal Hugging
+   Face ``generate`` on the same device, in --check-dtype (float32: exact;
+   in bf16/fp16 the two may part where logits nearly tie, so the matching
+   prefix of each prompt is printed, not asserted).
+2. Decode step time at each --batches size (context --context tokens),
+   eager and, on CUDA, replayed as CUDA graphs, against the HBM roofline:
+   (bytes of weights + bytes of KV read per step) / --bandwidth.
+3. KV transfer: --transfer-mib of blocks pushed between two pools on the
+   device through the gRPC mover on loopback (device -> pinned host -> TCP ->
+   pinned host -> device), against a plain device -> host -> device copy.
+The last line is one JSON object with the figures.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+import argparse
+import asyncio
+import json
+import tempfile
+import time
+
+import torch
+
+from engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from engine.config import ModelSpec
+from engine.default_model import make_random_checkpoint, tiny_config
+from engine.device import resolve_device, synchronize
+from engine.kv_cache import BlockPool, KVCache
+from engine.transfer import GrpcKVClient, GrpcKVServer, KVBlocks, PoolBlockStore, TransferConfig
+
+LLAMA_1B = dict(
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=128256,
+    max_position_embeddings=8192,
+    tie_word_embeddings=True,
+    rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+)
+PROMPT_LENGTHS = (7, 33, 120, 300)
+
+
+def build_checkpoint(out: Path, tiny: bool) -> Path:
+    config = tiny_config("llama") if tiny else tiny_config("llama", **LLAMA_1B)
+    return make_random_checkpoint(out, config, seed=0)
+
+
+def check_against_hf(ckpt: Path, device: torch.device, dtype: str, new_tokens: int) -> dict:
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    torch_dtype = getattr(torch, dtype)
+    llm = LLM(str(ckpt), device=str(device), dtype=dtype, num_kv_blocks=256)
+    vocab = llm.engine.spec.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(10, vocab, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, min_tokens=new_tokens)
+    ours = [o.token_ids for o in llm.generate(prompts, params)]
+    del llm
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch_dtype).to(device).eval()
+    config = GenerationConfig(
+        max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0
+    )
+    matching = []
+    for prompt, tokens in zip(prompts, ours, strict=True):
+        with torch.no_grad():
+            out = model.generate(torch.tensor([prompt], device=device), generation_config=config)
+        theirs = out[0, len(prompt) :].tolist()
+        same = next(
+            (i for i, (a, b) in enumerate(zip(tokens, theirs, strict=True)) if a != b), len(theirs)
+        )
+        matching.append(same)
+    del model
+    return {
+        "dtype": dtype,
+        "new_tokens": new_tokens,
+        "matching_prefix": matching,
+        "equal": all(m == new_tokens for m in matching),
+    }
+
+
+def roofline_s(spec: ModelSpec, itemsize: int, batch: int, context: int, bandwidth: float):
+    """Seconds a decode step needs at least: every weight read once (the
+    embedding only for the batch's rows), plus each sequence's KV."""
+    h, d = spec.hidden_size, spec.head_dim
+    qkv = h * (spec.num_heads + 2 * spec.num_kv_heads) * d
+    layer = qkv + spec.num_heads * d * h + 3 * h * spec.intermediate_size + 2 * h
+    weights = spec.num_layers * layer + spec.vocab_size * h + h + batch * h
+    kv = batch * context * spec.num_layers * 2 * spec.num_kv_heads * d
+    return (weights + kv) * itemsize / bandwidth, (weights + kv) * itemsize
+
+
+def decode_step_s(
+    ckpt: Path, device, dtype: str, batch: int, context: int, steps: int, graphs: bool
+) -> float:
+    bs = 16
+    blocks = batch * (-(-(context + steps + 8) // bs)) + 8
+    config = EngineConfig(
+        model=str(ckpt),
+        device=str(device),
+        dtype=dtype,
+        num_kv_blocks=blocks,
+        max_num_seqs=batch,
+        max_num_batched_tokens=max(2048, context),
+        cuda_graphs=graphs,
+        block_size=bs,
+    )
+    engine = LLMEngine(config)
+    vocab = engine.spec.vocab_size
+    params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(
+            f"r{i}", [(i * 7919 + j * 104729) % (vocab - 10) + 10 for j in range(context)], params
+        )
+    first = set()
+    while len(first) < batch:  # prefill every request
+        first.update(o.request_id for o in engine.step())
+    for _ in range(3):  # warm up (and capture the graphs)
+        engine.step()
+    synchronize(engine.device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    synchronize(engine.device)
+    return (time.perf_counter() - start) / steps
+
+
+async def _push(src: PoolBlockStore, dst: PoolBlockStore, blocks: list[int], reps: int):
+    server = GrpcKVServer(dst, TransferConfig(), host="127.0.0.1", port=0)
+    await server.start()
+    client = GrpcKVClient(TransferConfig())
+    rates = []
+    try:
+        for i in range(reps + 1):  # the first warms up
+            request = KVBlocks(f"r{i}", blocks, [None] * len(blocks), [])
+            start = time.perf_counter()
+            result = await client.push(server.address, src, request)
+            rates.append(result.bytes_sent / (time.perf_counter() - start))
+            dst.release(server.claim(f"r{i}"))
+    finally:
+        await client.close()
+        await server.stop()
+    return rates[1:]
+
+
+def transfer_check(ckpt: Path, device, dtype: str, mib: int, reps: int) -> dict:
+    from engine.kv_cache import KVLayout
+    from engine.loader import load_hf_config
+
+    spec = ModelSpec.from_hf_config(load_hf_config(ckpt))
+    layout = KVLayout("gpu-check", dtype, spec.num_layers, 16, spec.num_kv_heads, spec.head_dim)
+    n = max(1, (mib << 20) // layout.block_bytes)
+    src = PoolBlockStore(BlockPool(n, 16), KVCache(layout, n, device))
+    dst = PoolBlockStore(BlockPool(n, 16), KVCache(layout, n, device))
+    for t in src.cache.layers:
+        t.normal_()
+    blocks = src.reserve(n)
+    rates = asyncio.run(_push(src, dst, blocks, reps))
+    # Baseline: the same bytes device -> host -> device with plain torch copies.
+    data = src.cache.read_blocks(blocks)
+    synchronize(device)
+    start = time.perf_counter()
+    dst.cache.write_blocks(blocks, data.cpu())
+    synchronize(device)
+    copy_rate = data.numel() * data.element_size() / (time.perf_counter() - start)
+    src.release(blocks)
+    best = max(rates)
+    return {
+        "bytes": n * layout.block_bytes,
+        "push_gb_s": round(best / 1e9, 3),
+        "copy_gb_s": round(copy_rate / 1e9, 3),
+        "ratio": round(best / copy_rate, 3),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--check-dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--bandwidth", type=float, default=4.8e12, help="HBM bytes/s (H200: 4.8e12)")
+    p.add_argument("--batches", default="1,64")
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--transfer-mib", type=int, default=256)
+    p.add_argument("--tiny", action="store_true", help="a tiny model and short runs (smoke test)")
+    args = p.parse_args()
+    device = resolve_device(args.device)
+    if args.tiny:
+        args.batches, args.context, args.steps, args.new_tokens = "1,4", 32, 4, 8
+        args.transfer_mib = min(args.transfer_mib, 4)
+    result: dict = {"device": str(device), "tiny": args.tiny, "dtype": args.dtype}
+    if device.type == "cuda":
+        result["gpu"] = torch.cuda.get_device_name(device)
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = build_checkpoint(Path(tmp) / "ckpt", args.tiny)
+        result["hf_check"] = check_against_hf(ckpt, device, args.check_dtype, args.new_tokens)
+        print(f"greedy vs HF ({args.check_dtype}): {result['hf_check']}", flush=True)
+        from engine.loader import load_hf_config
+
+        spec = ModelSpec.from_hf_config(load_hf_config(ckpt))
+        itemsize = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
+        result["decode"] = []
+        for batch in (int(b) for b in args.batches.split(",")):
+            floor_s, nbytes = roofline_s(spec, itemsize, batch, args.context, args.bandwidth)
+            row = {
+                "batch": batch,
+                "context": args.context,
+                "bytes_per_step": nbytes,
+                "roofline_ms": round(floor_s * 1e3, 4),
+            }
+            for graphs in (False, True) if device.type == "cuda" else (False,):
+                step = decode_step_s(
+                    ckpt, device, args.dtype, batch, args.context, args.steps, graphs
+                )
+                key = "graphs" if graphs else "eager"
+                row[f"{key}_ms"] = round(step * 1e3, 4)
+                row[f"{key}_of_roofline"] = float(f"{floor_s / step:.4g}")
+            print(f"decode: {row}", flush=True)
+            result["decode"].append(row)
+        result["transfer"] = transfer_check(ckpt, device, args.dtype, args.transfer_mib, 3)
+        print(f"KV transfer: {result['transfer']}", flush=True)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""infra/: every YAML parses, the example deployment config is a valid
+ServeConfig, and the resources its pools are pinned to exist on the node
+types of the Ray cluster YAML and the KubeRay manifests."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tandem_cli.config import ServeConfig
+
+pytestmark = pytest.mark.unit
+
+INFRA = Path(__file__).resolve().parents[2] / "infra"
+SERVE_CONFIG = INFRA / "deploy" / "serve-config.yaml"
+
+
+def _docs(path: Path) -> list:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+
+
+def _by_kind(kind: str) -> list[dict]:
+    return [d for p in INFRA.rglob("*.yaml") for d in _docs(p) if d.get("kind") == kind]
+
+
+def _pinned(config: ServeConfig) -> dict[str, set[str]]:
+    return {
+        "prefill": set(config.prefill_resources.resources),
+        "decode": set(config.decode_resources.resources),
+    }
+
+
+@pytest.mark.parametrize("path", sorted(INFRA.rglob("*.yaml")), ids=lambda p: p.name)
+def test_every_yaml_parses_to_mappings(path):
+    docs = _docs(path)
+    assert docs, f"{path} is empty"
+    assert all(isinstance(d, dict) for d in docs)
+
+
+def test_example_serve_config_validates_and_pins_pools_apart():
+    config = ServeConfig.load(SERVE_CONFIG)
+    assert config.mode == "disaggregated"
+    pinned = _pinned(config)
+    assert pinned["prefill"] and pinned["decode"]
+    assert pinned["prefill"].isdisjoint(pinned["decode"])  # on different node types
+    assert config.prefill_resources.num_gpus == config.decode_resources.num_gpus == 1
+
+
+def test_configmap_carries_the_example_serve_config():
+    (configmap,) = _by_kind("ConfigMap")
+    embedded = yaml.safe_load(configmap["data"]["serve-config.yaml"])
+    assert embedded == yaml.safe_load(SERVE_CONFIG.read_text())
+    ServeConfig.model_validate(embedded)
+
+
+def test_ray_up_node_types_offer_the_pinned_resources():
+    cluster = yaml.safe_load((INFRA / "ray" / "cluster.yaml").read_text())
+    types = cluster["available_node_types"]
+    assert cluster["head_node_type"] in types
+    config = ServeConfig.load(SERVE_CONFIG)
+    for role, wanted in _pinned(config).items():
+        hosts = [n for n, t in types.items() if wanted <= set(t.get("resources", {}))]
+        assert hosts, f"no node type offers the {role} pool's resources {wanted}"
+        assert all(types[n]["resources"].get("GPU", 0) >= 1 for n in hosts)
+    # Ray's GCS must not take Redis's port on the head.
+    assert any("--port=6380" in c for c in cluster["head_start_ray_commands"])
+
+
+def test_kuberay_groups_offer_the_pinned_resources_and_the_router_is_a_service():
+    (ray_cluster,) = _by_kind("RayCluster")
+    groups = ray_cluster["spec"]["workerGroupSpecs"]
+    offered = {}
+    for group in groups:
+        # KubeRay takes the resources flag as a quoted JSON string.
+        raw = group["rayStartParams"]["resources"]
+        offered[group["groupName"]] = set(json.loads(json.loads(raw)))
+    config = ServeConfig.load(SERVE_CONFIG)
+    for role, wanted in _pinned(config).items():
+        assert any(wanted <= names for names in offered.values()), role
+    services = {s["metadata"]["name"]: s for s in _by_kind("Service")}
+    router = services["tandem-router"]
+    assert router["spec"]["selector"]["ray.io/node-type"] == "head"
+    assert router["spec"]["ports"][0]["port"] == config.port
+    assert services["tandem-redis"]["spec"]["ports"][0]["port"] == 6379
+    assert config.redis_url == "redis://tandem-redis:6379/0"
+
+
+@pytest.mark.parametrize("name", ["Dockerfile.cpu", "Dockerfile.cuda"])
+def test_dockerfiles_install_through_pyproject(name):
+    text = (INFRA / "docker" / name).read_text()
+    assert "COPY pyproject.toml" in text
+    assert "pip install" in text and "tandem" in text
