@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
 torch.set_num_threads(2)
+
+# Tests set their own API keys and cluster secrets; ones exported in the caller's
+# shell would leak into every in-process deployment and Ray worker.
+for _name in ("TANDEM_API_KEYS", "TANDEM_API_KEY", "TANDEM_CLUSTER_SECRET"):
+    os.environ.pop(_name, None)
 
 
 @pytest.fixture(scope="session")

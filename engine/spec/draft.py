@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.config import EngineConfig, ModelSpec
+from engine.device import resolve_device
 from engine.kv_cache import BlockPool, KVCache, KVLayout
 from engine.loader import load_hf_config, load_weights, model_fingerprint, resolve_model_dir
 from engine.models.llama import LlamaModel
@@ -57,7 +58,7 @@ class DraftProposer:
                 f"draft model vocab_size {spec.vocab_size} differs from the target's "
                 f"{target.vocab_size}: the draft must share the target's tokenizer"
             )
-        self.device = device = torch.device(config.device)
+        self.device = device = resolve_device(config.device)
         dtype = getattr(torch, config.dtype)
         state = load_weights(draft_config, model_dir, spec, hf_config)
         self.model = LlamaModel(spec, state, hf_config, max_len, dtype, device)
