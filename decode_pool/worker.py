@@ -27,7 +27,8 @@ class DecodeRequest:
     request_id: str
     router_id: str
     prompt_token_ids: list[int]
-    output_token_ids: list[int]  # tokens already sent (the prefill's first token)
+    output_token_ids: list[int]  # tokens already sent (the prefill's first token, and
+    # after a failover every token streamed before it)
     params: SamplingParams
 
 
@@ -127,11 +128,15 @@ class DecodeWorker(EngineWorker):
             raise
 
     async def start_full(self, req: DecodeRequest) -> None:
-        """Colocated mode: prefill and decode here; every token goes to the stream."""
+        """Prefill and decode here (colocated mode, or a short uncached rest);
+        every new token goes to the stream. ``output_token_ids``, when set, are
+        tokens streamed before a failover: computed with the prompt, not sent."""
         self._own(req)
         try:
             await self.loop.acall(
-                lambda e: e.add_request(req.request_id, req.prompt_token_ids, req.params)
+                lambda e: e.add_request(
+                    req.request_id, req.prompt_token_ids, req.params, False, req.output_token_ids
+                )
             )
         except BaseException:
             self.streams.disown(req.request_id)

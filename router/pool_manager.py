@@ -108,12 +108,14 @@ class WorkerPool:
             "num_cpus": res.num_cpus,
             "num_gpus": num_gpus,
             "resources": res.resources or None,
-            "max_restarts": 0,
+            "max_restarts": self.config.worker_max_restarts,
             "name": None,
         }
         engine = engine_config(self.config, res, num_gpus)
         index = IndexSettings(redis_url=self.config.redis_url, deployment=self.config.deployment)
-        transfer = TransferConfig(lease_s=self.config.kv_lease_s)
+        transfer = TransferConfig(
+            lease_s=self.config.kv_lease_s, timeout_s=self.config.kv_transfer_timeout_s
+        )
         if self.role == "prefill":
             from prefill_pool.actor import PrefillActor
 

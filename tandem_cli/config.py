@@ -92,6 +92,21 @@ class ServeConfig(BaseModel):
     """Blocks reserved or pinned for a KV transfer are freed after this."""
     request_timeout_s: float = Field(600.0, gt=0)
     """Upper bound on one request when the client sets no deadline."""
+    kv_transfer_timeout_s: float = Field(30.0, gt=0)
+    """Deadline of one KV push or pull; a stalled transfer fails after it, its blocks
+    are freed on both sides and the request is retried."""
+    max_attempts: int = Field(4, ge=1)
+    """Tries per request: the first one plus retries after a worker died or a transfer
+    failed (a decode failover resumes from the tokens already streamed)."""
+    retry_backoff_s: float = Field(0.1, ge=0)
+    """Wait before the first retry; it doubles with each further one."""
+    retry_backoff_max_s: float = Field(2.0, ge=0)
+    """Longest wait between two tries of a request."""
+    worker_max_restarts: int = Field(3, ge=-1)
+    """Ray restarts a dead worker actor this many times (-1: always, 0: never); the
+    router routes to it again once its health check passes."""
+    worker_recovery_timeout_s: float = Field(120.0, gt=0)
+    """How long the router waits for a dead worker to come back before it forgets it."""
 
     @model_validator(mode="after")
     def _check_pools(self) -> ServeConfig:
