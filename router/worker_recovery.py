@@ -80,8 +80,7 @@ class WorkerRecovery:
             loop = asyncio.get_running_loop()
             deadline = loop.time() + self.recovery_timeout_s
             while loop.time() < deadline:
-                if await self._healthy(worker):
-                    await self.on_back(worker)
+                if await self._healthy(worker) and await self._back(worker):
                     pool.workers.append(worker)
                     self.stats.workers_recovered += 1
                     log.warning("worker %s is back in routing", worker.name)
@@ -95,6 +94,14 @@ class WorkerRecovery:
             log.exception("recovering worker %s failed", worker.name)
         finally:
             self.down.pop(worker, None)
+
+    async def _back(self, worker: WorkerHandle) -> bool:
+        try:
+            await self.on_back(worker)  # e.g. open its output stream again
+        except Exception as exc:
+            log.info("taking %s back failed: %s", worker.name, exc)
+            return False
+        return True
 
     async def _healthy(self, worker: WorkerHandle) -> bool:
         """One health check; starts a restarted actor first."""

@@ -34,6 +34,10 @@ class TransferError(Exception):
         self.code = code
         self.message = message
 
+    def __reduce__(self):
+        # Pickled by Ray when a worker's call fails with it: rebuild from both fields.
+        return (type(self), (self.code, self.message))
+
 
 @dataclass(frozen=True)
 class TransferConfig:

@@ -215,6 +215,10 @@ def test_redis_stop_and_restart_during_load(ray_cluster, reference, redis_server
             )
         )
         _check(outs, reference)
+        deadline = time.monotonic() + 60
+        while not d.backend.index.healthy and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert d.backend.index.healthy  # the index found Redis again by itself
         _check(asyncio.run(_load(d.address, [])), reference)  # a load with Redis back
         assert d.backend.failover.failed == 0
         assert _wait_no_leaks(d) == {}

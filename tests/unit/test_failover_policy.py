@@ -48,3 +48,12 @@ def test_worker_and_transfer_failures_are_retried(exc):
 )
 def test_invalid_requests_and_bugs_are_not_retried(exc):
     assert not is_retryable(exc)
+
+
+def test_transfer_error_survives_pickling():
+    # Ray pickles an actor call's exception to the caller (the router).
+    import pickle
+
+    err = pickle.loads(pickle.dumps(TransferError(grpc.StatusCode.DATA_LOSS, "bad chunk")))
+    assert (err.code, err.message) == (grpc.StatusCode.DATA_LOSS, "bad chunk")
+    assert is_retryable(_task_error(err))
