@@ -224,3 +224,17 @@ def test_redis_stop_and_restart_during_load(ray_cluster, reference, redis_server
         assert _wait_no_leaks(d) == {}
     finally:
         d.stop()
+
+
+def test_colocated_worker_killed_mid_stream(ray_cluster, reference):
+    d = Deployment(_config(mode="colocated", prefill=0, decode=2))
+    try:
+        kill = lambda: _kill(_busiest(d.backend.decode.workers), "SIGKILL")  # noqa: E731
+        outs = asyncio.run(_load(d.address, [(len(LOAD) * 10, kill)]))
+        _check(outs, reference)
+        assert d.backend.failover.resumed > 0  # streams went on on the other worker
+        assert d.backend.failover.failed == 0
+        _wait_recovered(d)
+        assert _wait_no_leaks(d) == {}
+    finally:
+        d.stop()
