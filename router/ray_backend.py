@@ -20,7 +20,6 @@ import uuid
 from collections.abc import AsyncIterator
 
 import grpc
-import ray.exceptions
 
 from decode_pool.worker import DecodeRequest
 from engine.hashing import root_hash
@@ -36,6 +35,7 @@ from router.policies import make_policy
 from router.pool_manager import WorkerHandle, WorkerPool
 from router.prefix_routing import PrefixRouter, RoutePlan
 from router.progress import Progress
+from router.watchdog import Watchdog
 from router.worker_recovery import WorkerRecovery
 from tandem_cli.config import ServeConfig
 
@@ -66,6 +66,12 @@ class RayBackend:
             self._worker_back,
             self.failover,
             recovery_timeout_s=config.worker_recovery_timeout_s,
+            health_timeout_s=config.health_timeout_s,
+        )
+        self.watchdog = Watchdog(
+            self.recovery,
+            stall_check_s=config.stall_check_s,
+            health_timeout_s=config.health_timeout_s,
         )
         self._scale_lock = asyncio.Lock()
         self.index: BlockIndex | None = None
@@ -194,12 +200,8 @@ class RayBackend:
             await self.streams.subscribe(worker)
 
     async def _call(self, worker: WorkerHandle, ref):
-        """Await an actor call; a dead actor takes its worker out of routing."""
-        try:
-            return await ref
-        except ray.exceptions.RayActorError as exc:
-            self._lost(worker, type(exc).__name__)
-            raise WorkerLost(worker.name, type(exc).__name__) from exc
+        """Await an actor call; a dead or hung actor takes its worker out of routing."""
+        return await self.watchdog.call(worker, ref)
 
     # ---- requests -------------------------------------------------------
 
@@ -267,7 +269,7 @@ class RayBackend:
                 req = DecodeRequest(rid, self.router_id, inp.prompt_token_ids, outputs, inp.params)
                 await self._call(d, d.actor.start_decode.remote(req))
             while True:
-                delta = await queue.get()
+                delta = await self.watchdog.next_delta(queue, d)
                 if delta is LOST or (delta.finished and delta.finish_reason == "abort"):
                     raise WorkerLost(d.name, "its output stream broke or it dropped the request")
                 if delta.token_ids:
@@ -317,9 +319,11 @@ class RayBackend:
         return result.first
 
     async def _abort(self, rid: str, p: WorkerHandle | None, d: WorkerHandle) -> None:
-        """Free the request's blocks on the workers still in routing (a dead
-        one has none; a restarting one would hold the call up)."""
-        live = [w for w in (p, d) if w is not None and not self.recovery.is_down(w)]
-        calls = [w.actor.abort.remote(rid) for w in live]
+        """Free the request's blocks on both workers. A worker out of routing
+        gets the abort without waiting: a restarted one has nothing to free,
+        a hung one frees the blocks when it runs again."""
+        workers = [w for w in (p, d) if w is not None]
+        calls = [w.actor.abort.remote(rid) for w in workers]
+        live = [c for w, c in zip(workers, calls, strict=True) if not self.recovery.is_down(w)]
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(asyncio.gather(*calls), ABORT_TIMEOUT_S)
+            await asyncio.wait_for(asyncio.gather(*live), ABORT_TIMEOUT_S)

@@ -28,8 +28,6 @@ from router.pool_manager import WorkerHandle, WorkerPool
 
 log = logging.getLogger(__name__)
 
-HEALTH_TIMEOUT_S = 10.0
-
 
 class WorkerRecovery:
     def __init__(
@@ -40,6 +38,7 @@ class WorkerRecovery:
         stats: FailoverStats,
         *,
         recovery_timeout_s: float = 120.0,
+        health_timeout_s: float = 10.0,
         poll_s: float = 0.5,
     ) -> None:
         self.pools = pools
@@ -47,6 +46,7 @@ class WorkerRecovery:
         self.on_back = on_back
         self.stats = stats
         self.recovery_timeout_s = recovery_timeout_s
+        self.health_timeout_s = health_timeout_s
         self.poll_s = poll_s
         self.down: dict[WorkerHandle, asyncio.Task] = {}
 
@@ -107,11 +107,11 @@ class WorkerRecovery:
         """One health check; starts a restarted actor first."""
         try:
             health: WorkerHealth = await asyncio.wait_for(
-                worker.actor.health.remote(), HEALTH_TIMEOUT_S
+                worker.actor.health.remote(), self.health_timeout_s
             )
             if not health.started:  # a new incarnation: Ray restarted the actor
                 worker.info = await asyncio.wait_for(worker.actor.start.remote(), 300)
-                health = await asyncio.wait_for(worker.actor.health.remote(), HEALTH_TIMEOUT_S)
+                health = await asyncio.wait_for(worker.actor.health.remote(), self.health_timeout_s)
         except Exception as exc:  # dead, restarting, or stuck: ask again later
             log.info("health check of %s: %s", worker.name, type(exc).__name__)
             return False

@@ -107,6 +107,10 @@ class ServeConfig(BaseModel):
     router routes to it again once its health check passes."""
     worker_recovery_timeout_s: float = Field(120.0, gt=0)
     """How long the router waits for a dead worker to come back before it forgets it."""
+    stall_check_s: float = Field(5.0, gt=0)
+    """A request whose worker has been silent this long asks the worker's health."""
+    health_timeout_s: float = Field(10.0, gt=0)
+    """A worker whose engine does not answer a health check in this long counts as dead."""
 
     @model_validator(mode="after")
     def _check_pools(self) -> ServeConfig:

@@ -74,6 +74,8 @@ def _config(**overrides) -> ServeConfig:
         "max_attempts": 8,
         "retry_backoff_s": 0.05,
         "max_queued_requests": 256,
+        "stall_check_s": 1.0,  # a hung worker is noticed within seconds
+        "health_timeout_s": 3.0,
     }
     return ServeConfig(**{**base, **overrides})
 
@@ -180,6 +182,29 @@ def test_kill_prefill_and_decode_during_load(cluster, reference, how):
     # The restarted workers serve again, exactly.
     _check(asyncio.run(_load(cluster.address, [])), reference)
     assert _wait_no_leaks(cluster) == {}
+    _count(cluster)
+
+
+def test_hung_decode_worker_fails_over(cluster, reference):
+    b = cluster.backend
+    _wait_recovered(cluster)
+    resumed, stopped = b.failover.resumed, []
+
+    def stop():  # the process hangs: no error, no broken stream, just silence
+        pid = ray.get(_busiest(b.decode.workers).actor.pid.remote(), timeout=30)
+        os.kill(pid, signal.SIGSTOP)
+        stopped.append(pid)
+
+    try:
+        outs = asyncio.run(_load(cluster.address, [(len(LOAD) * 10, stop)]))
+    finally:
+        for pid in stopped:
+            os.kill(pid, signal.SIGCONT)
+    _check(outs, reference)
+    assert stopped and b.failover.resumed > resumed
+    _wait_recovered(cluster)  # the same process, running again, passes its health check
+    assert _wait_no_leaks(cluster) == {}  # it freed what the failed tries left there
+    TOTALS["killed"] += 1
     _count(cluster)
 
 

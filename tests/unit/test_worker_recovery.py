@@ -8,8 +8,10 @@ import asyncio
 import pytest
 
 from engine.worker_base import WorkerHealth
-from router.failover import FailoverStats
+from router.decode_streams import LOST
+from router.failover import FailoverStats, WorkerLost
 from router.pool_manager import WorkerHandle
+from router.watchdog import Watchdog
 from router.worker_recovery import WorkerRecovery
 
 pytestmark = pytest.mark.unit
@@ -37,6 +39,8 @@ class FakeActor:
     async def _health(self) -> WorkerHealth:
         if self.state == "dead":
             raise ConnectionError("actor died")
+        if self.state == "hung":
+            await asyncio.sleep(3600)
         started = self.state == "healthy"
         return WorkerHealth(self.name, self.incarnation, started, 10, 10, 0)
 
@@ -109,5 +113,26 @@ def test_a_worker_that_never_answers_is_forgotten(monkeypatch):
         recovery.suspect(wa, "gone")
         await recovery.wait_all(5)
         assert pool.workers == [wb] and killed == [wa.actor] and not recovery.is_down(wa)
+
+    asyncio.run(run())
+
+
+def test_watchdog_waits_on_a_busy_worker_and_fails_over_from_a_hung_one():
+    async def run():
+        recovery, pool, wa, wb, _ = _setup()
+        dog = Watchdog(recovery, stall_check_s=0.02, health_timeout_s=0.05)
+        queue = asyncio.Queue()
+        asyncio.get_running_loop().call_later(0.2, queue.put_nowait, "delta")
+        assert await dog.next_delta(queue, wa) == "delta"  # silent but healthy: waited
+        assert pool.workers == [wa, wb]
+        wa.actor.state = "hung"
+        assert await dog.next_delta(queue, wa) is LOST
+        assert recovery.is_down(wa) and pool.workers == [wb]
+        wb.actor.state = "hung"
+        with pytest.raises(WorkerLost):
+            await dog.call(wb, asyncio.sleep(3600))  # a call that never returns
+        assert pool.workers == []
+        assert await dog.call(wa, asyncio.sleep(0, "x")) == "x"  # answered in time
+        await recovery.close()
 
     asyncio.run(run())
