@@ -9,6 +9,7 @@ In colocated mode the same worker also prefills.
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass
 
 import grpc
@@ -57,6 +58,9 @@ class DecodeWorker(EngineWorker):
         self._server: grpc.aio.Server | None = None
         self.addresses: WorkerAddresses | None = None
         self._background: set[asyncio.Future] = set()
+        # request id -> when to forget it: aborted requests, so that a call for
+        # one that arrives late (the router gave up on a hung try) is refused.
+        self._aborted: dict[str, float] = {}
 
     async def start(self) -> WorkerAddresses:
         self.start_loop()
@@ -94,7 +98,12 @@ class DecodeWorker(EngineWorker):
             pool.take(blocks)
             return blocks
 
+        if self._was_aborted(request_id):
+            return 0
         blocks = await self.loop.acall(pin)
+        if self._was_aborted(request_id):  # aborted while pinning
+            await self.loop.acall(lambda e: e.block_pool.free(blocks))
+            return 0
         if blocks:
             timer = asyncio.get_running_loop().call_later(
                 self.transfer.lease_s, self._unpin_soon, request_id
@@ -105,6 +114,7 @@ class DecodeWorker(EngineWorker):
     async def start_decode(self, req: DecodeRequest) -> None:
         """Continue a request whose blocks a prefill worker pushed here (after
         the prefix blocks pinned for it by reserve_prefix, if any)."""
+        self._refuse_aborted(req.request_id)
         self._own(req)  # first: a refusal here leaves the blocks to abort()
         prefix = self._take_pins(req.request_id)
         claimed = self.kv_server.claim(req.request_id)
@@ -131,6 +141,7 @@ class DecodeWorker(EngineWorker):
         """Prefill and decode here (colocated mode, or a short uncached rest);
         every new token goes to the stream. ``output_token_ids``, when set, are
         tokens streamed before a failover: computed with the prompt, not sent."""
+        self._refuse_aborted(req.request_id)
         self._own(req)
         try:
             await self.loop.acall(
@@ -143,12 +154,23 @@ class DecodeWorker(EngineWorker):
             raise
 
     async def abort(self, request_id: str) -> bool:
+        now = time.monotonic()
+        if len(self._aborted) > 1024:
+            self._aborted = {r: t for r, t in self._aborted.items() if t > now}
+        self._aborted[request_id] = now + self.transfer.lease_s
         self.streams.disown(request_id)
         pinned = self._take_pins(request_id)
         if pinned:
             await self.loop.acall(lambda e: e.block_pool.free(pinned))
         self.kv_server.discard(request_id)
         return await super().abort(request_id)
+
+    def _was_aborted(self, request_id: str) -> bool:
+        return self._aborted.get(request_id, 0.0) > time.monotonic()
+
+    def _refuse_aborted(self, request_id: str) -> None:
+        if self._was_aborted(request_id):
+            raise LookupError(f"request {request_id!r} was aborted")
 
     def _take_pins(self, request_id: str) -> list[int]:
         blocks, timer = self._pinned.pop(request_id, ([], None))

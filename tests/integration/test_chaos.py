@@ -112,10 +112,15 @@ def _wait_no_leaks(d: Deployment, timeout_s: float = 60) -> dict[str, int]:
 
 
 def _kill(worker: WorkerHandle, how: str) -> None:
+    pid = ray.get(worker.actor.pid.remote(), timeout=30)
     if how == "ray.kill":
+        # ray.kill returns before the actor is gone: freeze it first, so its
+        # streams cannot run to their end in the meantime.
+        os.kill(pid, signal.SIGSTOP)
         ray.kill(worker.actor, no_restart=False)
+        os.kill(pid, signal.SIGCONT)
     else:
-        os.kill(ray.get(worker.actor.pid.remote(), timeout=30), signal.SIGKILL)
+        os.kill(pid, signal.SIGKILL)
     TOTALS["killed"] += 1
 
 
