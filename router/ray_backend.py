@@ -216,6 +216,12 @@ class RayBackend:
                     async for item in attempt:
                         yield item
                 return
+            except NoWorkerAvailable as exc:
+                if not self.recovery.down:  # none will come back
+                    raise RequestError(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
+                # Not a failed try: wait for a worker to pass its health check
+                # (the request's deadline bounds the wait).
+                await asyncio.sleep(max(self.retry.max_backoff_s, 0.05))
             except Exception as exc:
                 if not is_retryable(exc):
                     raise
@@ -294,7 +300,7 @@ class RayBackend:
         """Route among workers in routing, preferring those no failed try used."""
         pools = [self.prefill.workers, self.decode.workers]
         if (not self.colocated and not pools[0]) or not pools[1]:
-            raise NoWorkerAvailable("no worker of a pool is in routing (all being restarted)")
+            raise NoWorkerAvailable("no worker of a pool is in routing")
         prefill, decode = ([w for w in ws if w not in avoid] or ws for ws in pools)
         return self.routing.plan(tokens, prefill, decode, self.colocated)
 

@@ -11,6 +11,7 @@ the failover report.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -111,14 +112,18 @@ def _wait_no_leaks(d: Deployment, timeout_s: float = 60) -> dict[str, int]:
     return leaks
 
 
-def _kill(worker: WorkerHandle, how: str) -> None:
+def _freeze(worker: WorkerHandle) -> int:
+    """Stop the worker's process (SIGSTOP); its requests stay where they are."""
     pid = ray.get(worker.actor.pid.remote(), timeout=30)
+    os.kill(pid, signal.SIGSTOP)
+    return pid
+
+
+def _kill(worker: WorkerHandle, pid: int, how: str) -> None:
+    """Kill a frozen worker: ray.kill (Ray restarts it) or SIGKILL of its process."""
     if how == "ray.kill":
-        # ray.kill returns before the actor is gone: freeze it first, so its
-        # streams cannot run to their end in the meantime.
-        os.kill(pid, signal.SIGSTOP)
         ray.kill(worker.actor, no_restart=False)
-        os.kill(pid, signal.SIGCONT)
+        os.kill(pid, signal.SIGCONT)  # it takes the kill request and exits
     else:
         os.kill(pid, signal.SIGKILL)
     TOTALS["killed"] += 1
@@ -170,16 +175,35 @@ def _count(d: Deployment) -> None:
 
 @pytest.mark.parametrize("how", ["ray.kill", "SIGKILL"])
 def test_kill_prefill_and_decode_during_load(cluster, reference, how):
+    _wait_recovered(cluster)
     b = cluster.backend
     before = (b.failover.retries, b.failover.resumed, b.failover.workers_recovered)
-    kill_prefill = lambda: _kill(_busiest(b.prefill.workers), how)  # noqa: E731
-    kill_decode = lambda: _kill(_busiest(b.decode.workers), how)  # noqa: E731
-    # The prefill worker dies as the first tokens arrive (others still prefill);
-    # the decode worker once every stream is about a quarter through.
-    outs = asyncio.run(_load(cluster.address, [(1, kill_prefill), (len(LOAD) * 10, kill_decode)]))
+    # A frozen prefill worker holds the requests routed to it in their prefill
+    # until it is killed; a decode worker is frozen, then killed, once every
+    # stream is about a quarter through: its streams stop mid-way for sure.
+    prefill = b.prefill.workers[0]
+    prefill_pid = _freeze(prefill)
+    in_flight = []
+
+    def kill_prefill():
+        _kill(prefill, prefill_pid, how)
+
+    def kill_decode():
+        decode = _busiest(b.decode.workers)
+        pid = _freeze(decode)
+        in_flight.append(decode.in_flight)
+        _kill(decode, pid, how)
+
+    try:
+        actions = [(1, kill_prefill), (len(LOAD) * 10, kill_decode)]
+        outs = asyncio.run(_load(cluster.address, actions))
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(prefill_pid, signal.SIGCONT)
     _check(outs, reference)
+    assert in_flight[0] > 0  # the decode worker had streams when it died
     assert b.failover.retries > before[0]
-    assert b.failover.resumed > before[1]  # a stream continued on another pair
+    assert b.failover.resumed > before[1]  # streams continued on another pair
     assert b.failover.failed == 0
     _wait_recovered(cluster)
     assert b.failover.workers_recovered >= before[2] + 2  # both came back after restarts
@@ -196,9 +220,7 @@ def test_hung_decode_worker_fails_over(cluster, reference):
     resumed, stopped = b.failover.resumed, []
 
     def stop():  # the process hangs: no error, no broken stream, just silence
-        pid = ray.get(_busiest(b.decode.workers).actor.pid.remote(), timeout=30)
-        os.kill(pid, signal.SIGSTOP)
-        stopped.append(pid)
+        stopped.append(_freeze(_busiest(b.decode.workers)))
 
     try:
         outs = asyncio.run(_load(cluster.address, [(len(LOAD) * 10, stop)]))
@@ -259,7 +281,11 @@ def test_redis_stop_and_restart_during_load(ray_cluster, reference, redis_server
 def test_colocated_worker_killed_mid_stream(ray_cluster, reference):
     d = Deployment(_config(mode="colocated", prefill=0, decode=2))
     try:
-        kill = lambda: _kill(_busiest(d.backend.decode.workers), "SIGKILL")  # noqa: E731
+
+        def kill():
+            worker = _busiest(d.backend.decode.workers)
+            _kill(worker, _freeze(worker), "SIGKILL")
+
         outs = asyncio.run(_load(d.address, [(len(LOAD) * 10, kill)]))
         _check(outs, reference)
         assert d.backend.failover.resumed > 0  # streams went on on the other worker
