@@ -5,6 +5,7 @@ into the worker's event loop."""
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import uuid
 from collections.abc import Callable
@@ -202,8 +203,6 @@ class WorkerActor:
 
     async def pid(self) -> int:
         """The actor's process id (chaos tests kill it)."""
-        import os
-
         return os.getpid()
 
     async def stop(self) -> None:
