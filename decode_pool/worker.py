@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 
 import grpc
@@ -32,7 +33,8 @@ class DecodeRequest:
     request_id: str
     router_id: str
     prompt_token_ids: list[int]
-    output_token_ids: list[int]  # tokens already sent (the prefill's first token)
+    output_token_ids: list[int]  # tokens already sent (the prefill's first token, and
+    # after a failover every token streamed before it)
     params: SamplingParams
 
 
@@ -61,6 +63,9 @@ class DecodeWorker(EngineWorker):
         self._server: grpc.aio.Server | None = None
         self.addresses: WorkerAddresses | None = None
         self._background: set[asyncio.Future] = set()
+        # request id -> when to forget it: aborted requests, so that a call for
+        # one that arrives late (the router gave up on a hung try) is refused.
+        self._aborted: dict[str, float] = {}
 
     async def start(self) -> WorkerAddresses:
         self.start_loop()
@@ -103,7 +108,12 @@ class DecodeWorker(EngineWorker):
             pool.take(blocks)
             return blocks
 
+        if self._was_aborted(request_id):
+            return 0
         blocks = await self.loop.acall(pin)
+        if self._was_aborted(request_id):  # aborted while pinning
+            await self.loop.acall(lambda e: e.block_pool.free(blocks))
+            return 0
         if blocks:
             timer = asyncio.get_running_loop().call_later(
                 self.transfer.lease_s, self._unpin_soon, request_id
@@ -114,6 +124,7 @@ class DecodeWorker(EngineWorker):
     async def start_decode(self, req: DecodeRequest) -> None:
         """Continue a request whose blocks a prefill worker pushed here (after
         the prefix blocks pinned for it by reserve_prefix, if any)."""
+        self._refuse_aborted(req.request_id)
         self._own(req)  # first: a refusal here leaves the blocks to abort()
         prefix = self._take_pins(req.request_id)
         claimed = self.kv_server.claim(req.request_id)
@@ -146,7 +157,10 @@ class DecodeWorker(EngineWorker):
             raise
 
     async def start_full(self, req: DecodeRequest) -> None:
-        """Colocated mode: prefill and decode here; every token goes to the stream."""
+        """Prefill and decode here (colocated mode, or a short uncached rest);
+        every new token goes to the stream. ``output_token_ids``, when set, are
+        tokens streamed before a failover: computed with the prompt, not sent."""
+        self._refuse_aborted(req.request_id)
         self._own(req)
         log_event(
             log,
@@ -157,19 +171,32 @@ class DecodeWorker(EngineWorker):
         )
         try:
             await self.loop.acall(
-                lambda e: e.add_request(req.request_id, req.prompt_token_ids, req.params)
+                lambda e: e.add_request(
+                    req.request_id, req.prompt_token_ids, req.params, False, req.output_token_ids
+                )
             )
         except BaseException:
             self.streams.disown(req.request_id)
             raise
 
     async def abort(self, request_id: str) -> bool:
+        now = time.monotonic()
+        if len(self._aborted) > 1024:
+            self._aborted = {r: t for r, t in self._aborted.items() if t > now}
+        self._aborted[request_id] = now + self.transfer.lease_s
         self.streams.disown(request_id)
         pinned = self._take_pins(request_id)
         if pinned:
             await self.loop.acall(lambda e: e.block_pool.free(pinned))
         self.kv_server.discard(request_id)
         return await super().abort(request_id)
+
+    def _was_aborted(self, request_id: str) -> bool:
+        return self._aborted.get(request_id, 0.0) > time.monotonic()
+
+    def _refuse_aborted(self, request_id: str) -> None:
+        if self._was_aborted(request_id):
+            raise LookupError(f"request {request_id!r} was aborted")
 
     def _take_pins(self, request_id: str) -> list[int]:
         blocks, timer = self._pinned.pop(request_id, ([], None))

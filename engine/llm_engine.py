@@ -29,7 +29,7 @@ from engine.loader import (
     resolve_model_dir,
 )
 from engine.models.llama import LlamaModel
-from engine.sampling import SampledToken, Sampler, SampleRequest, SamplingParams
+from engine.sampling import SampledToken, Sampler, SampleRequest, SamplingParams, token_seed
 from engine.scheduler import ScheduledSeq, Scheduler
 from engine.sequence import RequestOutput, SeqStatus, Sequence, TokenLogprobs
 from engine.spec import SpecDecoder
@@ -157,26 +157,54 @@ class LLMEngine:
             raise ValueError("stop strings need a tokenizer; this model has none")
 
     def _new_seq(
-        self, request_id: str, prompt: Seq[int], params: SamplingParams, prefill_only: bool
+        self,
+        request_id: str,
+        prompt: Seq[int],
+        params: SamplingParams,
+        prefill_only: bool,
+        output_token_ids: Seq[int] = (),
     ) -> Sequence:
         if request_id in self._seqs:
             raise ValueError(f"request_id {request_id!r} is already in use")
         self.validate(prompt, params)
+        self._validate_outputs(prompt, output_token_ids, params)
         seq = Sequence(
             request_id=request_id,
             prompt_token_ids=list(prompt),
             params=params,
             arrival=next(self._arrival),
             prefill_only=prefill_only,
+            output_token_ids=list(output_token_ids),
         )
         if params.seed is not None:
-            seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
+            seq.generator = torch.Generator(device=self.device)
         if self.tokenizer is not None:
             seq.detokenizer = IncrementalDetokenizer(
                 self.tokenizer, seq.prompt_token_ids, params.stop, params.skip_special_tokens
             )
+            for token in seq.output_token_ids:  # their text was emitted already
+                seq.detokenizer.add(token)
         self._seqs[request_id] = seq
         return seq
+
+    def _validate_outputs(
+        self, prompt: Seq[int], outputs: Seq[int], params: SamplingParams
+    ) -> None:
+        """Tokens already generated (a request continued elsewhere) must leave
+        room for one more."""
+        if not outputs:
+            return
+        vocab = self.spec.vocab_size
+        bad = next((t for t in outputs if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"output_token_ids has {bad}, outside the vocabulary [0, {vocab})")
+        if len(outputs) >= params.max_tokens:
+            raise ValueError(f"{len(outputs)} output tokens already reach max_tokens")
+        if len(prompt) + len(outputs) >= self.max_model_len:
+            raise ValueError(
+                f"{len(prompt) + len(outputs)} tokens already reach max_model_len "
+                f"{self.max_model_len}"
+            )
 
     def add_request(
         self,
@@ -184,8 +212,14 @@ class LLMEngine:
         prompt_token_ids: Seq[int],
         params: SamplingParams,
         prefill_only: bool = False,
+        output_token_ids: Seq[int] = (),
     ) -> None:
-        self.scheduler.add(self._new_seq(request_id, prompt_token_ids, params, prefill_only))
+        """Queue a request. ``output_token_ids``: tokens it generated already
+        (elsewhere, before a failover); they are computed with the prompt and
+        the request goes on as if it had produced them here: same max_tokens
+        count, stop strings, penalties and detokenizer state."""
+        seq = self._new_seq(request_id, prompt_token_ids, params, prefill_only, output_token_ids)
+        self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> bool:
         """Drop a request wherever it is and free its blocks."""
@@ -233,6 +267,9 @@ class LLMEngine:
                 to_sample.append(seq)
         if to_sample:
             logits = self.model.logits(hidden[sample_rows])
+            for s in to_sample:
+                if s.generator is not None:
+                    s.generator.manual_seed(token_seed(s.params.seed, len(s.output_token_ids)))
             requests = [
                 SampleRequest(s.params, s.prompt_token_ids, s.output_token_ids, s.generator)
                 for s in to_sample
@@ -397,16 +434,15 @@ class LLMEngine:
         ``block_ids`` of this pool. The request owns one reference to each
         block from now on (also when this call fails)."""
         try:
-            seq = self._new_seq(request_id, prompt_token_ids, params, prefill_only=False)
+            seq = self._new_seq(request_id, prompt_token_ids, params, False, output_token_ids[:-1])
         except Exception:
             self.block_pool.free(block_ids)
             raise
         seq.output_token_ids = list(output_token_ids)
         seq.num_computed = seq.num_tokens - 1
         seq.block_table = list(block_ids)
-        if seq.detokenizer is not None:
-            for token in seq.output_token_ids:  # the sender already emitted this text
-                seq.detokenizer.add(token)
+        if seq.detokenizer is not None and output_token_ids:
+            seq.detokenizer.add(output_token_ids[-1])  # the sender already emitted its text
         expected = -(-seq.num_computed // self.config.block_size)
         if len(block_ids) != expected or not output_token_ids:
             self.abort(request_id)

@@ -151,6 +151,21 @@ class SamplingParams:
         return torch.Generator(device=device).manual_seed(self.seed)
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def token_seed(seed: int, position: int) -> int:
+    """The seed of the draw for output token ``position`` of a request seeded
+    with ``seed`` (splitmix64 of the pair). Each draw depends on nothing but
+    these two numbers, so a seeded request samples the same tokens on any
+    worker, after a hand-over from prefill to decode, and after a failover
+    that resumes it from its streamed tokens."""
+    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+
+
 @dataclass
 class SampleRequest:
     """One row of the logits batch."""

@@ -5,7 +5,9 @@ into the worker's event loop."""
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -42,6 +44,18 @@ class BufferedEvents:
 
 
 @dataclass(frozen=True)
+class WorkerHealth:
+    """A worker's answer to a health check (its engine thread answered too)."""
+
+    name: str
+    incarnation: str  # new each time the actor process starts (Ray restarts it)
+    started: bool  # start() has run in this incarnation
+    free_blocks: int
+    initial_free_blocks: int
+    num_requests: int
+
+
+@dataclass(frozen=True)
 class IndexSettings:
     """Where a worker publishes its prefix cache's changes."""
 
@@ -65,6 +79,8 @@ class EngineWorker:
         self._aio: asyncio.AbstractEventLoop | None = None
         self._listeners: dict[str, Callable[[RequestOutput], None]] = {}
         self.initial_free_blocks = self.engine.block_pool.num_free
+        self.incarnation = uuid.uuid4().hex
+        self.started = False
 
     def _make_publisher(self, index: IndexSettings) -> EventPublisher:
         if index.redis_url is None:
@@ -84,6 +100,17 @@ class EngineWorker:
     def start_loop(self) -> None:
         self._aio = asyncio.get_running_loop()
         self.loop.start()
+        self.started = True
+
+    async def health(self) -> WorkerHealth:
+        """Answered by the engine thread itself, so a stuck engine fails it."""
+        if not self.started:
+            free, n = self.engine.block_pool.num_free, 0
+        else:
+            free, n = await self.loop.acall(lambda e: (e.block_pool.num_free, len(e.request_ids())))
+        return WorkerHealth(
+            self.name, self.incarnation, self.started, free, self.initial_free_blocks, n
+        )
 
     def stop_loop(self) -> None:
         self.loop.stop()
@@ -113,6 +140,7 @@ class EngineWorker:
             "max_model_len": engine.max_model_len,
             "vocab_size": engine.spec.vocab_size,
             "model_fingerprint": engine.kv_layout.model_fingerprint,
+            "incarnation": self.incarnation,
         }
 
     def stats(self) -> dict[str, int]:
@@ -179,6 +207,13 @@ class WorkerActor:
 
     async def stats(self) -> dict:
         return self.worker.stats()
+
+    async def health(self) -> WorkerHealth:
+        return await self.worker.health()
+
+    async def pid(self) -> int:
+        """The actor's process id (chaos tests kill it)."""
+        return os.getpid()
 
     async def stop(self) -> None:
         await self.worker.stop()

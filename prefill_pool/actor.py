@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from engine.transfer.faults import TransferFaults
 from engine.worker_base import WorkerActor
 from prefill_pool.worker import PrefillRequest, PrefillResult, PrefillWorker
 
@@ -15,3 +16,6 @@ class PrefillActor(WorkerActor):
 
     async def prefill(self, req: PrefillRequest) -> PrefillResult:
         return await self.worker.prefill(req)
+
+    async def set_faults(self, faults: TransferFaults) -> None:
+        self.worker.set_faults(faults)

@@ -18,7 +18,15 @@ from engine.index import KVEvent
 from engine.logfmt import log_event
 from engine.sampling import SamplingParams
 from engine.sequence import RequestOutput
-from engine.transfer import GrpcKVClient, GrpcKVServer, KVBlocks, TransferConfig, TransferError
+from engine.transfer import (
+    GrpcKVClient,
+    GrpcKVServer,
+    KVBlocks,
+    PushResult,
+    TransferConfig,
+    TransferError,
+)
+from engine.transfer.faults import FaultPlan, TransferFaults
 from engine.worker_base import EngineWorker, IndexSettings
 
 log = logging.getLogger(__name__)
@@ -33,6 +41,9 @@ class PrefillRequest:
     skip_blocks: int = 0  # leading blocks the decode worker holds already (not pushed)
     pull_from: str | None = None  # KV address of a worker holding more of the prefix
     pull_hashes: list[bytes] = field(default_factory=list)  # the blocks to fetch from it
+    output_token_ids: list[int] = field(default_factory=list)
+    """Tokens already streamed to the client (a failover resumes the request):
+    computed with the prompt; the token sampled here is the next one."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +72,11 @@ class PrefillWorker(EngineWorker):
         self.kv_server = GrpcKVServer(self.store, self.transfer_config, host=host, port=0)
         self.kv_bytes_pushed = 0
         self.kv_bytes_pulled = 0
+        self.faults = FaultPlan(TransferFaults())
+
+    def set_faults(self, faults: TransferFaults) -> None:
+        """Chaos tests: make the next pushes fail (engine/transfer/faults.py)."""
+        self.faults = FaultPlan(faults)
 
     async def start(self) -> None:
         self.start_loop()
@@ -81,6 +97,7 @@ class PrefillWorker(EngineWorker):
             **super().stats(),
             "kv_bytes_pushed": self.kv_bytes_pushed,
             "kv_bytes_pulled": self.kv_bytes_pulled,
+            "faults_injected": self.faults.injected,
         }
 
     async def _pull_prefix(self, req: PrefillRequest) -> list[int]:
@@ -108,7 +125,9 @@ class PrefillWorker(EngineWorker):
         pulled = await self._pull_prefix(req)
         try:
             await self.loop.acall(
-                lambda e: e.add_request(rid, req.prompt_token_ids, req.params, prefill_only=True)
+                lambda e: e.add_request(
+                    rid, req.prompt_token_ids, req.params, True, req.output_token_ids
+                )
             )
             out = await first
         except BaseException:
@@ -128,10 +147,10 @@ class PrefillWorker(EngineWorker):
             n_hashed = len(export.block_hashes)
             hashes = export.block_hashes + [None] * (len(export.block_ids) - n_hashed)
             skip = min(req.skip_blocks, len(export.block_ids) - 1)
-            tokens = export.prompt_token_ids[skip * self.engine.config.block_size :]
+            computed = (export.prompt_token_ids + export.output_token_ids)[:-1]
+            tokens = computed[skip * self.engine.config.block_size :]
             blocks = KVBlocks(rid, export.block_ids[skip:], hashes[skip:], tokens)
-            assert self._client is not None, "worker not started"
-            pushed = await self._client.push(req.decode_kv_address, self.store, blocks)
+            pushed = await self._push(req.decode_kv_address, blocks)
             self.kv_bytes_pushed += pushed.bytes_sent
         finally:
             await asyncio.shield(self.loop.acall(lambda e: e.abort(rid)))
@@ -152,3 +171,15 @@ class PrefillWorker(EngineWorker):
         return PrefillResult(
             rid, out, pushed.bytes_sent, prefilled - start, done - prefilled, self.drain_events()
         )
+
+    async def _push(self, address: str, blocks: KVBlocks) -> PushResult:
+        """Push with the shared client, or a faulty one while chaos faults are set."""
+        assert self._client is not None, "worker not started"
+        fault = self.faults.next_filter()
+        if fault is None:
+            return await self._client.push(address, self.store, blocks)
+        client = GrpcKVClient(self.transfer_config, message_filter=fault)
+        try:
+            return await client.push(address, self.store, blocks)
+        finally:
+            await client.close()

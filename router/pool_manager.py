@@ -33,14 +33,17 @@ def gpus_per_worker(resources: WorkerResources) -> float:
     return 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
 
 
-def actor_options(resources: WorkerResources, num_gpus: float) -> dict[str, Any]:
-    """Ray actor options of one worker: what it reserves, and where it may run
-    (custom resources and node labels pin a pool to a node type)."""
+def actor_options(
+    resources: WorkerResources, num_gpus: float, max_restarts: int = 0
+) -> dict[str, Any]:
+    """Ray actor options of one worker: what it reserves, where it may run
+    (custom resources and node labels pin a pool to a node type), and how often
+    Ray restarts it when it dies."""
     options: dict[str, Any] = {
         "num_cpus": resources.num_cpus,
         "num_gpus": num_gpus,
         "resources": resources.resources or None,
-        "max_restarts": 0,
+        "max_restarts": max_restarts,
         "name": None,
     }
     if resources.labels:
@@ -163,7 +166,7 @@ class WorkerPool:
         name = f"{self.role}-{next(self._ids)}"
         res = self.resources
         num_gpus = gpus_per_worker(res)
-        options = actor_options(res, num_gpus)
+        options = actor_options(res, num_gpus, self.config.worker_max_restarts)
         engine = engine_config(self.config, res, num_gpus, self.role)
         index = IndexSettings(redis_url=self.config.redis_url, deployment=self.config.deployment)
         transfer = self.config.transfer_config()

@@ -4,6 +4,11 @@ Disaggregated: the prefill worker computes the prompt, samples the first
 token and pushes the KV blocks to the chosen decode worker; the router
 then starts the decode there and reads its tokens from that worker's
 output stream. Colocated: one worker does both.
+
+A request that meets a dead worker or a failed transfer is tried again
+(router/failover.py): a try that had streamed tokens already resumes after
+them on a healthy pair. Dead workers leave routing until their health
+check passes again (router/worker_recovery.py).
 """
 
 from __future__ import annotations
@@ -11,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 import uuid
 from collections.abc import AsyncIterator
 
@@ -22,17 +26,22 @@ from engine.hashing import root_hash
 from engine.index import BlockIndex, InMemoryIndex, KVEvent
 from engine.loader import resolve_model_dir
 from engine.logfmt import log_event
-from engine.sequence import RequestOutput, TokenLogprobs
-from engine.transfer.grpc_server import message_limits
 from prefill_pool.worker import PrefillRequest, PrefillResult
-from protos.tandem.v1 import worker_pb2, worker_pb2_grpc
 from router.backend import GenerateInput, GenerateResult, TokenDelta
+from router.decode_streams import LOST, DecodeStreams
+from router.failover import FailoverStats, NoWorkerAvailable, RetryPolicy, WorkerLost, is_retryable
+from router.messages import RequestError
 from router.policies import make_policy
 from router.pool_manager import WorkerHandle, WorkerPool
 from router.prefix_routing import PrefixRouter, RoutePlan
+from router.progress import Progress
+from router.watchdog import Watchdog
+from router.worker_recovery import WorkerRecovery
 from tandem_cli.config import ServeConfig
 
 log = logging.getLogger(__name__)
+
+ABORT_TIMEOUT_S = 10.0
 
 
 class RayBackend:
@@ -46,11 +55,27 @@ class RayBackend:
         self.tokenizer = None
         self.max_model_len = 0
         self.vocab_size = 0
-        # request id -> (its deltas, the decode worker that streams them)
-        self._queues: dict[str, tuple[asyncio.Queue[worker_pb2.RequestDelta], WorkerHandle]] = {}
-        self._subscriptions: dict[str, asyncio.Task] = {}  # decode worker name -> reader
+        self.retry = RetryPolicy(
+            config.max_attempts, config.retry_backoff_s, config.retry_backoff_max_s
+        )
+        self.failover = FailoverStats()
+        self.streams = DecodeStreams(
+            self.router_id, self._apply_events, self._stream_broke, config.transfer_config()
+        )
+        self.recovery = WorkerRecovery(
+            [self.prefill, self.decode],
+            self._worker_down,
+            self._worker_back,
+            self.failover,
+            recovery_timeout_s=config.worker_recovery_timeout_s,
+            health_timeout_s=config.health_timeout_s,
+        )
+        self.watchdog = Watchdog(
+            self.recovery,
+            stall_check_s=config.stall_check_s,
+            health_timeout_s=config.health_timeout_s,
+        )
         self._scale_lock = asyncio.Lock()
-        self._channels: dict[str, grpc.aio.Channel] = {}  # decode worker name -> channel
         self.index: BlockIndex | None = None
         self.routing: PrefixRouter | None = None
         self._watcher: asyncio.Task | None = None
@@ -80,7 +105,7 @@ class RayBackend:
             pull_min_blocks=self.config.pull_min_blocks,
         )
         for worker in self.decode.workers:
-            await self._subscribe(worker)
+            await self.streams.subscribe(worker)
         if self.config.worker_check_interval_s > 0:
             self._watcher = asyncio.create_task(
                 self._watch_workers(self.config.worker_check_interval_s)
@@ -100,12 +125,10 @@ class RayBackend:
     async def shutdown(self) -> None:
         if self._watcher is not None:
             self._watcher.cancel()
-        for task in self._subscriptions.values():
-            task.cancel()
+        await self.recovery.close()
+        await self.streams.close()
         if self.index is not None:
             self.index.close()
-        for channel in self._channels.values():
-            await channel.close()
         await asyncio.gather(self.prefill.stop(), self.decode.stop())
 
     async def scale(
@@ -128,22 +151,22 @@ class RayBackend:
                 if n > len(pool.workers):
                     for worker in await pool.scale_to(n):
                         if pool is self.decode:
-                            await self._subscribe(worker)
+                            await self.streams.subscribe(worker)
                 else:
                     gone += pool.take_out(len(pool.workers) - n)
             await WorkerPool.drain(gone, drain_timeout_s)
-            await self._forget(gone)
+            for worker in gone:
+                await self._worker_down(worker)
             await WorkerPool.stop_workers(gone)
             return len(self.prefill.workers), len(self.decode.workers)
 
     async def replace_dead_workers(
         self, ping_timeout_s: float = 10.0, placement_timeout_s: float = 120.0
     ) -> list[str]:
-        """Drop the workers whose actor died (a node went away) and start as
-        many new ones, which Ray places on nodes that have the pool's
-        resources; replacements that cannot be placed yet are tried again on
-        the next call. Requests on a dead decode worker end as aborted.
-        Returns the names dropped."""
+        """Drop the workers whose actor died for good (a node went away and Ray
+        could not restart it) and start as many new ones, which Ray places on
+        nodes that have the pool's resources; replacements that cannot be placed
+        yet are tried again on the next call. Returns the names dropped."""
         async with self._scale_lock:
             dropped: list[str] = []
             for pool in (self.prefill, self.decode):
@@ -151,7 +174,8 @@ class RayBackend:
                 if dead:
                     log.warning("%s workers died: %s", pool.role, [w.name for w in dead])
                     pool.remove(dead)
-                    await self._forget(dead)
+                    for worker in dead:
+                        await self._worker_down(worker)
                     self._missing[pool.role] = self._missing.get(pool.role, 0) + len(dead)
                     dropped += [w.name for w in dead]
                 missing = self._missing.get(pool.role, 0)
@@ -165,7 +189,7 @@ class RayBackend:
                 self._missing[pool.role] = 0
                 if pool is self.decode:
                     for worker in new:
-                        await self._subscribe(worker)
+                        await self.streams.subscribe(worker)
             return dropped
 
     async def _watch_workers(self, interval_s: float) -> None:
@@ -176,80 +200,106 @@ class RayBackend:
             except Exception:
                 log.exception("replacing dead workers failed; trying again in %.1f s", interval_s)
 
-    async def _forget(self, workers: list[WorkerHandle]) -> None:
-        """Drop the router's state of workers that leave the pools."""
-        for worker in workers:
-            self.index.drop_worker(worker.name)
-            task = self._subscriptions.pop(worker.name, None)
-            if task is not None:
-                task.cancel()
-            channel = self._channels.pop(worker.name, None)
-            if channel is not None:
-                await channel.close()
+    async def worker_stats(self) -> dict[str, dict]:
+        """Stats of the workers in routing (a worker that fails to answer is
+        taken out of routing and left out)."""
+        workers = self.prefill.workers + self.decode.workers
+        stats = await asyncio.gather(
+            *(w.actor.stats.remote() for w in workers), return_exceptions=True
+        )
+        out = {}
+        for w, s in zip(workers, stats, strict=True):
+            if isinstance(s, BaseException):
+                self._lost(w, f"stats failed: {type(s).__name__}")
+            else:
+                out[w.name] = {**s, "role": w.role}
+        return out
 
     async def worker_status(self) -> list[dict]:
-        workers = self.prefill.workers + self.decode.workers
-        stats = await asyncio.gather(*(w.actor.stats.remote() for w in workers))
+        workers = {w.name: w for w in self.prefill.workers + self.decode.workers}
         return [
             {
-                "name": w.name,
-                "role": w.role,
-                "in_flight": w.in_flight,
+                "name": name,
+                "role": workers[name].role,
+                "in_flight": workers[name].in_flight,
                 "free_blocks": s["free_blocks"],
                 "total_blocks": s["total_blocks"],
             }
-            for w, s in zip(workers, stats, strict=True)
+            for name, s in (await self.worker_stats()).items()
         ]
 
-    async def worker_stats(self) -> dict[str, dict]:
-        workers = self.prefill.workers + self.decode.workers
-        stats = await asyncio.gather(*(w.actor.stats.remote() for w in workers))
-        return {w.name: {**s, "role": w.role} for w, s in zip(workers, stats, strict=True)}
+    # ---- failures -------------------------------------------------------
 
-    async def _subscribe(self, worker: WorkerHandle) -> None:
-        transfer = self.config.transfer_config()
-        security = transfer.security
-        channel = security.channel(worker.info["outputs"], message_limits(transfer))
-        self._channels[worker.name] = channel
-        stream = worker_pb2_grpc.DecodeOutputsStub(channel).Subscribe(
-            worker_pb2.SubscribeRequest(router_id=self.router_id), metadata=security.metadata()
-        )
-        await stream.read()  # the empty batch that opens the stream
-        self._subscriptions[worker.name] = asyncio.create_task(self._read(worker, stream))
+    def _lost(self, worker: WorkerHandle, why: str) -> None:
+        self.recovery.suspect(worker, why)
 
-    async def _read(self, worker: WorkerHandle, stream) -> None:
-        try:
-            while (batch := await stream.read()) is not grpc.aio.EOF:
-                self._apply_events(batch.cache_events)
-                for delta in batch.deltas:
-                    entry = self._queues.get(delta.request_id)
-                    if entry is not None:
-                        entry[0].put_nowait(delta)
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() != grpc.StatusCode.CANCELLED:
-                log.error("output stream of %s broke: %s", worker.name, exc)
-        except Exception:
-            log.exception("reading the output stream of %s failed", worker.name)
-        finally:
-            # Requests on that worker can no longer finish: end them as aborted.
-            for rid, (queue, owner) in list(self._queues.items()):
-                if owner is worker:
-                    queue.put_nowait(
-                        worker_pb2.RequestDelta(
-                            request_id=rid, finished=True, finish_reason="abort"
-                        )
-                    )
+    def _stream_broke(self, worker: WorkerHandle, why: str) -> None:
+        self._lost(worker, why)
+
+    async def _worker_down(self, worker: WorkerHandle) -> None:
+        """A worker left routing: forget its blocks and its output stream."""
+        if self.index is not None:
+            self.index.drop_worker(worker.name)
+        await self.streams.unsubscribe(worker)
+
+    async def _worker_back(self, worker: WorkerHandle) -> None:
+        """A worker passed its health check: listen to it again."""
+        if self.index is not None:
+            self.index.drop_worker(worker.name)  # a restarted worker starts empty
+        if "outputs" in worker.info:
+            await self.streams.subscribe(worker)
+
+    async def _call(self, worker: WorkerHandle, ref):
+        """Await an actor call; a dead or hung actor takes its worker out of routing."""
+        return await self.watchdog.call(worker, ref)
+
+    # ---- requests -------------------------------------------------------
 
     async def generate(self, inp: GenerateInput) -> AsyncIterator[TokenDelta | GenerateResult]:
-        # Workers see a fresh id per attempt, so a client that reuses its request
-        # id can never meet blocks or outputs of an earlier request on a worker.
+        progress = Progress(inp)
+        failures = 0
+        avoid: set[WorkerHandle] = set()
+        while True:
+            attempt = self._attempt(inp, progress, avoid)
+            try:
+                async with contextlib.aclosing(attempt):
+                    async for item in attempt:
+                        yield item
+                return
+            except NoWorkerAvailable as exc:
+                if not self.recovery.down:  # none will come back
+                    raise RequestError(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
+                # Not a failed try: wait for a worker to pass its health check
+                # (the request's deadline bounds the wait).
+                await asyncio.sleep(max(self.retry.max_backoff_s, 0.05))
+            except Exception as exc:
+                if not is_retryable(exc):
+                    raise
+                failures += 1
+                if failures >= self.retry.max_attempts:
+                    self.failover.failed += 1
+                    raise RequestError(
+                        grpc.StatusCode.UNAVAILABLE,
+                        f"request failed after {failures} tries; last error: {exc}",
+                    ) from exc
+                log.warning("request %s: try %d failed: %s", inp.request_id, failures, exc)
+                self.failover.retries += 1
+                self.failover.resumed += bool(progress.token_ids)
+                await asyncio.sleep(self.retry.delay(failures))
+
+    async def _attempt(
+        self, inp: GenerateInput, progress: Progress, avoid: set[WorkerHandle]
+    ) -> AsyncIterator[TokenDelta | GenerateResult]:
+        """One try: route, prefill, decode. Resumes after the tokens already
+        streamed; adds the workers it used to ``avoid`` when it fails."""
+        # Workers see a fresh id per try, so no try can meet blocks or outputs
+        # of another one (or of an earlier request with the same client id).
         rid = f"{inp.request_id}#{uuid.uuid4().hex[:12]}"
         assert self.routing is not None, "backend not started"
-        plan = self.routing.plan(
-            inp.prompt_token_ids, self.prefill.workers, self.decode.workers, self.colocated
-        )
+        streamed = list(progress.token_ids)
+        plan = self._plan(inp.prompt_token_ids + streamed, avoid)
         d, p = plan.decode, plan.prefill
-        progress = _Progress(inp, p.name if p is not None else d.name, d.name)
+        progress.attempt(p.name if p is not None else d.name, d.name)
         log_event(
             log,
             "request_routed",
@@ -258,125 +308,93 @@ class RayBackend:
             prefill_worker=p.name if p is not None else None,
             decode_worker=d.name,
             prompt_tokens=len(inp.prompt_token_ids),
+            resumed_tokens=len(streamed),
             decode_cached_blocks=plan.decode_cached_blocks,
         )
-        queue: asyncio.Queue[worker_pb2.RequestDelta] = asyncio.Queue()
-        self._queues[rid] = (queue, d)
+        queue = self.streams.register(rid, d)
         d.in_flight += 1
         if p is not None:
             p.in_flight += 1
+        ok = False
         try:
             if p is None:
-                req = DecodeRequest(rid, self.router_id, inp.prompt_token_ids, [], inp.params)
-                await d.actor.start_full.remote(req)
+                req = DecodeRequest(rid, self.router_id, inp.prompt_token_ids, streamed, inp.params)
+                await self._call(d, d.actor.start_full.remote(req))
             else:
-                prefilled = await self._prefill(rid, inp, plan)
+                prefilled = await self._prefill(rid, inp, plan, streamed)
                 first = prefilled.first
+                progress.transfer = (
+                    None if first.finished else (prefilled.kv_bytes, prefilled.transfer_s)
+                )
                 p.in_flight -= 1
                 p = None
-                if first.finished:
-                    progress.transfer = None
-                else:
-                    progress.transfer = (prefilled.kv_bytes, prefilled.transfer_s)
+                if first.finish_reason == "abort":
+                    raise WorkerLost(plan.prefill.name, "it dropped the request")
                 yield progress.first(first)
                 if first.finished:
                     await asyncio.shield(self._abort(rid, None, d))  # drop the prefix pin
+                    ok = True
                     yield progress.result(first.finish_reason)
                     return
-                await d.actor.start_decode.remote(
-                    DecodeRequest(
-                        rid, self.router_id, inp.prompt_token_ids, first.new_token_ids, inp.params
-                    )
-                )
+                outputs = streamed + first.new_token_ids
+                req = DecodeRequest(rid, self.router_id, inp.prompt_token_ids, outputs, inp.params)
+                await self._call(d, d.actor.start_decode.remote(req))
             while True:
-                delta = await queue.get()
+                delta = await self.watchdog.next_delta(queue, d)
+                if delta is LOST or (delta.finished and delta.finish_reason == "abort"):
+                    raise WorkerLost(d.name, "its output stream broke or it dropped the request")
                 if delta.token_ids:
                     yield progress.delta(delta)
                 progress.count(delta)
                 if delta.finished:
+                    ok = True
                     yield progress.result(delta.finish_reason)
                     return
+        except Exception:
+            avoid.update(w for w in (plan.prefill, d) if w is not None)
+            raise
         finally:
-            del self._queues[rid]
+            self.streams.unregister(rid)
             d.in_flight -= 1
             if p is not None:
                 p.in_flight -= 1
-            if not progress.finished:
+            if not ok:
                 await asyncio.shield(self._abort(rid, p, d))
 
-    async def _prefill(self, rid: str, inp: GenerateInput, plan: RoutePlan) -> PrefillResult:
+    def _plan(self, tokens: list[int], avoid: set[WorkerHandle]) -> RoutePlan:
+        """Route among workers in routing, preferring those no failed try used."""
+        pools = [self.prefill.workers, self.decode.workers]
+        if (not self.colocated and not pools[0]) or not pools[1]:
+            raise NoWorkerAvailable("no worker of a pool is in routing")
+        prefill, decode = ([w for w in ws if w not in avoid] or ws for ws in pools)
+        return self.routing.plan(tokens, prefill, decode, self.colocated)
+
+    async def _prefill(
+        self, rid: str, inp: GenerateInput, plan: RoutePlan, streamed: list[int]
+    ) -> PrefillResult:
         """Prefill on the plan's prefill worker, which pushes the KV blocks the
-        decode worker lacks; its result holds the first token's output."""
+        decode worker lacks; its result holds the first (next) token's output."""
         d, p = plan.decode, plan.prefill
         assert p is not None
         skip = 0
         if plan.decode_cached_blocks:  # pin what the decode worker has: it is not pushed
             wanted = plan.hashes[: plan.decode_cached_blocks]
-            skip = await d.actor.reserve_prefix.remote(rid, wanted)
+            skip = await self._call(d, d.actor.reserve_prefix.remote(rid, wanted))
         pull_from = plan.pull_from.info["kv"] if plan.pull_from is not None else None
         request = PrefillRequest(
-            rid, inp.prompt_token_ids, inp.params, d.info["kv"], skip, pull_from, plan.pull_hashes
-        )
-        result = await p.actor.prefill.remote(request)
+            rid, inp.prompt_token_ids, inp.params, d.info["kv"], skip, pull_from,
+            plan.pull_hashes, streamed,
+        )  # fmt: skip
+        result = await self._call(p, p.actor.prefill.remote(request))
         self._apply_events(result.cache_events)
         return result
 
     async def _abort(self, rid: str, p: WorkerHandle | None, d: WorkerHandle) -> None:
-        calls = [w.actor.abort.remote(rid) for w in (p, d) if w is not None]
+        """Free the request's blocks on both workers. A worker out of routing
+        gets the abort without waiting: a restarted one has nothing to free,
+        a hung one frees the blocks when it runs again."""
+        workers = [w for w in (p, d) if w is not None]
+        calls = [w.actor.abort.remote(rid) for w in workers]
+        live = [c for w, c in zip(workers, calls, strict=True) if not self.recovery.is_down(w)]
         with contextlib.suppress(Exception):
-            await asyncio.gather(*calls)
-
-
-class _Progress:
-    """What the router measures and counts for one request."""
-
-    def __init__(self, inp: GenerateInput, prefill_worker: str, decode_worker: str) -> None:
-        self.inp = inp
-        self.workers = (prefill_worker, decode_worker)
-        self.start = time.perf_counter()
-        self.first_time = self.last_time = 0.0
-        self.num_output = self.cached = 0
-        self.finished = False
-        self.transfer: tuple[int, float] | None = None  # (bytes, seconds) of the KV push
-
-    def first(self, out: RequestOutput) -> TokenDelta:
-        self.first_time = self.last_time = time.perf_counter()
-        self.num_output, self.cached = out.num_output_tokens, out.num_cached_tokens
-        return TokenDelta(out.new_token_ids, out.text_delta, out.logprobs)
-
-    def delta(self, delta: worker_pb2.RequestDelta) -> TokenDelta:
-        now = time.perf_counter()
-        self.first_time = self.first_time or now
-        self.last_time = now
-        return TokenDelta(list(delta.token_ids), delta.text, _logprobs(delta))
-
-    def count(self, delta: worker_pb2.RequestDelta) -> None:
-        if delta.num_output_tokens:
-            self.num_output = delta.num_output_tokens
-            self.cached = self.cached or delta.num_cached_tokens
-
-    def result(self, reason: str | None) -> GenerateResult:
-        self.finished = True
-        n = self.num_output
-        tpot = (self.last_time - self.first_time) / (n - 1) if n > 1 else 0.0
-        return GenerateResult(
-            finish_reason=reason or "abort",
-            prompt_tokens=len(self.inp.prompt_token_ids),
-            cached_tokens=self.cached,
-            completion_tokens=n,
-            ttft_s=self.first_time - self.start if self.first_time else 0.0,
-            mean_tpot_s=tpot,
-            prefill_worker=self.workers[0],
-            decode_worker=self.workers[1],
-            kv_transfer_bytes=self.transfer[0] if self.transfer else 0,
-            kv_transfer_s=self.transfer[1] if self.transfer else None,
-        )
-
-
-def _logprobs(delta: worker_pb2.RequestDelta) -> list[TokenLogprobs] | None:
-    if not delta.logprobs:
-        return None
-    return [
-        TokenLogprobs(lp.token_id, lp.logprob, [(t.token_id, t.logprob) for t in lp.top_logprobs])
-        for lp in delta.logprobs
-    ]
+            await asyncio.wait_for(asyncio.gather(*live), ABORT_TIMEOUT_S)

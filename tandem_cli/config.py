@@ -164,6 +164,25 @@ class ServeConfig(BaseModel):
     worker_check_interval_s: float = Field(0.0, ge=0)
     """Every this many seconds the router looks for workers whose actor died (their node
     went away) and starts replacements where Ray finds the pool's resources; 0: off."""
+    kv_transfer_timeout_s: float = Field(30.0, gt=0)
+    """Deadline of one KV push or pull; a stalled transfer fails after it, its blocks
+    are freed on both sides and the request is retried."""
+    max_attempts: int = Field(4, ge=1)
+    """Tries per request: the first one plus retries after a worker died or a transfer
+    failed (a decode failover resumes from the tokens already streamed)."""
+    retry_backoff_s: float = Field(0.1, ge=0)
+    """Wait before the first retry; it doubles with each further one."""
+    retry_backoff_max_s: float = Field(2.0, ge=0)
+    """Longest wait between two tries of a request."""
+    worker_max_restarts: int = Field(3, ge=-1)
+    """Ray restarts a dead worker actor this many times (-1: always, 0: never); the
+    router routes to it again once its health check passes."""
+    worker_recovery_timeout_s: float = Field(120.0, gt=0)
+    """How long the router waits for a dead worker to come back before it forgets it."""
+    stall_check_s: float = Field(5.0, gt=0)
+    """A request whose worker has been silent this long asks the worker's health."""
+    health_timeout_s: float = Field(10.0, gt=0)
+    """A worker whose engine does not answer a health check in this long counts as dead."""
 
     @model_validator(mode="after")
     def _check_pools(self) -> ServeConfig:
@@ -226,6 +245,7 @@ class ServeConfig(BaseModel):
 
         return TransferConfig(
             lease_s=self.kv_lease_s,
+            timeout_s=self.kv_transfer_timeout_s,
             max_message_bytes=self.kv_max_message_mb << 20,
             security=self.cluster_security(),
         )

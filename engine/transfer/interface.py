@@ -40,9 +40,8 @@ class TransferError(Exception):
         self.message = message
 
     def __reduce__(self):
-        # Pickled across Ray (a worker's failure reaches the router): rebuild
-        # from both fields, not from the one formatted message in ``args``.
-        return (TransferError, (self.code, self.message))
+        # Pickled by Ray when a worker's call fails with it: rebuild from both fields.
+        return (type(self), (self.code, self.message))
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,80 @@
+"""Failover: which failures a request survives, and how long it waits
+between tries.
+
+A request is tried again, on other workers where there are any, when a
+worker died (a Ray actor error, or its output stream broke), a KV transfer
+failed (deadline, bad checksum, peer gone) or no worker was available. Each
+try has its own worker-side request id, and the failed one is aborted on the
+workers it used, so no try can leave blocks behind. A decode failover
+resumes: the next try prefills the prompt plus the tokens already streamed
+and goes on from there (see ``RayBackend.generate``).
+
+What a resumed stream guarantees:
+
+- no token lost or repeated: the client has exactly the tokens the router
+  streamed, and the next try starts after the last of them;
+- max_tokens, min_tokens, stop strings, stop token ids and the penalties
+  count the streamed tokens as outputs, and the detokenizer replays them,
+  so text deltas continue where they stopped;
+- greedy requests give the same output as an undisturbed run;
+- seeded sampled requests too: the draw for output token i depends only on
+  (seed, i) (``engine.sampling.token_seed``);
+- unseeded sampled requests continue with a fresh draw from the same
+  distribution, conditioned on what was streamed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ray.exceptions
+
+from engine.transfer import TransferError
+
+
+class WorkerLost(Exception):
+    """A worker a try depended on died, or dropped the request."""
+
+    def __init__(self, worker: str, why: str) -> None:
+        super().__init__(f"worker {worker} lost: {why}")
+        self.worker = worker
+
+
+class NoWorkerAvailable(LookupError):
+    """Every worker of a pool is down (being restarted) right now."""
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    max_attempts: int = 4
+    backoff_s: float = 0.1
+    max_backoff_s: float = 2.0
+
+    def delay(self, failures: int) -> float:
+        """Wait after the ``failures``-th failed try (1, 2, ...)."""
+        return min(self.backoff_s * 2 ** (failures - 1), self.max_backoff_s)
+
+
+def is_retryable(exc: BaseException) -> bool:
+    """True for failures another try may not meet: lost workers, failed
+    transfers, requests a worker no longer knows. A request the engine
+    refused as invalid (ValueError) fails at once."""
+    if isinstance(
+        exc, (WorkerLost, NoWorkerAvailable, TransferError, ray.exceptions.RayActorError)
+    ):
+        return True
+    if isinstance(exc, ray.exceptions.RayTaskError):
+        cause = exc.cause
+        return not isinstance(cause, (ValueError, TypeError, AssertionError))
+    return isinstance(exc, (ConnectionError, LookupError, TimeoutError))
+
+
+@dataclass
+class FailoverStats:
+    """Counters the backend keeps (Admin status, tests, the chaos report)."""
+
+    retries: int = 0  # tries after a failed one
+    resumed: int = 0  # tries that continued a stream with tokens already sent
+    failed: int = 0  # requests that ran out of tries
+    workers_lost: int = 0  # workers taken out of routing after a failure
+    workers_recovered: int = 0  # taken back after their health check passed

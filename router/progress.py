@@ -1,0 +1,78 @@
+"""What the router measures and remembers of one request across its tries:
+the tokens streamed so far (a failover resumes after them), timings, counts."""
+
+from __future__ import annotations
+
+import time
+
+from engine.sequence import RequestOutput, TokenLogprobs
+from protos.tandem.v1 import worker_pb2
+from router.backend import GenerateInput, GenerateResult, TokenDelta
+
+
+class Progress:
+    def __init__(self, inp: GenerateInput) -> None:
+        self.inp = inp
+        self.workers = ("", "")
+        self.start = time.perf_counter()
+        self.first_time = self.last_time = 0.0
+        self.token_ids: list[int] = []  # streamed to the client, in order
+        self.num_output = 0
+        self.cached: int | None = None  # prompt tokens found cached, by the first try
+        self.finished = False
+        self.transfer: tuple[int, float] | None = None  # (bytes, seconds) of the last KV push
+
+    def attempt(self, prefill_worker: str, decode_worker: str) -> None:
+        self.workers = (prefill_worker, decode_worker)
+
+    def first(self, out: RequestOutput) -> TokenDelta:
+        """The prefill's token: the first of the request, or after a failover
+        the first of the resumed stream."""
+        self._stamp()
+        self.token_ids += out.new_token_ids
+        self.num_output = out.num_output_tokens
+        if self.cached is None:
+            self.cached = out.num_cached_tokens
+        return TokenDelta(out.new_token_ids, out.text_delta, out.logprobs)
+
+    def delta(self, delta: worker_pb2.RequestDelta) -> TokenDelta:
+        self._stamp()
+        self.token_ids += delta.token_ids
+        return TokenDelta(list(delta.token_ids), delta.text, _logprobs(delta))
+
+    def count(self, delta: worker_pb2.RequestDelta) -> None:
+        if delta.num_output_tokens:
+            self.num_output = delta.num_output_tokens
+            if self.cached is None:
+                self.cached = delta.num_cached_tokens
+
+    def _stamp(self) -> None:
+        now = time.perf_counter()
+        self.first_time = self.first_time or now
+        self.last_time = now
+
+    def result(self, reason: str | None) -> GenerateResult:
+        self.finished = True
+        n = self.num_output
+        tpot = (self.last_time - self.first_time) / (n - 1) if n > 1 else 0.0
+        return GenerateResult(
+            finish_reason=reason or "abort",
+            prompt_tokens=len(self.inp.prompt_token_ids),
+            cached_tokens=self.cached or 0,
+            completion_tokens=n,
+            ttft_s=self.first_time - self.start if self.first_time else 0.0,
+            mean_tpot_s=tpot,
+            prefill_worker=self.workers[0],
+            decode_worker=self.workers[1],
+            kv_transfer_bytes=self.transfer[0] if self.transfer else 0,
+            kv_transfer_s=self.transfer[1] if self.transfer else None,
+        )
+
+
+def _logprobs(delta: worker_pb2.RequestDelta) -> list[TokenLogprobs] | None:
+    if not delta.logprobs:
+        return None
+    return [
+        TokenLogprobs(lp.token_id, lp.logprob, [(t.token_id, t.logprob) for t in lp.top_logprobs])
+        for lp in delta.logprobs
+    ]

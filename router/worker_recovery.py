@@ -1,0 +1,118 @@
+"""Taking dead workers out of routing and back in once they are healthy.
+
+When a try finds a worker dead (a Ray actor error, or its output stream
+broke), ``suspect`` takes it out of its pool at once, so no new request is
+routed to it, and the backend forgets it (the block index drops every entry
+of it, the router drops its output stream). A watcher then asks the actor
+for its health until it answers:
+
+- the same incarnation, started: it was alive after all (say, a transfer
+  failed); it goes back as it was;
+- a new incarnation, not started: Ray restarted the actor (``max_restarts``),
+  with a fresh engine and an empty KV pool; it is started, must pass the
+  health check, and goes back with its new addresses;
+- no answer before ``recovery_timeout_s``: it is forgotten and killed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+
+import ray
+
+from engine.worker_base import WorkerHealth
+from router.failover import FailoverStats
+from router.pool_manager import WorkerHandle, WorkerPool
+
+log = logging.getLogger(__name__)
+
+
+class WorkerRecovery:
+    def __init__(
+        self,
+        pools: list[WorkerPool],
+        on_down: Callable[[WorkerHandle], Awaitable[None]],
+        on_back: Callable[[WorkerHandle], Awaitable[None]],
+        stats: FailoverStats,
+        *,
+        recovery_timeout_s: float = 120.0,
+        health_timeout_s: float = 10.0,
+        poll_s: float = 0.5,
+    ) -> None:
+        self.pools = pools
+        self.on_down = on_down
+        self.on_back = on_back
+        self.stats = stats
+        self.recovery_timeout_s = recovery_timeout_s
+        self.health_timeout_s = health_timeout_s
+        self.poll_s = poll_s
+        self.down: dict[WorkerHandle, asyncio.Task] = {}
+
+    def is_down(self, worker: WorkerHandle) -> bool:
+        return worker in self.down
+
+    def suspect(self, worker: WorkerHandle, why: str) -> None:
+        """Take ``worker`` out of routing and watch it until it is healthy again."""
+        pool = next((p for p in self.pools if worker in p.workers), None)
+        if worker in self.down or pool is None:  # already watched, or scaled away
+            return
+        log.warning("worker %s is out of routing: %s", worker.name, why)
+        pool.workers.remove(worker)
+        self.stats.workers_lost += 1
+        self.down[worker] = asyncio.create_task(self._recover(worker, pool))
+
+    async def wait_all(self, timeout_s: float) -> None:
+        """Wait until every watched worker is back or given up (tests)."""
+        if self.down:
+            await asyncio.wait(list(self.down.values()), timeout=timeout_s)
+
+    async def close(self) -> None:
+        for task in self.down.values():
+            task.cancel()
+        await asyncio.gather(*self.down.values(), return_exceptions=True)
+        self.down.clear()
+
+    async def _recover(self, worker: WorkerHandle, pool: WorkerPool) -> None:
+        try:
+            await self.on_down(worker)
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + self.recovery_timeout_s
+            while loop.time() < deadline:
+                if await self._healthy(worker) and await self._back(worker):
+                    pool.workers.append(worker)
+                    self.stats.workers_recovered += 1
+                    log.warning("worker %s is back in routing", worker.name)
+                    return
+                await asyncio.sleep(self.poll_s)
+            log.error("worker %s did not come back; forgetting it", worker.name)
+            ray.kill(worker.actor)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("recovering worker %s failed", worker.name)
+        finally:
+            self.down.pop(worker, None)
+
+    async def _back(self, worker: WorkerHandle) -> bool:
+        try:
+            await self.on_back(worker)  # e.g. open its output stream again
+        except Exception as exc:
+            log.info("taking %s back failed: %s", worker.name, exc)
+            return False
+        return True
+
+    async def _healthy(self, worker: WorkerHandle) -> bool:
+        """One health check; starts a restarted actor first."""
+        try:
+            health: WorkerHealth = await asyncio.wait_for(
+                worker.actor.health.remote(), self.health_timeout_s
+            )
+            if not health.started:  # a new incarnation: Ray restarted the actor
+                worker.info = await asyncio.wait_for(worker.actor.start.remote(), 300)
+                health = await asyncio.wait_for(worker.actor.health.remote(), self.health_timeout_s)
+        except Exception as exc:  # dead, restarting, or stuck: ask again later
+            log.info("health check of %s: %s", worker.name, type(exc).__name__)
+            return False
+        return health.started and health.incarnation == worker.info.get("incarnation")

@@ -1,0 +1,296 @@
+"""Chaos: workers die, transfers break and Redis restarts while a load of
+concurrent streams runs through the router.
+
+Every request must complete, token for token equal to the engine alone
+(greedy, and seeded sampling), and every worker in routing afterwards (the
+survivors, and the restarted ones once back) must have its starting free
+block count. The tests print what they did (requests, kills, retries) for
+the failover report.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import time
+
+import pytest
+import ray
+
+from engine import LLM, SamplingParams
+from engine.transfer.faults import TransferFaults
+from router.client import TandemClient, collect
+from router.pool_manager import WorkerHandle
+from tandem_cli.config import ServeConfig
+from tandem_cli.deployment import Deployment
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+MAX_TOKENS = 40
+TRANSFER_TIMEOUT_S = 4.0
+TEXTS = [
+    "def fibonacci(n):",
+    "import os\nimport sys\n\nclass Handler:\n    def __init__(self, path):\n" * 8,
+    "x",
+    "The quick brown fox jumps over the lazy dog. " * 30,
+    "for i in range(10):\n    print(i)\n",
+    "Once upon a time, in a land far away, ",
+]
+GREEDY = {"temperature": 0, "max_tokens": MAX_TOKENS, "ignore_eos": True}
+
+
+def _seeded(seed: int) -> dict:
+    return {"temperature": 0.9, "top_p": 0.95, "seed": seed, "max_tokens": MAX_TOKENS,
+            "ignore_eos": True}  # fmt: skip
+
+
+# (prompt, sampling) of each stream of a load: greedy and seeded sampled
+LOAD = [(TEXTS[i % len(TEXTS)], GREEDY if i % 3 else _seeded(i)) for i in range(12)]
+TOTALS = {"requests": 0, "killed": 0, "faults": 0, "retries": 0, "resumed": 0}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The engine alone: outputs of every (prompt, sampling) of LOAD."""
+    llm = LLM(None, kv_cache_memory_bytes=32 << 20)
+    keys = sorted({(p, tuple(sorted(s.items()))) for p, s in LOAD})
+    outs = llm.generate([p for p, _ in keys], [SamplingParams(**dict(s)) for _, s in keys])
+    return {k: o.token_ids for k, o in zip(keys, outs, strict=True)}
+
+
+def _key(prompt: str, sampling: dict) -> tuple:
+    return (prompt, tuple(sorted(sampling.items())))
+
+
+def _config(**overrides) -> ServeConfig:
+    base = {
+        "prefill": 2,
+        "decode": 2,
+        "kv_cache_memory_mb": 32,
+        "kv_lease_s": 120,  # blocks must come back through the abort paths
+        "kv_transfer_timeout_s": TRANSFER_TIMEOUT_S,
+        "worker_max_restarts": 4,
+        "max_attempts": 8,
+        "retry_backoff_s": 0.05,
+        "max_queued_requests": 256,
+        "stall_check_s": 1.0,  # a hung worker is noticed within seconds
+        "health_timeout_s": 3.0,
+    }
+    return ServeConfig(**{**base, **overrides})
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_cluster):
+    deployment = Deployment(_config())
+    yield deployment
+    try:
+        _wait_recovered(deployment)
+        assert _wait_no_leaks(deployment) == {}
+    finally:
+        stats = deployment.backend.failover
+        print(f"\nchaos totals: {TOTALS}, failover: {stats}")
+        deployment.stop()
+
+
+def _wait_recovered(d: Deployment, timeout_s: float = 240) -> None:
+    """Until every worker is back in routing."""
+    deadline = time.monotonic() + timeout_s
+    b = d.backend
+    while time.monotonic() < deadline:
+        if len(b.prefill.workers) == d.config.prefill and len(b.decode.workers) == d.config.decode:
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"workers not back: {[w.name for w in b.recovery.down]}")
+
+
+def _wait_no_leaks(d: Deployment, timeout_s: float = 60) -> dict[str, int]:
+    deadline = time.monotonic() + timeout_s
+    while (leaks := d.leaked_blocks()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return leaks
+
+
+def _freeze(worker: WorkerHandle) -> int:
+    """Stop the worker's process (SIGSTOP); its requests stay where they are."""
+    pid = ray.get(worker.actor.pid.remote(), timeout=30)
+    os.kill(pid, signal.SIGSTOP)
+    return pid
+
+
+def _kill(worker: WorkerHandle, pid: int, how: str) -> None:
+    """Kill a frozen worker: ray.kill (Ray restarts it) or SIGKILL of its process."""
+    if how == "ray.kill":
+        ray.kill(worker.actor, no_restart=False)
+        os.kill(pid, signal.SIGCONT)  # it takes the kill request and exits
+    else:
+        os.kill(pid, signal.SIGKILL)
+    TOTALS["killed"] += 1
+
+
+async def _load(address: str, actions: list[tuple[int, object]]) -> list:
+    """Run LOAD concurrently; each action runs (in a thread) once the streams
+    together have received its number of tokens."""
+    received = 0
+    due = [(n, asyncio.Event(), act) for n, act in actions]
+
+    async def stream(client: TandemClient, prompt: str, sampling: dict):
+        nonlocal received
+        responses = []
+        async for r in client.generate(prompt, **sampling):
+            responses.append(r)
+            received += len(r.chunk.token_ids)
+            for n, event, _ in due:
+                if received >= n:
+                    event.set()
+        return collect(responses)
+
+    async def act(event: asyncio.Event, action) -> None:
+        await event.wait()
+        await asyncio.to_thread(action)
+
+    async with TandemClient(address) as client:
+        streams = [stream(client, p, s) for p, s in LOAD]
+        results = await asyncio.gather(*streams, *(act(e, a) for _, e, a in due))
+    TOTALS["requests"] += len(LOAD)
+    return results[: len(LOAD)]
+
+
+def _check(outs: list, reference: dict) -> None:
+    for (prompt, sampling), out in zip(LOAD, outs, strict=True):
+        assert out.finish_reason == "length"
+        assert out.usage.completion_tokens == MAX_TOKENS
+        assert out.token_ids == reference[_key(prompt, sampling)], (prompt[:20], sampling)
+
+
+def _busiest(workers: list[WorkerHandle]) -> WorkerHandle:
+    return max(workers, key=lambda w: w.in_flight)
+
+
+def _count(d: Deployment) -> None:
+    stats = d.backend.failover
+    TOTALS["retries"], TOTALS["resumed"] = stats.retries, stats.resumed
+
+
+@pytest.mark.parametrize("how", ["ray.kill", "SIGKILL"])
+def test_kill_prefill_and_decode_during_load(cluster, reference, how):
+    _wait_recovered(cluster)
+    b = cluster.backend
+    before = (b.failover.retries, b.failover.resumed, b.failover.workers_recovered)
+    # A frozen prefill worker holds the requests routed to it in their prefill
+    # until it is killed; a decode worker is frozen, then killed, once every
+    # stream is about a quarter through: its streams stop mid-way for sure.
+    prefill = b.prefill.workers[0]
+    prefill_pid = _freeze(prefill)
+    in_flight = []
+
+    def kill_prefill():
+        _kill(prefill, prefill_pid, how)
+
+    def kill_decode():
+        decode = _busiest(b.decode.workers)
+        pid = _freeze(decode)
+        in_flight.append(decode.in_flight)
+        _kill(decode, pid, how)
+
+    try:
+        actions = [(1, kill_prefill), (len(LOAD) * 10, kill_decode)]
+        outs = asyncio.run(_load(cluster.address, actions))
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(prefill_pid, signal.SIGCONT)
+    _check(outs, reference)
+    assert in_flight[0] > 0  # the decode worker had streams when it died
+    assert b.failover.retries > before[0]
+    assert b.failover.resumed > before[1]  # streams continued on another pair
+    assert b.failover.failed == 0
+    _wait_recovered(cluster)
+    assert b.failover.workers_recovered >= before[2] + 2  # both came back after restarts
+    assert _wait_no_leaks(cluster) == {}
+    # The restarted workers serve again, exactly.
+    _check(asyncio.run(_load(cluster.address, [])), reference)
+    assert _wait_no_leaks(cluster) == {}
+    _count(cluster)
+
+
+def test_hung_decode_worker_fails_over(cluster, reference):
+    b = cluster.backend
+    _wait_recovered(cluster)
+    resumed, stopped = b.failover.resumed, []
+
+    def stop():  # the process hangs: no error, no broken stream, just silence
+        stopped.append(_freeze(_busiest(b.decode.workers)))
+
+    try:
+        outs = asyncio.run(_load(cluster.address, [(len(LOAD) * 10, stop)]))
+    finally:
+        for pid in stopped:
+            os.kill(pid, signal.SIGCONT)
+    _check(outs, reference)
+    assert stopped and b.failover.resumed > resumed
+    _wait_recovered(cluster)  # the same process, running again, passes its health check
+    assert _wait_no_leaks(cluster) == {}  # it freed what the failed tries left there
+    TOTALS["killed"] += 1
+    _count(cluster)
+
+
+@pytest.mark.parametrize("fault", ["corrupt", "stall"])
+def test_broken_transfers_are_retried(cluster, reference, fault):
+    b = cluster.backend
+    if fault == "corrupt":
+        faults = TransferFaults(corrupt_pushes=1)
+    else:
+        faults = TransferFaults(stall_pushes=1, stall_s=TRANSFER_TIMEOUT_S + 2)
+    _wait_recovered(cluster)
+    for w in b.prefill.workers:
+        ray.get(w.actor.set_faults.remote(faults), timeout=30)
+    retries = b.failover.retries
+    outs = asyncio.run(_load(cluster.address, []))
+    _check(outs, reference)
+    injected = sum(s.get("faults_injected", 0) for s in cluster.worker_stats().values())
+    assert injected == len(b.prefill.workers)  # each prefill worker broke one push
+    assert b.failover.retries >= retries + injected
+    assert b.failover.failed == 0
+    assert _wait_no_leaks(cluster) == {}
+    TOTALS["faults"] += injected
+    _count(cluster)
+
+
+def test_redis_stop_and_restart_during_load(ray_cluster, reference, redis_server):
+    d = Deployment(_config(prefill=1, decode=2, redis_url=redis_server.url))
+    try:
+        outs = asyncio.run(
+            _load(
+                d.address,
+                [(len(LOAD) * 5, redis_server.stop), (len(LOAD) * 20, redis_server.start)],
+            )
+        )
+        _check(outs, reference)
+        deadline = time.monotonic() + 60
+        while not d.backend.index.healthy and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert d.backend.index.healthy  # the index found Redis again by itself
+        _check(asyncio.run(_load(d.address, [])), reference)  # a load with Redis back
+        assert d.backend.failover.failed == 0
+        assert _wait_no_leaks(d) == {}
+    finally:
+        d.stop()
+
+
+def test_colocated_worker_killed_mid_stream(ray_cluster, reference):
+    d = Deployment(_config(mode="colocated", prefill=0, decode=2))
+    try:
+
+        def kill():
+            worker = _busiest(d.backend.decode.workers)
+            _kill(worker, _freeze(worker), "SIGKILL")
+
+        outs = asyncio.run(_load(d.address, [(len(LOAD) * 10, kill)]))
+        _check(outs, reference)
+        assert d.backend.failover.resumed > 0  # streams went on on the other worker
+        assert d.backend.failover.failed == 0
+        _wait_recovered(d)
+        assert _wait_no_leaks(d) == {}
+    finally:
+        d.stop()

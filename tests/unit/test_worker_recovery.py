@@ -1,0 +1,138 @@
+"""A worker that failed leaves routing at once and comes back only after its
+health check passes; a restarted actor is started again first."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine.worker_base import WorkerHealth
+from router.decode_streams import LOST
+from router.failover import FailoverStats, WorkerLost
+from router.pool_manager import WorkerHandle
+from router.watchdog import Watchdog
+from router.worker_recovery import WorkerRecovery
+
+pytestmark = pytest.mark.unit
+
+
+class _Method:
+    def __init__(self, fn) -> None:
+        self.fn = fn
+
+    def remote(self, *args):
+        return self.fn(*args)
+
+
+class FakeActor:
+    """Answers like a worker actor: dead, restarted (not started) or healthy."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.state = "healthy"  # "dead" | "restarted" | "healthy"
+        self.incarnation = "first"
+        self.starts = 0
+        self.health = _Method(self._health)
+        self.start = _Method(self._start)
+
+    async def _health(self) -> WorkerHealth:
+        if self.state == "dead":
+            raise ConnectionError("actor died")
+        if self.state == "hung":
+            await asyncio.sleep(3600)
+        started = self.state == "healthy"
+        return WorkerHealth(self.name, self.incarnation, started, 10, 10, 0)
+
+    async def _start(self) -> dict:
+        self.starts += 1
+        self.state = "healthy"
+        return {"incarnation": self.incarnation, "outputs": f"{self.name}:new"}
+
+
+class FakePool:
+    def __init__(self, workers) -> None:
+        self.workers = list(workers)
+
+
+def _setup():
+    a, b = FakeActor("a"), FakeActor("b")
+    wa = WorkerHandle("a", "decode", a, {"incarnation": "first", "outputs": "a:old"})
+    wb = WorkerHandle("b", "decode", b, {"incarnation": "first", "outputs": "b:old"})
+    pool = FakePool([wa, wb])
+    events: list[tuple[str, str]] = []
+
+    async def on_down(w):
+        events.append(("down", w.name))
+
+    async def on_back(w):
+        events.append(("back", w.info["outputs"]))
+
+    recovery = WorkerRecovery([pool], on_down, on_back, FailoverStats(), poll_s=0.01)
+    return recovery, pool, wa, wb, events
+
+
+def test_restarted_worker_comes_back_started_after_its_health_check():
+    async def run():
+        recovery, pool, wa, wb, events = _setup()
+        wa.actor.state = "dead"
+        recovery.suspect(wa, "stream broke")
+        recovery.suspect(wa, "stream broke again")  # one watcher only
+        assert pool.workers == [wb] and recovery.is_down(wa)
+        await asyncio.sleep(0.1)
+        assert pool.workers == [wb]  # still dead: stays out
+        wa.actor.state, wa.actor.incarnation = "restarted", "second"
+        await recovery.wait_all(5)
+        assert pool.workers == [wb, wa] and not recovery.is_down(wa)
+        assert wa.actor.starts == 1 and wa.info["incarnation"] == "second"
+        assert events == [("down", "a"), ("back", "a:new")]
+        assert (recovery.stats.workers_lost, recovery.stats.workers_recovered) == (1, 1)
+
+    asyncio.run(run())
+
+
+def test_a_live_worker_goes_back_as_it_was():
+    async def run():
+        recovery, pool, wa, wb, events = _setup()
+        recovery.suspect(wb, "transfer failed")
+        await recovery.wait_all(5)
+        assert pool.workers == [wa, wb] and wb.actor.starts == 0
+        assert events == [("down", "b"), ("back", "b:old")]
+
+    asyncio.run(run())
+
+
+def test_a_worker_that_never_answers_is_forgotten(monkeypatch):
+    killed = []
+    monkeypatch.setattr("router.worker_recovery.ray.kill", killed.append)
+
+    async def run():
+        recovery, pool, wa, wb, _ = _setup()
+        recovery.recovery_timeout_s = 0.1
+        wa.actor.state = "dead"
+        recovery.suspect(wa, "gone")
+        await recovery.wait_all(5)
+        assert pool.workers == [wb] and killed == [wa.actor] and not recovery.is_down(wa)
+
+    asyncio.run(run())
+
+
+def test_watchdog_waits_on_a_busy_worker_and_fails_over_from_a_hung_one():
+    async def run():
+        recovery, pool, wa, wb, _ = _setup()
+        dog = Watchdog(recovery, stall_check_s=0.02, health_timeout_s=0.05)
+        queue = asyncio.Queue()
+        asyncio.get_running_loop().call_later(0.2, queue.put_nowait, "delta")
+        assert await dog.next_delta(queue, wa) == "delta"  # silent but healthy: waited
+        assert pool.workers == [wa, wb]
+        wa.actor.state = "hung"
+        assert await dog.next_delta(queue, wa) is LOST
+        assert recovery.is_down(wa) and pool.workers == [wb]
+        wb.actor.state = "hung"
+        with pytest.raises(WorkerLost):
+            await dog.call(wb, asyncio.sleep(3600))  # a call that never returns
+        assert pool.workers == []
+        assert await dog.call(wa, asyncio.sleep(0, "x")) == "x"  # answered in time
+        await recovery.close()
+
+    asyncio.run(run())
