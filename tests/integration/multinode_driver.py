@@ -83,6 +83,9 @@ def main() -> None:
         prefill_resources=WorkerResources(labels={"pool": "prefill"}),
         decode_resources=WorkerResources(resources={"decode_node": 1}),
         worker_check_interval_s=0.5,
+        # No in-place restarts (the chaos tests cover those): a lost node's worker
+        # must be replaced by a new one where the pool's resources remain.
+        worker_max_restarts=0,
         grace_period_s=2,
     )
     d = Deployment(config)
