@@ -69,6 +69,7 @@ class RayBackend:
             self.failover,
             recovery_timeout_s=config.worker_recovery_timeout_s,
             health_timeout_s=config.health_timeout_s,
+            on_lost=self._worker_lost,
         )
         self.watchdog = Watchdog(
             self.recovery,
@@ -241,6 +242,11 @@ class RayBackend:
         if self.index is not None:
             self.index.drop_worker(worker.name)
         await self.streams.unsubscribe(worker)
+
+    def _worker_lost(self, worker: WorkerHandle, pool: WorkerPool) -> None:
+        """Recovery gave a worker up: the next check (worker_check_interval_s)
+        starts a replacement where the pool's resources remain."""
+        self._missing[pool.role] = self._missing.get(pool.role, 0) + 1
 
     async def _worker_back(self, worker: WorkerHandle) -> None:
         """A worker passed its health check: listen to it again."""

@@ -11,7 +11,10 @@ for its health until it answers:
 - a new incarnation, not started: Ray restarted the actor (``max_restarts``),
   with a fresh engine and an empty KV pool; it is started, must pass the
   health check, and goes back with its new addresses;
-- no answer before ``recovery_timeout_s``: it is forgotten and killed.
+- no answer before ``recovery_timeout_s``, or Ray reports the actor dead for
+  good (no restarts left, or its node is gone with ``max_restarts`` 0): it is
+  forgotten (and killed), and ``on_lost`` tells the backend, which may start a
+  replacement where the pool's resources remain.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ class WorkerRecovery:
         on_back: Callable[[WorkerHandle], Awaitable[None]],
         stats: FailoverStats,
         *,
+        on_lost: Callable[[WorkerHandle, WorkerPool], None] | None = None,
         recovery_timeout_s: float = 120.0,
         health_timeout_s: float = 10.0,
         poll_s: float = 0.5,
@@ -45,6 +49,7 @@ class WorkerRecovery:
         self.on_down = on_down
         self.on_back = on_back
         self.stats = stats
+        self.on_lost = on_lost
         self.recovery_timeout_s = recovery_timeout_s
         self.health_timeout_s = health_timeout_s
         self.poll_s = poll_s
@@ -80,14 +85,22 @@ class WorkerRecovery:
             loop = asyncio.get_running_loop()
             deadline = loop.time() + self.recovery_timeout_s
             while loop.time() < deadline:
-                if await self._healthy(worker) and await self._back(worker):
+                try:
+                    healthy = await self._healthy(worker)
+                except ray.exceptions.ActorDiedError:
+                    log.error("worker %s died for good; forgetting it", worker.name)
+                    break
+                if healthy and await self._back(worker):
                     pool.workers.append(worker)
                     self.stats.workers_recovered += 1
                     log.warning("worker %s is back in routing", worker.name)
                     return
                 await asyncio.sleep(self.poll_s)
-            log.error("worker %s did not come back; forgetting it", worker.name)
+            else:
+                log.error("worker %s did not come back; forgetting it", worker.name)
             ray.kill(worker.actor)
+            if self.on_lost is not None:
+                self.on_lost(worker, pool)
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -112,7 +125,9 @@ class WorkerRecovery:
             if not health.started:  # a new incarnation: Ray restarted the actor
                 worker.info = await asyncio.wait_for(worker.actor.start.remote(), 300)
                 health = await asyncio.wait_for(worker.actor.health.remote(), self.health_timeout_s)
-        except Exception as exc:  # dead, restarting, or stuck: ask again later
+        except ray.exceptions.ActorDiedError:  # no restart will come
+            raise
+        except Exception as exc:  # restarting, or stuck: ask again later
             log.info("health check of %s: %s", worker.name, type(exc).__name__)
             return False
         return health.started and health.incarnation == worker.info.get("incarnation")

@@ -96,15 +96,15 @@ def test_a_replacement_that_cannot_be_placed_is_tried_again():
     async def no_prefill_deaths(timeout_s):
         return []
 
-    async def forget(workers):
-        forgotten.extend(w.name for w in workers)
+    async def worker_down(worker):
+        forgotten.append(worker.name)
 
     async def subscribe(worker):
         subscribed.append(worker.name)
 
     pool.find_dead, pool.scale_to = find_dead, scale_to
     backend.prefill.find_dead = no_prefill_deaths
-    backend._forget, backend._subscribe = forget, subscribe
+    backend._worker_down, backend.streams.subscribe = worker_down, subscribe
 
     assert asyncio.run(backend.replace_dead_workers()) == ["d1"]
     assert [w.name for w in pool.workers] == ["d0"] and forgotten == ["d1"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import ray
 
 from engine.worker_base import WorkerHealth
 from router.decode_streams import LOST
@@ -39,6 +40,8 @@ class FakeActor:
     async def _health(self) -> WorkerHealth:
         if self.state == "dead":
             raise ConnectionError("actor died")
+        if self.state == "gone":  # Ray: dead for good, no restart will come
+            raise ray.exceptions.ActorDiedError()
         if self.state == "hung":
             await asyncio.sleep(3600)
         started = self.state == "healthy"
@@ -113,6 +116,22 @@ def test_a_worker_that_never_answers_is_forgotten(monkeypatch):
         recovery.suspect(wa, "gone")
         await recovery.wait_all(5)
         assert pool.workers == [wb] and killed == [wa.actor] and not recovery.is_down(wa)
+
+    asyncio.run(run())
+
+
+def test_a_worker_dead_for_good_is_given_up_at_once_and_reported(monkeypatch):
+    killed, lost = [], []
+    monkeypatch.setattr("router.worker_recovery.ray.kill", killed.append)
+
+    async def run():
+        recovery, pool, wa, wb, _ = _setup()
+        recovery.on_lost = lambda worker, p: lost.append((worker.name, p))
+        wa.actor.state = "gone"
+        recovery.suspect(wa, "its node went away")
+        await recovery.wait_all(5)  # well before recovery_timeout_s (120 s)
+        assert pool.workers == [wb] and killed == [wa.actor] and not recovery.is_down(wa)
+        assert lost == [("a", pool)]
 
     asyncio.run(run())
 
