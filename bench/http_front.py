@@ -24,44 +24,19 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
-import re
-import signal
-import subprocess
-import time
 
 from benchkit import metrics
+from benchkit.local_serve import SERVING_LINE, tandem_serve
 from benchkit.runner import LoadSpec, run_load, wait_ready
 from benchkit.workload import LengthRange, synthetic_conversations
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @contextlib.contextmanager
 def serve():
     """`tandem serve` with the HTTP front, in a subprocess; yields (grpc, http) addresses."""
-    cmd = [sys.executable, "-m", "tandem_cli.main", "serve", "--port", "0", "--http-port", "0"]
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout is not None
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            match = re.search(r"tandem: serving .* on (\S+:\d+), HTTP on (http://\S+:\d+)", line)
-            if match:
-                yield match.group(1), match.group(2)
-                break
-            if not line and proc.poll() is not None:
-                raise RuntimeError(f"tandem serve exited with {proc.returncode}")
-        else:
-            raise RuntimeError("tandem serve did not start in time")
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    pattern = SERVING_LINE + r", HTTP on (http://\S+:\d+)"
+    with tandem_serve("", ("--port", "0", "--http-port", "0"), pattern=pattern) as targets:
+        yield targets
 
 
 def one_run(target: str, args: argparse.Namespace, seed: int) -> dict:

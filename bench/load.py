@@ -30,51 +30,26 @@ import collections
 import contextlib
 import json
 import os
-import re
-import signal
-import subprocess
 import tempfile
 import time
 
 import grpc
 import torch
 
+from benchkit.local_serve import tandem_serve
 from protos.tandem.v1 import admin_pb2, admin_pb2_grpc
 from router.client import TandemClient
 
-ROOT = Path(__file__).resolve().parents[1]
 PROMPT_TOKENS = 32
 
 
 @contextlib.contextmanager
 def serve(extra_yaml: str, env_extra: dict[str, str]):
     """`tandem serve` in a subprocess; yields its address."""
-    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
-        f.write("kv_cache_memory_mb: 256\nport: 0\nmax_queued_requests: 4096\n" + extra_yaml)
-    cmd = [sys.executable, "-m", "tandem_cli.main", "serve", "--config", f.name]
-    cmd += ["--prefill", "1", "--decode", "1"]
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", **env_extra}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout is not None
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            match = re.search(r"tandem: serving .* on (\S+:\d+)", line)
-            if match:
-                yield match.group(1)
-                break
-            if not line and proc.poll() is not None:
-                raise RuntimeError(f"tandem serve exited with {proc.returncode}")
-        else:
-            raise RuntimeError("tandem serve did not start in time")
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        os.unlink(f.name)
+    config = "kv_cache_memory_mb: 256\nport: 0\nmax_queued_requests: 4096\n" + extra_yaml
+    flags = ("--prefill", "1", "--decode", "1")
+    with tandem_serve(config, flags, env_extra) as (address,):
+        yield address
 
 
 def prompts(n: int, seed: int) -> list[list[int]]:

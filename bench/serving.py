@@ -27,21 +27,16 @@ sys.path[0] = str(Path(__file__).resolve().parents[1])
 import asyncio
 import contextlib
 import json
-import os
-import re
-import signal
 import statistics
-import subprocess
-import tempfile
 import time
 
 import torch
 
+from benchkit.local_serve import tandem_serve
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.default_model import default_model_path
 from router.client import TandemClient
 
-ROOT = Path(__file__).resolve().parents[1]
 OUT_TOKENS = 64
 PROMPT_TOKENS = 256
 
@@ -54,31 +49,8 @@ def prompts(n: int, length: int, seed: int) -> list[list[int]]:
 @contextlib.contextmanager
 def serve(*flags: str):
     """`tandem serve` in a subprocess; yields its address."""
-    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
-        f.write("kv_cache_memory_mb: 256\nport: 0\n")
-    cmd = [sys.executable, "-m", "tandem_cli.main", "serve", "--config", f.name, *flags]
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout is not None
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            match = re.search(r"tandem: serving .* on (\S+:\d+)", line)
-            if match:
-                yield match.group(1)
-                break
-            if not line and proc.poll() is not None:
-                raise RuntimeError(f"tandem serve exited with {proc.returncode}")
-        else:
-            raise RuntimeError("tandem serve did not start in time")
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        os.unlink(f.name)
+    with tandem_serve("kv_cache_memory_mb: 256\nport: 0\n", flags) as (address,):
+        yield address
 
 
 async def run_streams(address: str, batch: list[list[int]]) -> tuple[float, list, list[float]]:

@@ -18,7 +18,7 @@ from .backend import Backend, GenerateInput, GenerateResult, TokenDelta
 DEFAULT_MAX_TOKENS = 16  # vLLM's default when a request leaves max_tokens unset
 MAX_REQUEST_ID_CHARS = 256
 _TOKENIZE_IN_THREAD_CHARS = 16_384  # longer prompts are tokenized off the event loop
-_SAMPLING_FIELDS = (  # proto fields with explicit presence, same names as SamplingParams
+SAMPLING_FIELDS = (  # proto fields with explicit presence, same names as SamplingParams
     "max_tokens",
     "temperature",
     "top_p",
@@ -49,7 +49,7 @@ def invalid_argument(message: str) -> RequestError:
 def sampling_params(request: pb.GenerateRequest, backend: Backend) -> SamplingParams:
     """SamplingParams from a request; unset optional fields keep their defaults."""
     kwargs: dict[str, object] = {
-        name: getattr(request, name) for name in _SAMPLING_FIELDS if request.HasField(name)
+        name: getattr(request, name) for name in SAMPLING_FIELDS if request.HasField(name)
     }
     kwargs.setdefault("max_tokens", DEFAULT_MAX_TOKENS)
     try:

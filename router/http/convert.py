@@ -11,7 +11,7 @@ import asyncio
 from typing import Any
 
 from protos.tandem.v1 import generate_pb2 as pb
-from router.messages import invalid_argument
+from router.messages import SAMPLING_FIELDS, invalid_argument
 
 from .chat import ChatTemplate, encode_rendered
 from .schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -26,18 +26,8 @@ def _sampling(body: SamplingFields, request_id: str) -> pb.GenerateRequest:
     if body.logit_bias:
         raise invalid_argument("logit_bias is not supported")
     request = pb.GenerateRequest(request_id=request_id, ignore_eos=body.ignore_eos)
-    for name in (
-        "max_tokens",
-        "temperature",
-        "top_p",
-        "top_k",
-        "min_p",
-        "repetition_penalty",
-        "frequency_penalty",
-        "presence_penalty",
-        "seed",
-    ):
-        value = getattr(body, name)
+    for name in SAMPLING_FIELDS:  # OpenAI's logprobs differ: handled below
+        value = None if name == "logprobs" else getattr(body, name)
         if value is not None:
             setattr(request, name, value)
     if body.stop is not None:
