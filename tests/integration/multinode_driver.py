@@ -90,10 +90,12 @@ def main() -> None:
     )
     d = Deployment(config)
     try:
+        # Taken before the test stops the node: the router may notice the loss
+        # (a broken output stream) before this process reads "go".
+        before = {w.name for w in d.backend.decode.workers}
         send({"phase": "placed", "workers": workers(d), "outputs": generate(d)})
         if sys.stdin.readline().strip() != "go":
             return
-        before = {w.name for w in d.backend.decode.workers}
         deadline = time.monotonic() + 180
         while {w.name for w in d.backend.decode.workers} in (before, set()):
             if time.monotonic() > deadline:
