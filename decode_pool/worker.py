@@ -142,18 +142,21 @@ class DecodeWorker(EngineWorker):
             reused_blocks=len(prefix),
             received_blocks=len(claimed),
         )
-        try:
-            await self.loop.acall(
-                lambda e: e.add_prefilled_request(
-                    req.request_id,
-                    req.prompt_token_ids,
-                    req.output_token_ids,
-                    req.params,
-                    blocks,
-                )
+        added = self.loop.call(
+            lambda e: e.add_prefilled_request(
+                req.request_id,
+                req.prompt_token_ids,
+                req.output_token_ids,
+                req.params,
+                blocks,
             )
+        )
+        try:
+            await asyncio.wrap_future(added)
         except BaseException:
             self.streams.disown(req.request_id)
+            if added.cancel():  # it had not run (we were cancelled): the blocks are ours
+                self.loop.call(lambda e: e.block_pool.free(blocks))
             raise
 
     async def start_full(self, req: DecodeRequest) -> None:

@@ -73,11 +73,12 @@ def build_metadata(
     device: torch.device,
 ) -> AttentionMetadata:
     """Tensors shared by every layer of one step. Decode sequences come
-    sorted by length, shortest first."""
+    sorted by length, shortest first (groups then pad little; tables of one
+    group may still differ in length, e.g. a draft model's)."""
     groups = []
     for start, end in _group_bounds([len(t) for t in decode_tables]) if decode_tables else []:
         tables = decode_tables[start:end]
-        width = len(tables[-1])
+        width = max(len(t) for t in tables)
         padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=device)
         mask = None
         if end - start > 1:

@@ -19,13 +19,13 @@ import numpy as np
 
 BlockHash = NewType("BlockHash", bytes)
 
-_DIGEST_SIZE = 16
+DIGEST_SIZE = 16
 _HASH_VERSION = b"tandem-block-hash-v1"
 
 
 def root_hash(model_fingerprint: str, block_size: int) -> BlockHash:
     """The chain's root: binds the model and the block size."""
-    h = hashlib.blake2b(digest_size=_DIGEST_SIZE)
+    h = hashlib.blake2b(digest_size=DIGEST_SIZE)
     h.update(_HASH_VERSION)
     h.update(model_fingerprint.encode())
     h.update(block_size.to_bytes(4, "little"))
@@ -34,7 +34,7 @@ def root_hash(model_fingerprint: str, block_size: int) -> BlockHash:
 
 def hash_block(parent: BlockHash, token_ids: Sequence[int], extra: bytes = b"") -> BlockHash:
     """Hash one full block given its parent's hash."""
-    h = hashlib.blake2b(digest_size=_DIGEST_SIZE)
+    h = hashlib.blake2b(digest_size=DIGEST_SIZE)
     h.update(parent)
     h.update(np.asarray(token_ids, dtype="<i4").tobytes())
     h.update(len(extra).to_bytes(4, "little"))

@@ -29,7 +29,7 @@ from engine.loader import (
     resolve_model_dir,
 )
 from engine.models.llama import LlamaModel
-from engine.sampling import SampledToken, Sampler, SampleRequest, SamplingParams, token_seed
+from engine.sampling import SampledToken, Sampler, SampleRequest, SamplingParams, seed_for_token
 from engine.scheduler import ScheduledSeq, Scheduler
 from engine.sequence import RequestOutput, SeqStatus, Sequence, TokenLogprobs
 from engine.spec import SpecDecoder
@@ -268,8 +268,7 @@ class LLMEngine:
         if to_sample:
             logits = self.model.logits(hidden[sample_rows])
             for s in to_sample:
-                if s.generator is not None:
-                    s.generator.manual_seed(token_seed(s.params.seed, len(s.output_token_ids)))
+                seed_for_token(s.generator, s.params.seed, len(s.output_token_ids))
             requests = [
                 SampleRequest(s.params, s.prompt_token_ids, s.output_token_ids, s.generator)
                 for s in to_sample

@@ -154,6 +154,21 @@ class SamplingParams:
 _MASK64 = (1 << 64) - 1
 
 
+DRAFT_STREAM = 1
+"""``seed_for_token``'s stream of a draft model's draws: independent of the
+target's draws for the same position, as the verify rule needs."""
+
+
+def seed_for_token(
+    generator: torch.Generator | None, seed: int, position: int, stream: int = 0
+) -> None:
+    """Seed ``generator`` (a seeded request's) for its draws of output token
+    ``position``; every place that draws with it calls this first."""
+    if generator is not None:
+        value = token_seed(seed, position)
+        generator.manual_seed(value if stream == 0 else token_seed(value, stream))
+
+
 def token_seed(seed: int, position: int) -> int:
     """The seed of the draw for output token ``position`` of a request seeded
     with ``seed`` (splitmix64 of the pair). Each draw depends on nothing but

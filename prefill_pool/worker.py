@@ -122,8 +122,9 @@ class PrefillWorker(EngineWorker):
         first: asyncio.Future[RequestOutput] = asyncio.get_running_loop().create_future()
         self.listen(rid, lambda out: first.done() or first.set_result(out))
         start = time.perf_counter()
-        pulled = await self._pull_prefix(req)
+        pulled: list[int] = []
         try:
+            pulled = await self._pull_prefix(req)
             await self.loop.acall(
                 lambda e: e.add_request(
                     rid, req.prompt_token_ids, req.params, True, req.output_token_ids

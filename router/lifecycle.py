@@ -33,6 +33,9 @@ from .backend import Backend, GenerateInput, GenerateResult, TokenDelta
 from .messages import RequestError
 from .metrics import RouterMetrics
 
+STARTING = "the server is starting"
+"""``Lifecycle.unavailable`` while the backend starts."""
+
 log = logging.getLogger(__name__)
 
 

@@ -60,8 +60,9 @@ class PrefixRouter:
         decode: Sequence[WorkerHandle],
         colocated: bool,
     ) -> RoutePlan:
-        hashes = hash_blocks(prompt, self.block_size, self.root)
-        cached = self.index.lookup(hashes) if self.enabled and self.index.healthy else {}
+        use_index = self.enabled and self.index.healthy
+        hashes = hash_blocks(prompt, self.block_size, self.root) if use_index else []
+        cached = self.index.lookup(hashes) if use_index else {}
         d = self._best(decode, cached)
         d_blocks = cached.get(d.name, 0)
         uncached = len(prompt) - d_blocks * self.block_size

@@ -19,7 +19,6 @@ class Progress:
         self.token_ids: list[int] = []  # streamed to the client, in order
         self.num_output = 0
         self.cached: int | None = None  # prompt tokens found cached, by the first try
-        self.finished = False
         self.transfer: tuple[int, float] | None = None  # (bytes, seconds) of the last KV push
 
     def attempt(self, prefill_worker: str, decode_worker: str) -> None:
@@ -52,7 +51,6 @@ class Progress:
         self.last_time = now
 
     def result(self, reason: str | None) -> GenerateResult:
-        self.finished = True
         n = self.num_output
         tpot = (self.last_time - self.first_time) / (n - 1) if n > 1 else 0.0
         return GenerateResult(

@@ -60,7 +60,7 @@ class RayBackend:
         )
         self.failover = FailoverStats()
         self.streams = DecodeStreams(
-            self.router_id, self._apply_events, self._stream_broke, config.transfer_config()
+            self.router_id, self._apply_events, self._suspect, config.transfer_config()
         )
         self.recovery = WorkerRecovery(
             [self.prefill, self.decode],
@@ -145,20 +145,22 @@ class RayBackend:
             raise ValueError("prefill must be >= 1 in disaggregated mode")
         async with self._scale_lock:
             gone = []
-            for pool, n in ((self.prefill, prefill), (self.decode, decode)):
-                if n is None or (self.colocated and pool is self.prefill):
-                    continue
-                self._missing.pop(pool.role, None)  # an explicit size replaces the old one
-                if n > len(pool.workers):
-                    for worker in await pool.scale_to(n):
-                        if pool is self.decode:
-                            await self.streams.subscribe(worker)
-                else:
-                    gone += pool.take_out(len(pool.workers) - n)
-            await WorkerPool.drain(gone, drain_timeout_s)
-            for worker in gone:
-                await self._worker_down(worker)
-            await WorkerPool.stop_workers(gone)
+            try:
+                for pool, n in ((self.prefill, prefill), (self.decode, decode)):
+                    if n is None or (self.colocated and pool is self.prefill):
+                        continue
+                    self._missing.pop(pool.role, None)  # an explicit size replaces the old one
+                    if n > len(pool.workers):
+                        for worker in await pool.scale_to(n):
+                            if pool is self.decode:
+                                await self.streams.subscribe(worker)
+                    else:
+                        gone += pool.take_out(len(pool.workers) - n)
+            finally:  # workers taken out are stopped even when growing the other pool failed
+                await WorkerPool.drain(gone, drain_timeout_s)
+                for worker in gone:
+                    await self._worker_down(worker)
+                await WorkerPool.stop_workers(gone)
             return len(self.prefill.workers), len(self.decode.workers)
 
     async def replace_dead_workers(
@@ -211,7 +213,7 @@ class RayBackend:
         out = {}
         for w, s in zip(workers, stats, strict=True):
             if isinstance(s, BaseException):
-                self._lost(w, f"stats failed: {type(s).__name__}")
+                self.recovery.suspect(w, f"stats failed: {type(s).__name__}")
             else:
                 out[w.name] = {**s, "role": w.role}
         return out
@@ -231,11 +233,9 @@ class RayBackend:
 
     # ---- failures -------------------------------------------------------
 
-    def _lost(self, worker: WorkerHandle, why: str) -> None:
+    def _suspect(self, worker: WorkerHandle, why: str) -> None:
+        """A worker's output stream broke (the streams exist before recovery)."""
         self.recovery.suspect(worker, why)
-
-    def _stream_broke(self, worker: WorkerHandle, why: str) -> None:
-        self._lost(worker, why)
 
     async def _worker_down(self, worker: WorkerHandle) -> None:
         """A worker left routing: forget its blocks and its output stream."""
@@ -254,10 +254,6 @@ class RayBackend:
             self.index.drop_worker(worker.name)  # a restarted worker starts empty
         if "outputs" in worker.info:
             await self.streams.subscribe(worker)
-
-    async def _call(self, worker: WorkerHandle, ref):
-        """Await an actor call; a dead or hung actor takes its worker out of routing."""
-        return await self.watchdog.call(worker, ref)
 
     # ---- requests -------------------------------------------------------
 
@@ -325,7 +321,7 @@ class RayBackend:
         try:
             if p is None:
                 req = DecodeRequest(rid, self.router_id, inp.prompt_token_ids, streamed, inp.params)
-                await self._call(d, d.actor.start_full.remote(req))
+                await self.watchdog.call(d, d.actor.start_full.remote(req))
             else:
                 prefilled = await self._prefill(rid, inp, plan, streamed)
                 first = prefilled.first
@@ -344,7 +340,7 @@ class RayBackend:
                     return
                 outputs = streamed + first.new_token_ids
                 req = DecodeRequest(rid, self.router_id, inp.prompt_token_ids, outputs, inp.params)
-                await self._call(d, d.actor.start_decode.remote(req))
+                await self.watchdog.call(d, d.actor.start_decode.remote(req))
             while True:
                 delta = await self.watchdog.next_delta(queue, d)
                 if delta is LOST or (delta.finished and delta.finish_reason == "abort"):
@@ -383,16 +379,22 @@ class RayBackend:
         d, p = plan.decode, plan.prefill
         assert p is not None
         skip = 0
-        if plan.decode_cached_blocks:  # pin what the decode worker has: it is not pushed
-            wanted = plan.hashes[: plan.decode_cached_blocks]
-            skip = await self._call(d, d.actor.reserve_prefix.remote(rid, wanted))
+        # Pin what the decode worker has: it is not pushed. The prefill pushes at
+        # least the block of the last computed token, so at most the blocks
+        # before it are pinned (else both sides would hold that block).
+        computed = len(inp.prompt_token_ids) + len(streamed)
+        pinned = min(plan.decode_cached_blocks, (computed - 1) // self.config.block_size)
+        if pinned:
+            wanted = plan.hashes[:pinned]
+            skip = await self.watchdog.call(d, d.actor.reserve_prefix.remote(rid, wanted))
         pull_from = plan.pull_from.info["kv"] if plan.pull_from is not None else None
         request = PrefillRequest(
             rid, inp.prompt_token_ids, inp.params, d.info["kv"], skip, pull_from,
             plan.pull_hashes, streamed,
         )  # fmt: skip
-        result = await self._call(p, p.actor.prefill.remote(request))
-        self._apply_events(result.cache_events)
+        result = await self.watchdog.call(p, p.actor.prefill.remote(request))
+        for event in result.cache_events:  # KVEvents already, unlike the streams' protos
+            self.index.apply(event)
         return result
 
     async def _abort(self, rid: str, p: WorkerHandle | None, d: WorkerHandle) -> None:

@@ -31,7 +31,7 @@ from .admin import AdminService
 from .auth import ApiKeyInterceptor, ApiKeys
 from .backend import Backend, GenerateResult
 from .http import FrontState, HttpFront
-from .lifecycle import Call, Lifecycle, ServiceStats, short
+from .lifecycle import STARTING, Call, Lifecycle, ServiceStats, short
 from .messages import RequestError, chunk_message, final_message, to_generate_input
 from .metrics import RouterMetrics
 
@@ -210,7 +210,7 @@ class RouterServer:
     async def start(self) -> None:
         """Bind and serve (NOT_SERVING, Generate UNAVAILABLE) while the backend
         starts, then turn SERVING."""
-        self.lifecycle.unavailable = "the server is starting"
+        self.lifecycle.unavailable = STARTING
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         self._server = self._build_server()
         await self._server.start()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Coroutine
 from typing import Any
 
@@ -43,6 +44,14 @@ class Deployment:
             for name, s in self.worker_stats().items()
             if s["free_blocks"] != s["initial_free_blocks"] or s["num_requests"]
         }
+
+    def wait_no_leaks(self, timeout_s: float = 30.0) -> dict[str, int]:
+        """``leaked_blocks()`` once every worker has freed what finished requests
+        held (aborts reach workers asynchronously), or as it stands at the timeout."""
+        deadline = time.monotonic() + timeout_s
+        while (leaks := self.leaked_blocks()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return leaks
 
     def stop(self) -> None:
         try:

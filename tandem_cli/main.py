@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import sys
 from collections.abc import Sequence
 
@@ -113,11 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # Commands whose module defines both add_parser(sub) and command(args).
-_PLUGGED = [
-    name
-    for name in ("bench", "plan", "scale")
-    if importlib.util.find_spec(f"tandem_cli.{name}_cmd") is not None
-]
+_PLUGGED = ("bench", "plan", "scale")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -17,7 +17,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-HASH_SIZE = 16
+from engine.hashing import DIGEST_SIZE
+
+HASH_SIZE = DIGEST_SIZE
 """Bytes in one block hash (``engine.hashing``: blake2b-128)."""
 
 

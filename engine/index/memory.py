@@ -104,12 +104,6 @@ class InMemoryIndex:
             self._combos = combos
             self._combos_gc_at = max(1024, 2 * len(combos))
 
-    def clear(self) -> None:
-        with self._lock:
-            self._by_hash = {}
-            self._by_worker = {}
-            self._combos = {}
-
     def _forget(self, worker: str, held: Iterable[bytes]) -> None:
         by_hash = self._by_hash
         alone = frozenset((worker,))

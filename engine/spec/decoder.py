@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.config import SpeculativeConfig
-from engine.sampling import SampledToken, probs_from_logits
+from engine.sampling import SampledToken, probs_from_logits, seed_for_token
 from engine.scheduler import ScheduledSeq
 from engine.sequence import RequestOutput, Sequence, TokenLogprobs
 
@@ -108,6 +108,8 @@ class SpecDecoder:
             return
         for seq, proposal in zip(seqs, self.proposer.propose(seqs, budgets), strict=True):
             seq.spec_token_ids = proposal.token_ids
+            if not proposal.token_ids:  # nothing to verify: back off as after a miss
+                self._track(seq.request_id, 0)
             if proposal.probs is not None:
                 self._draft_probs[seq.request_id] = proposal.probs
 
@@ -177,6 +179,7 @@ class SpecDecoder:
         if seq.params.greedy:
             return verify_greedy(rows, proposed)
         target = torch.stack([probs_from_logits(r, seq.params) for r in rows])
+        seed_for_token(seq.generator, seq.params.seed, len(seq.output_token_ids))
         return verify_sampled(target, proposed, draft_probs, seq.generator)
 
     def _emit(self, seq: Sequence, verdict: Verdict, rows: torch.Tensor) -> RequestOutput:

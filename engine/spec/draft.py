@@ -27,7 +27,7 @@ from engine.device import resolve_device
 from engine.kv_cache import BlockPool, KVCache, KVLayout
 from engine.loader import load_hf_config, load_weights, model_fingerprint, resolve_model_dir
 from engine.models.llama import LlamaModel
-from engine.sampling import probs_from_logits
+from engine.sampling import DRAFT_STREAM, probs_from_logits, seed_for_token
 from engine.sequence import Sequence
 
 from .proposer import Proposal
@@ -88,6 +88,9 @@ class DraftProposer:
                 active.append(i)
                 chunks.append(chunk)
         probs: dict[int, list[torch.Tensor]] = {i: [] for i in active}
+        for i in active:  # the k draft draws of each seeded request: one stream of its own
+            seq = seqs[i]
+            seed_for_token(seq.generator, seq.params.seed, len(seq.output_token_ids), DRAFT_STREAM)
         for step in range(max((budgets[i] for i in active), default=0)):
             logits = last_token_logits(self.model, self.cache, chunks, self.device)
             chunks_next: list[Chunk] = []

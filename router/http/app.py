@@ -18,7 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from router.auth import UNAUTHENTICATED_MESSAGE, ApiKeys
-from router.lifecycle import Lifecycle
+from router.lifecycle import STARTING, Lifecycle
 from router.messages import RequestError
 from router.metrics import CONTENT_TYPE
 
@@ -54,7 +54,7 @@ class FrontState:
 
     async def refresh_worker_metrics(self) -> None:
         worker_stats = getattr(self.lifecycle.backend, "worker_stats", None)
-        if worker_stats is None or self.lifecycle.unavailable == "the server is starting":
+        if worker_stats is None or self.lifecycle.unavailable == STARTING:
             return
         try:
             stats = await asyncio.wait_for(worker_stats(), WORKER_STATS_TIMEOUT_S)

@@ -66,13 +66,6 @@ def generate(d: Deployment) -> list[list[int]]:
     return asyncio.run(run())
 
 
-def wait_for_no_leaks(d: Deployment, timeout_s: float = 30.0) -> dict[str, int]:
-    deadline = time.monotonic() + timeout_s
-    while (leaks := d.leaked_blocks()) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return leaks
-
-
 def main() -> None:
     ray.init(address=sys.argv[1], _node_ip_address=HEAD_IP, log_to_driver=False)
     config = ServeConfig(
@@ -107,7 +100,7 @@ def main() -> None:
                 "dropped": sorted(before - {w.name for w in d.backend.decode.workers}),
                 "workers": workers(d),
                 "outputs": generate(d),
-                "leaked": wait_for_no_leaks(d),
+                "leaked": d.wait_no_leaks(),
             }
         )
     finally:

@@ -87,7 +87,7 @@ def cluster(ray_cluster):
     yield deployment
     try:
         _wait_recovered(deployment)
-        assert _wait_no_leaks(deployment) == {}
+        assert deployment.wait_no_leaks(60) == {}
     finally:
         stats = deployment.backend.failover
         print(f"\nchaos totals: {TOTALS}, failover: {stats}")
@@ -103,13 +103,6 @@ def _wait_recovered(d: Deployment, timeout_s: float = 240) -> None:
             return
         time.sleep(0.5)
     raise AssertionError(f"workers not back: {[w.name for w in b.recovery.down]}")
-
-
-def _wait_no_leaks(d: Deployment, timeout_s: float = 60) -> dict[str, int]:
-    deadline = time.monotonic() + timeout_s
-    while (leaks := d.leaked_blocks()) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return leaks
 
 
 def _freeze(worker: WorkerHandle) -> int:
@@ -207,10 +200,10 @@ def test_kill_prefill_and_decode_during_load(cluster, reference, how):
     assert b.failover.failed == 0
     _wait_recovered(cluster)
     assert b.failover.workers_recovered >= before[2] + 2  # both came back after restarts
-    assert _wait_no_leaks(cluster) == {}
+    assert cluster.wait_no_leaks(60) == {}
     # The restarted workers serve again, exactly.
     _check(asyncio.run(_load(cluster.address, [])), reference)
-    assert _wait_no_leaks(cluster) == {}
+    assert cluster.wait_no_leaks(60) == {}
     _count(cluster)
 
 
@@ -230,7 +223,7 @@ def test_hung_decode_worker_fails_over(cluster, reference):
     _check(outs, reference)
     assert stopped and b.failover.resumed > resumed
     _wait_recovered(cluster)  # the same process, running again, passes its health check
-    assert _wait_no_leaks(cluster) == {}  # it freed what the failed tries left there
+    assert cluster.wait_no_leaks(60) == {}  # it freed what the failed tries left there
     TOTALS["killed"] += 1
     _count(cluster)
 
@@ -252,7 +245,7 @@ def test_broken_transfers_are_retried(cluster, reference, fault):
     assert injected == len(b.prefill.workers)  # each prefill worker broke one push
     assert b.failover.retries >= retries + injected
     assert b.failover.failed == 0
-    assert _wait_no_leaks(cluster) == {}
+    assert cluster.wait_no_leaks(60) == {}
     TOTALS["faults"] += injected
     _count(cluster)
 
@@ -273,7 +266,7 @@ def test_redis_stop_and_restart_during_load(ray_cluster, reference, redis_server
         assert d.backend.index.healthy  # the index found Redis again by itself
         _check(asyncio.run(_load(d.address, [])), reference)  # a load with Redis back
         assert d.backend.failover.failed == 0
-        assert _wait_no_leaks(d) == {}
+        assert d.wait_no_leaks(60) == {}
     finally:
         d.stop()
 
@@ -291,6 +284,6 @@ def test_colocated_worker_killed_mid_stream(ray_cluster, reference):
         assert d.backend.failover.resumed > 0  # streams went on on the other worker
         assert d.backend.failover.failed == 0
         _wait_recovered(d)
-        assert _wait_no_leaks(d) == {}
+        assert d.wait_no_leaks(60) == {}
     finally:
         d.stop()

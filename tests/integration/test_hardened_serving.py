@@ -19,7 +19,6 @@ import asyncio
 import dataclasses
 import math
 import os
-import time
 
 import grpc
 import pytest
@@ -68,16 +67,9 @@ def hardened(ray_cluster, certs):
     deployment = Deployment(config)
     yield deployment
     try:
-        assert _wait_no_leaks(deployment) == {}
+        assert deployment.wait_no_leaks() == {}
     finally:
         deployment.stop()
-
-
-def _wait_no_leaks(deployment: Deployment, timeout_s: float = 30) -> dict[str, int]:
-    deadline = time.monotonic() + timeout_s
-    while (leaks := deployment.leaked_blocks()) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return leaks
 
 
 async def _call(
@@ -108,7 +100,7 @@ def test_tls_router_and_secured_workers_serve(hardened, certs):
     for worker in workers:  # internal endpoints bind the node address Ray gave them
         assert worker.info["kv"].startswith("127.0.0.2:"), worker.info
     assert hardened.backend.decode.workers[0].info["outputs"].startswith("127.0.0.2:")
-    assert _wait_no_leaks(hardened) == {}
+    assert hardened.wait_no_leaks() == {}
 
 
 @pytest.mark.parametrize("who", ["no secret", "no tls"])
@@ -134,7 +126,7 @@ def test_a_worker_refuses_a_kv_peer_without_credentials(hardened, certs, who):
         return grpc.StatusCode.OK
 
     assert asyncio.run(pull()) == expected
-    assert _wait_no_leaks(hardened) == {}
+    assert hardened.wait_no_leaks() == {}
 
 
 def test_a_decode_worker_refuses_an_output_stream_without_the_secret(hardened):
@@ -265,4 +257,4 @@ def test_fuzzed_generate_gets_a_precise_status_or_a_completion(hardened, certs, 
     else:
         assert code == grpc.StatusCode.INVALID_ARGUMENT, (code, details)
         assert details, "INVALID_ARGUMENT without a message"
-    assert _wait_no_leaks(hardened) == {}
+    assert hardened.wait_no_leaks() == {}

@@ -17,12 +17,12 @@ import grpc
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from router.client import TandemClient
 from tandem_cli.config import ServeConfig
 from tandem_cli.deployment import Deployment
 from tandem_cli.main import main
+from tests.http_helpers import metric_samples
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -46,10 +46,7 @@ def dep(ray_cluster):
     deployment = Deployment(config)
     yield deployment
     try:
-        deadline = time.monotonic() + 30
-        while (leaks := deployment.leaked_blocks()) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert leaks == {}
+        assert deployment.wait_no_leaks() == {}
     finally:
         deployment.stop()
 
@@ -69,11 +66,7 @@ def _grpc_complete(dep: Deployment, prompt, key: str | None = KEY, **sampling):
 def _samples(dep: Deployment) -> dict[tuple[str, tuple], float]:
     reply = httpx.get(f"{dep.http_url}/metrics", timeout=30)
     assert reply.status_code == 200
-    out = {}
-    for family in text_string_to_metric_families(reply.text):
-        for s in family.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
+    return metric_samples(reply.text)
 
 
 def _requests(samples, protocol: str, status: str) -> float:
@@ -239,6 +232,7 @@ def test_request_id_in_router_and_worker_logs(dep, caplog):
 
 
 def test_http_disconnect_mid_stream_frees_every_block(dep):
+    cancelled_before = dep.server.lifecycle.stats.totals["CANCELLED"]
     payload = {
         "model": MODEL,
         "prompt": PROMPTS[1],
@@ -256,10 +250,8 @@ def test_http_disconnect_mid_stream_frees_every_block(dep):
             events += line.startswith("data: ")
             if events == 3:
                 break  # leaving the block closes the connection mid-stream
+    assert dep.wait_no_leaks() == {}
     deadline = time.monotonic() + 30
-    while (leaks := dep.leaked_blocks()) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert leaks == {}
     while dep.server.lifecycle.stats.in_flight and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert dep.server.lifecycle.stats.totals["CANCELLED"] >= 1
+    assert dep.server.lifecycle.stats.totals["CANCELLED"] == cancelled_before + 1

@@ -51,13 +51,6 @@ def _complete(address, prompt, **sampling):
     return asyncio.run(run())
 
 
-def _wait_no_leaks(deployment, timeout_s=30):
-    deadline = time.monotonic() + timeout_s
-    while (leaks := deployment.leaked_blocks()) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return leaks
-
-
 @pytest.fixture(scope="module")
 def deployment(ray_cluster):
     # local_prefill_tokens=0: every prompt goes through the prefill pool, so the
@@ -71,7 +64,7 @@ def deployment(ray_cluster):
     )
     yield d
     try:
-        assert _wait_no_leaks(d) == {}
+        assert d.wait_no_leaks() == {}
     finally:
         d.stop()
 
@@ -88,7 +81,7 @@ def test_shared_prefix_is_cached_and_output_unchanged(deployment, llm):
     # Ending on its first token: the prefix pinned on the decode worker is let go.
     one = _complete(deployment.address, shared + _tokens(64, 4), temperature=0, max_tokens=1)
     assert one.finish_reason == "length" and len(one.token_ids) == 1
-    assert _wait_no_leaks(deployment) == {}
+    assert deployment.wait_no_leaks() == {}
 
 
 def test_decode_receives_only_the_blocks_it_lacks(deployment, llm):
@@ -119,7 +112,7 @@ def test_multi_turn_reuses_the_decode_side_blocks(ray_cluster, llm):
         assert out.usage.cached_tokens == (len(turn1) + 40 - 1) // BS * BS
         assert out.timings.prefill_worker == out.timings.decode_worker
         assert out.token_ids == _reference(llm, turn2)
-        assert _wait_no_leaks(d) == {}
+        assert d.wait_no_leaks() == {}
     finally:
         d.stop()
 
@@ -153,7 +146,7 @@ def test_redis_restart_during_load_fails_no_request(ray_cluster, llm):
             assert d.backend.index.healthy
             again = _complete(d.address, prompts[0], **GREEDY)
             assert again.usage.cached_tokens >= len(shared) // BS * BS
-            assert _wait_no_leaks(d) == {}
+            assert d.wait_no_leaks() == {}
         finally:
             d.stop()
 
@@ -174,4 +167,4 @@ def test_prefix_on_a_busy_worker_is_pulled_not_recomputed(deployment, llm):
     assert out.token_ids == _reference(llm, prompt)
     pulled = deployment.worker_stats()[out.timings.prefill_worker]["kv_bytes_pulled"]
     assert pulled > 0
-    assert _wait_no_leaks(deployment) == {}
+    assert deployment.wait_no_leaks() == {}

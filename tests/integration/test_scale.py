@@ -67,10 +67,7 @@ def test_resize_under_load_fails_no_request(ray_cluster, capsys):
         }
         assert served_by - first_workers  # the added workers took part
         assert len(d.backend.prefill.workers) == 1 and len(d.backend.decode.workers) == 1
-        deadline = time.monotonic() + 30
-        while (leaks := d.leaked_blocks()) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert leaks == {}
+        assert d.wait_no_leaks() == {}
     finally:
         d.stop()
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 
 import grpc
 import pytest
@@ -53,7 +52,7 @@ def disagg(ray_cluster):
     deployment = Deployment(_config(prefill=2, decode=2, prefix_routing=False))
     yield deployment
     try:
-        assert _wait_no_leaks(deployment) == {}
+        assert deployment.wait_no_leaks() == {}
     finally:
         deployment.stop()
 
@@ -63,16 +62,9 @@ def colocated(ray_cluster):
     deployment = Deployment(_config(mode="colocated", decode=1))
     yield deployment
     try:
-        assert _wait_no_leaks(deployment) == {}
+        assert deployment.wait_no_leaks() == {}
     finally:
         deployment.stop()
-
-
-def _wait_no_leaks(deployment: Deployment, timeout_s: float = 30) -> dict[str, int]:
-    deadline = time.monotonic() + timeout_s
-    while (leaks := deployment.leaked_blocks()) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return leaks
 
 
 async def _complete_all(address: str, prompts, **sampling):
@@ -94,7 +86,7 @@ def test_greedy_through_router_equals_engine(request, mode, reference):
         assert out.usage.completion_tokens == MAX_TOKENS
         assert out.usage.prompt_tokens == len(reference[text].prompt_token_ids)
         assert out.timings.ttft_s > 0
-    assert _wait_no_leaks(deployment) == {}
+    assert deployment.wait_no_leaks() == {}
 
 
 def test_64_concurrent_requests_on_two_by_two(disagg, reference):
@@ -104,7 +96,7 @@ def test_64_concurrent_requests_on_two_by_two(disagg, reference):
     used = {(o.timings.prefill_worker, o.timings.decode_worker) for o in outs}
     assert len({p for p, _ in used}) == 2  # both prefill workers served
     assert len({d for _, d in used}) == 2  # and both decode workers
-    assert _wait_no_leaks(disagg) == {}
+    assert disagg.wait_no_leaks() == {}
 
 
 def test_stream_order_chunks_then_final(disagg):
@@ -130,7 +122,7 @@ def test_cancel_mid_stream_frees_blocks(disagg):
             return got
 
     assert asyncio.run(run()) >= 3
-    assert _wait_no_leaks(disagg) == {}
+    assert disagg.wait_no_leaks() == {}
 
 
 @pytest.mark.parametrize("delay_s", [0.0, 0.05, 0.2])
@@ -146,7 +138,7 @@ def test_cancel_during_prefill_frees_blocks(disagg, delay_s):
                 await task
 
     asyncio.run(run())
-    assert _wait_no_leaks(disagg, timeout_s=60) == {}
+    assert disagg.wait_no_leaks(timeout_s=60) == {}
 
 
 def test_deadline_exceeded_frees_blocks(disagg):
@@ -157,7 +149,7 @@ def test_deadline_exceeded_frees_blocks(disagg):
     with pytest.raises(grpc.aio.AioRpcError) as err:
         asyncio.run(run())
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert _wait_no_leaks(disagg) == {}
+    assert disagg.wait_no_leaks() == {}
 
 
 def test_admission_limit_rejects_at_once(disagg):
@@ -179,7 +171,7 @@ def test_admission_limit_rejects_at_once(disagg):
     rejected = [r for r in results if isinstance(r, grpc.aio.AioRpcError)]
     assert rejected and all(r.code() == grpc.StatusCode.RESOURCE_EXHAUSTED for r in rejected)
     assert any(not isinstance(r, Exception) for r in results)
-    assert _wait_no_leaks(disagg) == {}
+    assert disagg.wait_no_leaks() == {}
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,6 @@ pools, real gRPC and data channel on 127.0.0.1."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 
@@ -37,13 +36,6 @@ def _deployment(**overrides) -> Deployment:
     return Deployment(ServeConfig(**{**base, **overrides}))
 
 
-def _no_leaks(deployment: Deployment, timeout_s: float = 30) -> dict[str, int]:
-    deadline = time.monotonic() + timeout_s
-    while (leaks := deployment.leaked_blocks()) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return leaks
-
-
 async def _complete_all(address: str, prompts, **sampling):
     async with TandemClient(address) as client:
         return await asyncio.gather(*(client.complete(p, **sampling) for p in prompts))
@@ -60,7 +52,7 @@ def test_prompt_lookup_in_the_decode_pool_gives_plain_greedy_output(ray_cluster,
         assert sum(s["spec_proposed_tokens"] for s in decode) > 0
         assert sum(s["spec_accepted_tokens"] for s in decode) > 0
         assert all(s["spec_proposed_tokens"] == 0 for s in prefill)
-        assert _no_leaks(deployment) == {}
+        assert deployment.wait_no_leaks() == {}
     finally:
         deployment.stop()
 
@@ -75,6 +67,6 @@ def test_int8_kv_transfer_with_speculation_serves_and_frees(ray_cluster, referen
         pairs = zip(outs, reference * 2, strict=True)
         equal = sum(a == b for o, r in pairs for a, b in zip(o.token_ids, r, strict=True))
         assert equal >= 0.8 * MAX_TOKENS * len(outs)  # int8 KV barely moves greedy output
-        assert _no_leaks(deployment) == {}
+        assert deployment.wait_no_leaks() == {}
     finally:
         deployment.stop()
