@@ -43,8 +43,12 @@ class DecodeGroup:
 class AttentionMetadata:
     slots: torch.Tensor  # [num_tokens] long: flat slot of each new token
     num_decode: int  # the first num_decode tokens are one-token sequences
-    decode_groups: list[DecodeGroup]
+    decode_groups: list[DecodeGroup]  # for the PyTorch path (empty when fused)
     prefills: list[PrefillSlice]
+    # For the fused kernel (engine/kernels/): every decode row's block table,
+    # padded to the widest, [num_decode, width] long, and context lengths.
+    decode_tables: torch.Tensor | None = None
+    decode_lens: torch.Tensor | None = None
 
 
 # A decode batch is split where padding would grow past this factor, so that
@@ -71,10 +75,21 @@ def build_metadata(
     prefills: list[PrefillSlice],
     slots: list[int],
     device: torch.device,
+    fused: bool = False,
 ) -> AttentionMetadata:
     """Tensors shared by every layer of one step. Decode sequences come
     sorted by length, shortest first (groups then pad little; tables of one
-    group may still differ in length, e.g. a draft model's)."""
+    group may still differ in length, e.g. a draft model's). ``fused``: for
+    the fused decode kernel, which reads every table itself (no groups)."""
+    if fused:
+        tables = lens = None
+        if decode_tables:
+            width = max(len(t) for t in decode_tables)
+            tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables])
+            lens = torch.tensor(decode_lens)
+        return AttentionMetadata(
+            torch.tensor(slots, device=device), len(decode_tables), [], prefills, tables, lens
+        )
     groups = []
     for start, end in _group_bounds([len(t) for t in decode_tables]) if decode_tables else []:
         tables = decode_tables[start:end]
@@ -166,3 +181,31 @@ def _prefill(
         enable_gqa=True,
     )
     return out[0].transpose(0, 1)
+
+
+def fused_attention(
+    ops,  # engine.kernels.cpu_ops()
+    q: torch.Tensor,  # [N, heads, head_dim]
+    k: torch.Tensor,  # [N, kv_heads, head_dim]
+    v: torch.Tensor,  # [N, kv_heads, head_dim]
+    cache: KVCache,
+    layer: int,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [N, heads * head_dim]
+    """paged_attention with the fused decode kernel; the step's keys and values
+    are already in the cache (the kernel ``rope_store_kv`` put them there)."""
+    n, heads, head_dim = q.shape
+    kv = cache.layers[layer]
+    nd = meta.num_decode
+    if nd == n:  # the common decode step
+        return ops.paged_decode_attention(q, kv, meta.decode_tables, meta.decode_lens, scale)
+    out = q.new_empty(n, heads, head_dim)
+    if nd:
+        decoded = ops.paged_decode_attention(
+            q[:nd], kv, meta.decode_tables, meta.decode_lens, scale
+        )
+        out[:nd] = decoded.view(nd, heads, head_dim)
+    for s in meta.prefills:
+        out[s.start : s.start + s.num_tokens] = _prefill(q, k, v, kv, s, scale)
+    return out.view(n, heads * head_dim)

@@ -153,6 +153,10 @@ class EngineConfig:
     int8 / fp8 (e4m3) send one byte per value with a scale per block, layer, K/V
     and kv head (engine/transfer/quantized.py). Every worker of a deployment must
     use the same value."""
+    cpu_kernels: Literal["auto", "on", "off"] = "auto"
+    """Fused C++ kernels for the float32 CPU forward (engine/kernels/): auto builds
+    them on first use (needs a C++ compiler; cached) and falls back to the PyTorch
+    path when they cannot be built; on makes that an error; off never builds them."""
     cuda_graphs: bool = False
     """Replay decode-only steps as CUDA graphs captured at fixed batch sizes (CUDA only;
     ignored on other devices). One KV block is set aside for padding rows."""

@@ -21,6 +21,7 @@ from engine.cuda_graphs import BATCH_SIZES, DecodeGraphRunner
 from engine.detokenizer import IncrementalDetokenizer
 from engine.device import resolve_device
 from engine.hashing import BlockHash, root_hash
+from engine.kernels import select as select_kernels
 from engine.kv_cache import BlockPool, KVCache, KVLayout
 from engine.loader import (
     load_hf_config,
@@ -85,7 +86,8 @@ class LLMEngine:
         limits += [x for x in (config.max_model_len, spec.sliding_window) if x]
         self.max_model_len = min(limits)
         state = load_weights(config, model_dir, spec, hf_config)
-        self.model = LlamaModel(spec, state, hf_config, self.max_model_len, dtype, device)
+        kernels = select_kernels(config.cpu_kernels, device, dtype)
+        self.model = LlamaModel(spec, state, hf_config, self.max_model_len, dtype, device, kernels)
         del state
         self.block_pool = BlockPool(num_blocks, config.block_size)
         self.kv_cache = KVCache(self.kv_layout, num_blocks, device)
@@ -101,7 +103,7 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
-        self.sampler = Sampler(spec.vocab_size, self.eos_token_ids)
+        self.sampler = Sampler(spec.vocab_size, self.eos_token_ids, kernels)
         self._seqs: dict[str, Sequence] = {}
         self._arrival = itertools.count()
         self.device = device
@@ -318,7 +320,9 @@ class LLMEngine:
         if graphs is not None and not prefills and graphs.supports(len(decode_tables)):
             hidden = graphs.forward(input_ids, positions, slots, decode_tables, decode_lens)
             return sample_rows, spec_rows, hidden
-        meta = build_metadata(bs, decode_tables, decode_lens, prefills, slots, self.device)
+        meta = build_metadata(
+            bs, decode_tables, decode_lens, prefills, slots, self.device, self.model.fused
+        )
         hidden = self.model.forward(
             torch.tensor(input_ids, device=self.device),
             torch.tensor(positions, device=self.device),

@@ -251,9 +251,22 @@ def probs_from_logits(logits_row: torch.Tensor, params: SamplingParams) -> torch
 class Sampler:
     """Batched sampler with per-request parameters."""
 
-    def __init__(self, vocab_size: int, eos_token_ids: Collection[int]) -> None:
+    def __init__(self, vocab_size: int, eos_token_ids: Collection[int], kernels=None) -> None:
+        """``kernels``: engine.kernels.cpu_ops() for a fast row argmax on CPU, or None."""
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
+        self.kernels = kernels
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """torch.argmax over the last dim of [B, V] (a fused kernel on CPU float32:
+        ATen's argmax reads a 32k row about 20x slower than its max)."""
+        if (
+            self.kernels is not None
+            and logits.device.type == "cpu"
+            and logits.dtype == torch.float32
+        ):
+            return self.kernels.argmax_rows(logits)
+        return logits.argmax(dim=-1)
 
     def __call__(self, logits: torch.Tensor, requests: list[SampleRequest]) -> list[SampledToken]:
         """logits: [B, V'] with V' >= vocab_size (extra padded columns are ignored)."""
@@ -261,7 +274,7 @@ class Sampler:
             raise ValueError(f"logits has {logits.shape[0]} rows for {len(requests)} requests")
         logits = logits[:, : self.vocab_size].float()
         if all(self._plain_greedy(r) for r in requests):
-            return [SampledToken(t, None, None) for t in logits.argmax(dim=-1).tolist()]
+            return [SampledToken(t, None, None) for t in self.argmax(logits).tolist()]
         adjusted = self.adjusted_logits(logits, requests)
         token_ids = self._choose(adjusted, requests)
         return self._package(logits, token_ids, requests)
@@ -300,10 +313,9 @@ class Sampler:
                 row[torch.tensor(banned, dtype=torch.long, device=device)] = -math.inf
         return out
 
-    @staticmethod
-    def _choose(logits: torch.Tensor, requests: list[SampleRequest]) -> torch.Tensor:
+    def _choose(self, logits: torch.Tensor, requests: list[SampleRequest]) -> torch.Tensor:
         """Token ids [B]: argmax for greedy rows, a draw for the others."""
-        token_ids = logits.argmax(dim=-1)
+        token_ids = self.argmax(logits)
         rows = [i for i, r in enumerate(requests) if not r.params.greedy]
         if not rows:
             return token_ids

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from engine.attention import AttentionMetadata, paged_attention
+from engine.attention import AttentionMetadata, fused_attention, paged_attention
 from engine.config import ModelSpec
 from engine.kv_cache import KVCache
 
@@ -85,8 +85,11 @@ class LlamaModel:
         max_len: int,
         dtype: torch.dtype,
         device: torch.device,
+        kernels: Any = None,
     ) -> None:
+        """``kernels``: engine.kernels.cpu_ops() to run the fused CPU path, or None."""
         self.spec = spec
+        self.kernels = kernels
         self.scale = spec.head_dim**-0.5
 
         def take(name: str) -> torch.Tensor:
@@ -135,6 +138,11 @@ class LlamaModel:
         cos, sin = rope_tables(hf_config, spec, max_len)
         self.cos, self.sin = cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
 
+    @property
+    def fused(self) -> bool:
+        """Whether forward takes metadata built with ``fused=True``."""
+        return self.kernels is not None
+
     @torch.inference_mode()
     def forward(
         self,
@@ -143,6 +151,8 @@ class LlamaModel:
         meta: AttentionMetadata,
         cache: KVCache,
     ) -> torch.Tensor:  # [N, hidden]
+        if self.kernels is not None:
+            return self._forward_fused(input_ids, positions, meta, cache)
         spec = self.spec
         eps, d = spec.rms_norm_eps, spec.head_dim
         q_size, kv_size = spec.num_heads * d, spec.num_kv_heads * d
@@ -167,6 +177,43 @@ class LlamaModel:
             gate, up = gate_up.chunk(2, dim=-1)
             h = h + _linear(F.silu(gate) * up, w.down, w.down_bias)
         return _rms_norm(h, self.norm, eps)
+
+    def _forward_fused(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        cache: KVCache,
+    ) -> torch.Tensor:
+        """forward with the fused CPU kernels: the same arithmetic in 8 calls a layer."""
+        ops, spec = self.kernels, self.spec
+        eps, d, heads, kv_heads = (
+            spec.rms_norm_eps,
+            spec.head_dim,
+            spec.num_heads,
+            spec.num_kv_heads,
+        )
+        h = self.embed[input_ids]  # a fresh tensor: the residual stream, updated in place
+        x = ops.rms_norm(h, self.layers[0].input_norm, eps)
+        for i, w in enumerate(self.layers):
+            qkv = _linear(x, w.qkv, w.qkv_bias)
+            n = qkv.shape[0]
+            if w.q_norm is not None:
+                qk = qkv[:, : (heads + kv_heads) * d].view(n, heads + kv_heads, d)
+                qk[:, :heads] = _rms_norm(qk[:, :heads], w.q_norm, eps)
+                qk[:, heads:] = _rms_norm(qk[:, heads:], w.k_norm, eps)
+            ops.rope_store_kv(
+                qkv, self.cos, self.sin, positions, meta.slots, cache.layers[i], heads, kv_heads
+            )
+            q = qkv[:, : heads * d].view(n, heads, d)
+            k = qkv[:, heads * d : (heads + kv_heads) * d].view(n, kv_heads, d)
+            v = qkv[:, (heads + kv_heads) * d :].view(n, kv_heads, d)
+            attn = fused_attention(ops, q, k, v, cache, i, meta, self.scale)
+            x = ops.add_rms_norm(h, _linear(attn, w.o, w.o_bias), w.post_norm, eps)
+            down = _linear(ops.silu_mul(_linear(x, w.gate_up, w.gate_up_bias)), w.down, w.down_bias)
+            following = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
+            x = ops.add_rms_norm(h, down, following, eps)
+        return x
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [M, hidden] -> [M, vocab]

@@ -24,6 +24,7 @@ import torch
 
 from engine.config import EngineConfig, ModelSpec
 from engine.device import resolve_device
+from engine.kernels import select as select_kernels
 from engine.kv_cache import BlockPool, KVCache, KVLayout
 from engine.loader import load_hf_config, load_weights, model_fingerprint, resolve_model_dir
 from engine.models.llama import LlamaModel
@@ -61,7 +62,8 @@ class DraftProposer:
         self.device = device = resolve_device(config.device)
         dtype = getattr(torch, config.dtype)
         state = load_weights(draft_config, model_dir, spec, hf_config)
-        self.model = LlamaModel(spec, state, hf_config, max_len, dtype, device)
+        kernels = select_kernels(config.cpu_kernels, device, dtype)
+        self.model = LlamaModel(spec, state, hf_config, max_len, dtype, device, kernels)
         del state
         layout = KVLayout(
             model_fingerprint=model_fingerprint(

@@ -50,7 +50,9 @@ def last_token_logits(
         positions += span
         slots += [table[p // bs] * bs + p % bs for p in span]
         last_rows[i] = len(slots) - 1
-    meta = build_metadata(bs, decode_tables, decode_lens, prefills, slots, device)
+    meta = build_metadata(
+        bs, decode_tables, decode_lens, prefills, slots, device, fused=model.fused
+    )
     hidden = model.forward(
         torch.tensor(input_ids, device=device), torch.tensor(positions, device=device), meta, cache
     )

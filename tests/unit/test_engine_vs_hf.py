@@ -45,9 +45,15 @@ def _hf_greedy(model_dir, prompts):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("max_batched_tokens", [2048, 48], ids=["whole", "chunked"])
-def test_greedy_equals_hf(checkpoint_factory, arch, max_batched_tokens):
+@pytest.mark.parametrize("cpu_kernels", ["auto", "off"], ids=["kernels", "pytorch"])
+def test_greedy_equals_hf(checkpoint_factory, arch, max_batched_tokens, cpu_kernels):
     model_dir = checkpoint_factory(arch)
-    llm = LLM(str(model_dir), max_num_batched_tokens=max_batched_tokens, num_kv_blocks=256)
+    llm = LLM(
+        str(model_dir),
+        max_num_batched_tokens=max_batched_tokens,
+        num_kv_blocks=256,
+        cpu_kernels=cpu_kernels,
+    )
     prompts = _prompts(llm.engine.spec.vocab_size)
     # min_tokens masks EOS exactly as HF's min_new_tokens does.
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, logprobs=0)

@@ -1,0 +1,105 @@
+"""Fused CPU kernels (cpu_ops.cpp), built on first use.
+
+A decode step on CPU spends more time dispatching the ~35 small ATen ops
+of each layer than in their arithmetic. cpu_ops.cpp fuses them into four
+kernels per layer (RMSNorm with the residual add, rotary embedding with the
+KV store, paged decode attention, SiLU-and-multiply) plus a row argmax.
+
+The extension is compiled with the machine's C++ compiler through
+torch.utils.cpp_extension and cached under ``TANDEM_KERNEL_CACHE`` (default
+~/.cache/tandem/kernels/<torch version>); later processes load it in
+milliseconds. ``make setup`` builds it ahead of time
+(``python -m engine.kernels``). ``EngineConfig.cpu_kernels``: "auto" uses
+it when it builds and falls back to the PyTorch reference with one warning
+when it cannot; "on" makes a failed build an error; "off" never builds it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import sys
+import threading
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-trapping-math"]
+
+_lock = threading.Lock()
+_loaded: dict[str, ModuleType | None] = {}
+_error: str | None = None
+
+
+def _build_dir() -> Path:
+    root = os.environ.get("TANDEM_KERNEL_CACHE")
+    base = Path(root) if root else Path.home() / ".cache" / "tandem" / "kernels"
+    return base / f"torch-{torch.__version__}"
+
+
+def _module_name() -> str:
+    # A new source, flags or CPU gets a new module (and directory).
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode())
+    digest.update(_cpu_model().encode())
+    return f"tandem_cpu_ops_{digest.hexdigest()[:12]}"
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("model name", "flags")):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def cpu_ops(required: bool = False) -> ModuleType | None:
+    """The compiled kernels, or None when they cannot be built (``required``: raise)."""
+    global _error
+    with _lock:
+        name = _module_name()
+        if name not in _loaded:
+            try:
+                _loaded[name] = _build(name)
+            except Exception as exc:  # no compiler, no headers, a compile error
+                _error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1:]}"
+                _loaded[name] = None
+                log.warning("CPU kernels unavailable, using the PyTorch path: %s", _error)
+        module = _loaded[name]
+    if module is None and required:
+        raise RuntimeError(f"cpu_kernels is 'on' but the CPU kernels did not build: {_error}")
+    return module
+
+
+def _build(name: str) -> ModuleType:
+    from torch.utils import cpp_extension
+
+    directory = _build_dir() / name
+    directory.mkdir(parents=True, exist_ok=True)
+    # The ninja that pip installed lives beside this interpreter, maybe not on PATH.
+    bin_dir = str(Path(sys.executable).parent)
+    if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+    return cpp_extension.load(
+        name=name,
+        sources=[str(SOURCE)],
+        extra_cflags=CFLAGS,
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(directory),
+        verbose=False,
+    )
+
+
+def select(setting: str, device: torch.device, dtype: torch.dtype) -> ModuleType | None:
+    """The kernels for an engine with this ``cpu_kernels`` setting, or None."""
+    if setting == "off" or device.type != "cpu" or dtype != torch.float32:
+        if setting == "on" and (device.type != "cpu" or dtype != torch.float32):
+            raise ValueError("cpu_kernels 'on' needs device cpu and dtype float32")
+        return None
+    return cpu_ops(required=setting == "on")

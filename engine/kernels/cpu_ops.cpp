@@ -1,0 +1,384 @@
+// Fused CPU kernels for the decoder layer (float32).
+//
+// Each one replaces a chain of small ATen ops whose dispatch cost, not
+// their arithmetic, dominates a decode step on CPU. The arithmetic follows
+// the PyTorch reference in engine/models/llama.py and engine/attention.py
+// operation for operation (no FMA contraction: built with
+// -ffp-contract=off); only reduction order differs. engine/kernels/ builds
+// this file on first use and falls back to the reference when it cannot.
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+void check_f32(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
+  TORCH_CHECK(t.scalar_type() == at::kFloat, name, " must be float32");
+}
+
+// Rows [N, H] with unit inner stride; any row stride.
+void check_rows(const at::Tensor& t, const char* name) {
+  check_f32(t, name);
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be [rows, width] with unit stride");
+}
+
+inline void rms_row(const float* x, const float* w, float* out, int64_t n, float eps) {
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
+  const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) out[i] = w[i] * (x[i] * inv);
+}
+
+// exp(x) to about 1.5 ulp in a form the compiler vectorises (Cody-Waite
+// range reduction, Cephes' degree-6 polynomial); x is clamped to [-87, 88].
+inline float exp_approx(float x) {
+  x = std::min(std::max(x, -87.0f), 88.0f);
+  const float t = x * 1.44269504088896341f;
+  const int32_t ni = static_cast<int32_t>(t < 0.f ? t - 0.5f : t + 0.5f);
+  const float n = static_cast<float>(ni);
+  const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float y = (p * r) * r + r + 1.0f;
+  return y * std::bit_cast<float>((ni + 127) << 23);
+}
+
+int64_t grain_rows(int64_t width) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, width)); }
+
+}  // namespace
+
+// weight * x / sqrt(mean(x^2) + eps), row by row: [N, H] -> new [N, H].
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(x, "x");
+  check_f32(weight, "weight");
+  const int64_t n = x.size(0), h = x.size(1);
+  TORCH_CHECK(weight.numel() == h && weight.is_contiguous(), "weight must be [", h, "]");
+  auto out = at::empty({n, h}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t xs = x.stride(0);
+  at::parallel_for(0, n, grain_rows(h), [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) rms_row(xp + r * xs, wp, op + r * h, h, static_cast<float>(eps));
+  });
+  return out;
+}
+
+// residual += delta (in place), then rms_norm(residual): the residual add
+// that ends one sublayer fused with the norm that starts the next.
+at::Tensor add_rms_norm(at::Tensor& residual, const at::Tensor& delta, const at::Tensor& weight,
+                        double eps) {
+  check_rows(residual, "residual");
+  check_rows(delta, "delta");
+  check_f32(weight, "weight");
+  TORCH_CHECK(residual.is_contiguous(), "residual must be contiguous");
+  const int64_t n = residual.size(0), h = residual.size(1);
+  TORCH_CHECK(delta.size(0) == n && delta.size(1) == h, "delta must match residual");
+  TORCH_CHECK(weight.numel() == h && weight.is_contiguous(), "weight must be [", h, "]");
+  auto out = at::empty({n, h}, residual.options());
+  float* rp = residual.data_ptr<float>();
+  const float* dp = delta.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t ds = delta.stride(0);
+  at::parallel_for(0, n, grain_rows(h), [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      float* row = rp + r * h;
+      const float* d = dp + r * ds;
+#pragma omp simd
+      for (int64_t i = 0; i < h; ++i) row[i] = row[i] + d[i];
+      rms_row(row, wp, op + r * h, h, static_cast<float>(eps));
+    }
+  });
+  return out;
+}
+
+// silu(gate) * up over gate_up = [gate | up]: [N, 2I] -> new [N, I].
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  check_rows(gate_up, "gate_up");
+  const int64_t n = gate_up.size(0), inter = gate_up.size(1) / 2;
+  TORCH_CHECK(gate_up.size(1) == 2 * inter, "gate_up must have an even width");
+  auto out = at::empty({n, inter}, gate_up.options());
+  const float* gp = gate_up.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t gs = gate_up.stride(0);
+  at::parallel_for(0, n, grain_rows(inter), [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const float* g = gp + r * gs;
+      const float* u = g + inter;
+      float* o = op + r * inter;
+#pragma omp simd
+      for (int64_t i = 0; i < inter; ++i) o[i] = (g[i] / (1.f + exp_approx(-g[i]))) * u[i];
+    }
+  });
+  return out;
+}
+
+// Rotary embedding (rotate-half) of the query and key heads of qkv, in
+// place, then the keys and values written into their cache slots.
+//   qkv:   [N, (heads + 2 * kv_heads) * head_dim], unit inner stride
+//   cos, sin: [max_len, head_dim] tables; positions, slots: [N] int64
+//   cache: one layer, [2, num_blocks, block_size, kv_heads, head_dim]
+void rope_store_kv(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                   const at::Tensor& positions, const at::Tensor& slots, at::Tensor& cache,
+                   int64_t heads, int64_t kv_heads) {
+  check_rows(qkv, "qkv");
+  check_f32(cos, "cos");
+  check_f32(sin, "sin");
+  check_f32(cache, "cache");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous(), "cos and sin must be contiguous");
+  TORCH_CHECK(cache.is_contiguous() && cache.dim() == 5, "cache must be a contiguous 5-d layer");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && slots.scalar_type() == at::kLong,
+              "positions and slots must be int64");
+  const int64_t d = cache.size(4), n = qkv.size(0);
+  TORCH_CHECK(cache.size(3) == kv_heads, "cache has ", cache.size(3), " kv heads");
+  TORCH_CHECK(qkv.size(1) == (heads + 2 * kv_heads) * d, "qkv width does not match the heads");
+  TORCH_CHECK(cos.size(1) == d && d % 2 == 0, "cos must be [max_len, head_dim]");
+  TORCH_CHECK(positions.numel() == n && slots.numel() == n, "one position and slot per row");
+  const int64_t half = d / 2, max_len = cos.size(0);
+  const int64_t num_slots = cache.size(1) * cache.size(2);
+  const int64_t plane = num_slots * kv_heads * d;  // K and V planes of the layer
+  auto pos = positions.contiguous();
+  auto slt = slots.contiguous();
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  const int64_t* sp = slt.data_ptr<int64_t>();
+  for (int64_t r = 0; r < n; ++r) {
+    TORCH_CHECK(pp[r] >= 0 && pp[r] < max_len, "position ", pp[r], " out of range");
+    TORCH_CHECK(sp[r] >= 0 && sp[r] < num_slots, "slot ", sp[r], " out of range");
+  }
+  float* qp = qkv.data_ptr<float>();
+  float* kc = cache.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* snp = sin.data_ptr<float>();
+  const int64_t qs = qkv.stride(0), rotated = heads + kv_heads;
+  at::parallel_for(0, n, grain_rows(qs), [&](int64_t b, int64_t e) {
+    std::vector<float> tmp(d);
+    for (int64_t r = b; r < e; ++r) {
+      float* row = qp + r * qs;
+      const float* c = cp + pp[r] * d;
+      const float* s = snp + pp[r] * d;
+      for (int64_t h = 0; h < rotated; ++h) {
+        float* x = row + h * d;
+        for (int64_t i = 0; i < half; ++i) {
+          // x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1]
+          tmp[i] = x[i] * c[i] + (-x[i + half]) * s[i];
+          tmp[i + half] = x[i + half] * c[i + half] + x[i] * s[i + half];
+        }
+        std::copy(tmp.begin(), tmp.end(), x);
+      }
+      float* kdst = kc + sp[r] * kv_heads * d;
+      std::copy(row + heads * d, row + rotated * d, kdst);
+      std::copy(row + rotated * d, row + (rotated + kv_heads) * d, kdst + plane);
+    }
+  });
+}
+
+// Attention of one-token queries over their paged context.
+namespace {
+
+struct DecodeAttention {
+  const float* q;       // [B, heads, d], row stride q_stride
+  const float* keys;    // cache K plane: [num_blocks, bs, kv_heads, d]
+  const float* values;  // cache V plane, same shape
+  const int64_t* tables;
+  const int64_t* lens;
+  float* out;  // [B, heads * d]
+  int64_t q_stride, width, bs, kv_heads, group, d;
+  float scale;
+};
+
+// q . k over d values. With d a multiple of 16 known at compile time the
+// products are summed in 16 lanes (GCC/Clang vector extensions: one AVX-512
+// register, or two AVX2 ones) and the lanes as a tree; left to the compiler,
+// the sum became a chain of 16 dependent scalar adds per dot, 4x slower.
+typedef float Lanes16 __attribute__((vector_size(64)));
+typedef float Lanes8 __attribute__((vector_size(32)));
+typedef float Lanes4 __attribute__((vector_size(16)));
+
+inline Lanes16 load16(const float* p) {
+  Lanes16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+template <int D>
+inline float dot(const float* q, const float* k, int64_t d) {
+  if constexpr (D > 0 && D % 16 == 0) {
+    Lanes16 acc = load16(q) * load16(k);
+    for (int i = 16; i < D; i += 16) acc += load16(q + i) * load16(k + i);
+    const Lanes8 s8 = __builtin_shufflevector(acc, acc, 0, 1, 2, 3, 4, 5, 6, 7) +
+                      __builtin_shufflevector(acc, acc, 8, 9, 10, 11, 12, 13, 14, 15);
+    const Lanes4 s4 = __builtin_shufflevector(s8, s8, 0, 1, 2, 3) +
+                      __builtin_shufflevector(s8, s8, 4, 5, 6, 7);
+    return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+  } else {
+    float sum = 0.f;
+    for (int64_t i = 0; i < d; ++i) sum += q[i] * k[i];
+    return sum;
+  }
+}
+
+// One (sequence, kv head): that kv head's group of query heads over the
+// sequence's context, block by block. D > 0 fixes the head size at compile
+// time, so the inner loops become a few whole vector instructions.
+template <int D>
+void attend(const DecodeAttention& a, int64_t task, std::vector<float>& scores,
+            std::vector<float>& acc) {
+  const int64_t d = D > 0 ? D : a.d;
+  const int64_t b = task / a.kv_heads, kvh = task % a.kv_heads, n = a.lens[b];
+  const int64_t group = a.group, row = a.kv_heads * d, block = a.bs * row;
+  const int64_t* table = a.tables + b * a.width;
+  const float* qg = a.q + b * a.q_stride + kvh * group * d;
+  scores.resize(group * n);
+  acc.assign(group * d, 0.f);
+  for (int64_t t0 = 0; t0 < n; t0 += a.bs) {
+    const int64_t count = std::min(a.bs, n - t0);
+    const float* k = a.keys + table[t0 / a.bs] * block + kvh * d;
+    for (int64_t j = 0; j < count; ++j, k += row) {
+      for (int64_t g = 0; g < group; ++g)
+        scores[g * n + t0 + j] = dot<D>(qg + g * d, k, d) * a.scale;
+    }
+  }
+  std::vector<float> total(group);
+  for (int64_t g = 0; g < group; ++g) {
+    float* s = scores.data() + g * n;
+    float top = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : top)
+    for (int64_t t = 0; t < n; ++t) top = std::max(top, s[t]);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < n; ++t) {
+      s[t] = exp_approx(s[t] - top);
+      sum += s[t];
+    }
+    total[g] = sum;
+  }
+  for (int64_t t0 = 0; t0 < n; t0 += a.bs) {
+    const int64_t count = std::min(a.bs, n - t0);
+    const float* v = a.values + table[t0 / a.bs] * block + kvh * d;
+    for (int64_t j = 0; j < count; ++j, v += row) {
+      for (int64_t g = 0; g < group; ++g) {
+        const float p = scores[g * n + t0 + j];
+        float* out = acc.data() + g * d;
+#pragma omp simd
+        for (int64_t i = 0; i < d; ++i) out[i] += p * v[i];
+      }
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    float* o = a.out + b * a.kv_heads * group * d + (kvh * group + g) * d;
+    const float inv = 1.f / total[g];
+#pragma omp simd
+    for (int64_t i = 0; i < d; ++i) o[i] = acc[g * d + i] * inv;
+  }
+}
+
+}  // namespace
+
+//   q:      [B, heads, head_dim], unit stride within a row
+//   cache:  one layer, [2, num_blocks, block_size, kv_heads, head_dim]
+//   tables: [B, width] int64 block ids; lens: [B] int64 context lengths
+//   returns [B, heads * head_dim]
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& cache,
+                                  const at::Tensor& tables, const at::Tensor& lens,
+                                  double scale) {
+  check_f32(q, "q");
+  check_f32(cache, "cache");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2),
+              "q must be [B, heads, head_dim] with contiguous rows");
+  TORCH_CHECK(cache.is_contiguous() && cache.dim() == 5, "cache must be a contiguous 5-d layer");
+  TORCH_CHECK(tables.scalar_type() == at::kLong && lens.scalar_type() == at::kLong,
+              "tables and lens must be int64");
+  const int64_t batch = q.size(0), heads = q.size(1), d = q.size(2);
+  const int64_t num_blocks = cache.size(1), bs = cache.size(2), kv_heads = cache.size(3);
+  TORCH_CHECK(cache.size(4) == d, "cache head_dim ", cache.size(4), " != ", d);
+  TORCH_CHECK(heads % kv_heads == 0, "heads must be a multiple of kv_heads");
+  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == batch && lens.numel() == batch,
+              "one table row and one length per query");
+  auto tab = tables.contiguous();
+  auto len = lens.contiguous();
+  const int64_t width = tab.size(1);
+  const int64_t* tp = tab.data_ptr<int64_t>();
+  const int64_t* lp = len.data_ptr<int64_t>();
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(lp[b] >= 1 && lp[b] <= width * bs, "context length ", lp[b], " out of range");
+    for (int64_t j = 0; j < (lp[b] + bs - 1) / bs; ++j)
+      TORCH_CHECK(tp[b * width + j] >= 0 && tp[b * width + j] < num_blocks, "block id out of range");
+  }
+  auto out = at::empty({batch, heads * d}, q.options());
+  const float* kbase = cache.data_ptr<float>();
+  const DecodeAttention a{q.data_ptr<float>(), kbase, kbase + num_blocks * bs * kv_heads * d,
+                          tp, lp, out.data_ptr<float>(), q.stride(0), width, bs, kv_heads,
+                          heads / kv_heads, d, static_cast<float>(scale)};
+  auto run = d == 32    ? &attend<32>
+             : d == 64  ? &attend<64>
+             : d == 128 ? &attend<128>
+             : d == 16  ? &attend<16>
+             : d == 256 ? &attend<256>
+                        : &attend<0>;
+  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, acc;
+    for (int64_t task = begin; task < end; ++task) run(a, task, scores, acc);
+  });
+  return out;
+}
+
+// Index of the largest value of each row (the first on ties; NaN counts as
+// largest, as torch.argmax): [B, V] -> [B] int64.
+at::Tensor argmax_rows(const at::Tensor& x) {
+  check_rows(x, "x");
+  const int64_t batch = x.size(0), v = x.size(1);
+  TORCH_CHECK(v >= 1, "rows must not be empty");
+  auto out = at::empty({batch}, x.options().dtype(at::kLong));
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  const int64_t xs = x.stride(0);
+  at::parallel_for(0, batch, 1, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const float* row = xp + r * xs;
+      // Pass 1 (vectorised): the maximum, and whether any value is NaN.
+      float top = -std::numeric_limits<float>::infinity();
+      int nan = 0;
+#pragma omp simd reduction(max : top) reduction(| : nan)
+      for (int64_t i = 0; i < v; ++i) {
+        top = std::max(top, row[i]);
+        nan |= row[i] != row[i];
+      }
+      // Pass 2: the first index that holds it.
+      int64_t idx = 0;
+      for (int64_t i = 0; i < v; ++i) {
+        if (nan ? row[i] != row[i] : row[i] == top) {
+          idx = i;
+          break;
+        }
+      }
+      op[r] = idx;
+    }
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm, "RMSNorm over rows");
+  m.def("add_rms_norm", &add_rms_norm, "residual += delta; RMSNorm(residual)");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up");
+  m.def("rope_store_kv", &rope_store_kv, "rotary embedding in place; store K and V");
+  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over paged KV");
+  m.def("argmax_rows", &argmax_rows, "argmax of each row");
+}
