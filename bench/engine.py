@@ -10,6 +10,9 @@ dummy) it measures
      vs HF generate over the same requests in static batches (the better of
      batch 8 and batch 32);
   3. prefill tokens/s of a 512-token prompt vs one HF forward.
+For (1) it also times one pass of matrix-vector products over all the
+weights (nothing else): no float32 decode step can be faster, so HF's time
+over it is the ceiling of the one-stream speedup on this machine.
 The last line is one JSON object with the figures and ratios.
 
   python bench/engine.py [--models tiny,smol] [--threads 2]
@@ -78,6 +81,22 @@ def hf_generate_time(model, batch: list[list[int]], new_tokens: int) -> float:
     return time.perf_counter() - start
 
 
+def weight_pass_ms(engine: LLMEngine, passes: int = 5) -> float:
+    """One batch-1 pass of matrix-vector products over every weight matrix of the
+    model, in forward order and nothing else: the floor under any float32 decode
+    step on this machine (it is bound by reading the weights from memory)."""
+    model = engine.model
+    mats = [m for w in model.layers for m in (w.qkv, w.o, w.gate_up, w.down)] + [model.lm_head]
+    x = {m.shape[0]: torch.randn(1, m.shape[0]) for m in mats}
+    times = []
+    for _ in range(passes + 1):
+        t = time.perf_counter()
+        for m in mats:
+            torch.mm(x[m.shape[0]], m)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times[1:]) * 1e3
+
+
 def bench_model(name: str, engine: LLMEngine, hf_model) -> dict:
     vocab = engine.spec.vocab_size
     greedy = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
@@ -99,6 +118,7 @@ def bench_model(name: str, engine: LLMEngine, hf_model) -> dict:
         engine.step()
         steps.append(time.perf_counter() - t)
     tandem_step = statistics.median(steps)
+    floor_ms = weight_pass_ms(engine)
 
     # 2. 32 concurrent requests
     batch = prompts(vocab, 32, seed=2)
@@ -143,6 +163,9 @@ def bench_model(name: str, engine: LLMEngine, hf_model) -> dict:
         "decode_step_ms": round(tandem_step * 1e3, 3),
         "hf_per_token_ms": round(hf_per_token * 1e3, 3),
         "decode_1_stream_speedup": round(hf_per_token / tandem_step, 2),
+        # the matmuls alone, and the most any float32 engine could gain over HF here
+        "weight_pass_ms": round(floor_ms, 3),
+        "decode_1_stream_ceiling": round(hf_per_token * 1e3 / floor_ms, 2),
         "concurrent32_tok_s": round(total_tokens / tandem_concurrent, 1),
         "hf_static_tok_s": {str(k): round(total_tokens / v, 1) for k, v in hf_times.items()},
         "concurrent32_speedup": round(hf_best / tandem_concurrent, 2),

@@ -80,6 +80,7 @@ def engine_config(
         speculative=speculative,
         kv_transfer_dtype=config.kv_transfer_dtype,
         cuda_graphs=config.cuda_graphs,
+        cpu_kernels=config.cpu_kernels,
     )
 
 

@@ -49,6 +49,9 @@ class ServeConfig(BaseModel):
     """Weights and KV cache dtype."""
     cuda_graphs: bool = False
     """GPU workers replay decode steps as CUDA graphs captured at fixed batch sizes."""
+    cpu_kernels: Literal["auto", "on", "off"] = "auto"
+    """Fused C++ kernels for float32 CPU workers: auto (fall back to PyTorch if they
+    cannot be built), on (a failed build is an error), off."""
     mode: Literal["disaggregated", "colocated"] = "disaggregated"
     """disaggregated: separate prefill and decode pools; colocated: one pool does both."""
     prefill: int = Field(1, ge=0)

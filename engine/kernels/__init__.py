@@ -21,6 +21,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -30,6 +31,8 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_ops.cpp")
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-trapping-math"]
+
+STALE_LOCK_S = 600  # a build takes about a minute
 
 _lock = threading.Lock()
 _loaded: dict[str, ModuleType | None] = {}
@@ -82,6 +85,11 @@ def _build(name: str) -> ModuleType:
 
     directory = _build_dir() / name
     directory.mkdir(parents=True, exist_ok=True)
+    # torch waits for the build lock to go away; a build killed midway leaves it.
+    lock = directory / "lock"
+    if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+        log.warning("removing a stale kernel build lock %s", lock)
+        lock.unlink(missing_ok=True)
     # The ninja that pip installed lives beside this interpreter, maybe not on PATH.
     bin_dir = str(Path(sys.executable).parent)
     if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
