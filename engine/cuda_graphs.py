@@ -50,6 +50,8 @@ class _Shape:
             num_decode=batch,
             decode_groups=[DecodeGroup(0, batch, self.tables, self.mask, 0)],
             prefills=[],
+            decode_tables=self.tables,  # for a model on the fused CPU kernels
+            decode_lens=self.lens,
         )
         self.graph: torch.cuda.CUDAGraph | None = None
         self.output: torch.Tensor | None = None
