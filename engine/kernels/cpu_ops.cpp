@@ -332,7 +332,11 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& cache,
              : d == 16  ? &attend<16>
              : d == 256 ? &attend<256>
                         : &attend<0>;
-  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  // Waking a second thread costs more than a short context's whole attention.
+  int64_t work = 0;
+  for (int64_t b = 0; b < batch; ++b) work += lp[b];
+  const int64_t grain = work * kv_heads < 16384 ? batch * kv_heads : 1;
+  at::parallel_for(0, batch * kv_heads, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, acc;
     for (int64_t task = begin; task < end; ++task) run(a, task, scores, acc);
   });
