@@ -69,6 +69,14 @@ class EngineLoop:
     async def acall(self, fn: Callable[[LLMEngine], T]) -> T:
         return await asyncio.wrap_future(self.call(fn))
 
+    def call_here(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Run ``fn(engine)`` in the calling thread under ``lock``, without
+        waiting for the step in flight to end. Only for what a step's forward
+        pass does not touch: the block pool, and requests outside the batch
+        (a prefilled request waiting for its push)."""
+        with self.lock:
+            return fn(self.engine)
+
     def _run(self) -> None:
         while not self._stopping:
             self._run_calls()
