@@ -2,28 +2,26 @@
 
 It receives KV blocks over gRPC (the KV receiver), attaches them to a
 request when the router starts its decode, and runs continuous batching.
-Every step's outputs go to the routers over their DecodeOutputs streams.
-In colocated mode the same worker also prefills.
+The engine thread writes every step's outputs to the routers' output
+streams itself (output_channel.py). In colocated mode the same worker also
+prefills.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
 
-import grpc
-
-from decode_pool.output_stream import OutputStreams
+from decode_pool.output_channel import OutputServer
 from engine.config import EngineConfig
 from engine.logfmt import log_event
 from engine.sampling import SamplingParams
 from engine.sequence import RequestOutput
 from engine.transfer import GrpcKVServer, TransferConfig
-from engine.transfer.grpc_server import message_limits
 from engine.worker_base import EngineWorker, IndexSettings
-from protos.tandem.v1 import worker_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +39,7 @@ class DecodeRequest:
 @dataclass(frozen=True)
 class WorkerAddresses:
     kv: str  # KVTransfer service
-    outputs: str  # DecodeOutputs service
+    outputs: str  # output streams (output_wire.py)
 
 
 class DecodeWorker(EngineWorker):
@@ -59,8 +57,7 @@ class DecodeWorker(EngineWorker):
         self.kv_server = GrpcKVServer(self.store, self.transfer, host=host, port=0)
         # request id -> (prefix blocks of this pool pinned for it, lease timer)
         self._pinned: dict[str, tuple[list[int], asyncio.TimerHandle]] = {}
-        self.streams = OutputStreams(self._router_gone)
-        self._server: grpc.aio.Server | None = None
+        self.outputs: OutputServer | None = None  # bound by start()
         self.addresses: WorkerAddresses | None = None
         self._background: set[asyncio.Future] = set()
         # request id -> when to forget it: aborted requests, so that a call for
@@ -68,25 +65,20 @@ class DecodeWorker(EngineWorker):
         self._aborted: dict[str, float] = {}
 
     async def start(self) -> WorkerAddresses:
+        self.outputs = OutputServer(
+            self.host,
+            self.transfer.security,
+            self._router_gone,
+            self.transfer.max_message_bytes,
+        )
         self.start_loop()
         await self.kv_server.start()
-        security = self.transfer.security
-        server = grpc.aio.server(
-            options=message_limits(self.transfer), interceptors=security.interceptors()
-        )
-        worker_pb2_grpc.add_DecodeOutputsServicer_to_server(self.streams, server)
-        port = security.add_port(server, f"{self.host}:0")
-        if port == 0:
-            raise OSError(f"could not bind the output stream server to {self.host}")
-        await server.start()
-        self._server = server
-        self.addresses = WorkerAddresses(self.kv_server.address, f"{self.host}:{port}")
+        self.addresses = WorkerAddresses(self.kv_server.address, self.outputs.address)
         return self.addresses
 
     async def stop(self) -> None:
-        self.streams.close()
-        if self._server is not None:
-            await self._server.stop(1.0)
+        if self.outputs is not None:
+            self.outputs.close()
         await self.kv_server.stop(1.0)
         for rid in list(self._pinned) + await self.loop.acall(lambda e: e.request_ids()):
             await self.abort(rid)
@@ -129,7 +121,7 @@ class DecodeWorker(EngineWorker):
         prefix = self._take_pins(req.request_id)
         claimed = self.kv_server.claim(req.request_id)
         if claimed is None:
-            self.streams.disown(req.request_id)
+            self._disown(req.request_id)
             await self.loop.acall(lambda e: e.block_pool.free(prefix))
             raise LookupError(f"no KV blocks arrived for request {req.request_id!r}")
         blocks = prefix + claimed
@@ -154,7 +146,7 @@ class DecodeWorker(EngineWorker):
         try:
             await asyncio.wrap_future(added)
         except BaseException:
-            self.streams.disown(req.request_id)
+            self._disown(req.request_id)
             if added.cancel():  # it had not run (we were cancelled): the blocks are ours
                 self.loop.call(lambda e: e.block_pool.free(blocks))
             raise
@@ -179,7 +171,7 @@ class DecodeWorker(EngineWorker):
                 )
             )
         except BaseException:
-            self.streams.disown(req.request_id)
+            self._disown(req.request_id)
             raise
 
     async def abort(self, request_id: str) -> bool:
@@ -187,7 +179,7 @@ class DecodeWorker(EngineWorker):
         if len(self._aborted) > 1024:
             self._aborted = {r: t for r, t in self._aborted.items() if t > now}
         self._aborted[request_id] = now + self.transfer.lease_s
-        self.streams.disown(request_id)
+        self._disown(request_id)
         pinned = self._take_pins(request_id)
         if pinned:
             await self.loop.acall(lambda e: e.block_pool.free(pinned))
@@ -213,12 +205,21 @@ class DecodeWorker(EngineWorker):
             self.loop.call(lambda e: e.block_pool.free(blocks))
 
     def _own(self, req: DecodeRequest) -> None:
-        if not self.streams.has_router(req.router_id):
+        if self.outputs is None or not self.outputs.has_router(req.router_id):
             raise ConnectionError(f"router {req.router_id} has no open output stream here")
-        self.streams.own(req.request_id, req.router_id)
+        self.outputs.own(req.request_id, req.router_id)
 
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        self.streams.publish(outputs, self.drain_events())
+    def _disown(self, request_id: str) -> None:
+        if self.outputs is not None:
+            self.outputs.disown(request_id)
+
+    def _on_outputs(self, outputs: list[RequestOutput]) -> None:
+        """On the engine thread, after each step: straight to the routers."""
+        if self.outputs is not None:
+            try:
+                self.outputs.publish(outputs, self.drain_events())
+            except Exception:  # the engine thread must go on
+                log.exception("publishing a step's outputs failed")
         for out in outputs:
             if out.finished:
                 log_event(
@@ -231,8 +232,15 @@ class DecodeWorker(EngineWorker):
                     cached_tokens=out.num_cached_tokens,
                 )
 
-    def _router_gone(self, router_id: str) -> None:
-        for rid in self.streams.requests_of(router_id):
+    def _router_gone(self, router_id: str, request_ids: list[str]) -> None:
+        """A router's stream closed (in its connection's thread): abort what it owned."""
+        if not request_ids or self._aio is None:
+            return
+        with contextlib.suppress(RuntimeError):  # the event loop is closed: nothing to abort
+            self._aio.call_soon_threadsafe(self._abort_all, request_ids)
+
+    def _abort_all(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
             task = asyncio.ensure_future(self.abort(rid))
             self._background.add(task)
             task.add_done_callback(self._background.discard)

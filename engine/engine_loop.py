@@ -3,9 +3,11 @@
 The engine is not thread-safe. Its thread steps it whenever there is work
 and runs the calls that others submit (add, abort, export, attach) between
 steps, all under ``lock``; a KV transfer server shares that lock for its
-pool bookkeeping. Each step's outputs go to ``on_outputs`` from the engine
-thread: the owner hands them to its event loop. So do the prefix cache's
-changes (block hashes stored and evicted), for the block index.
+pool bookkeeping. A step lets go of the lock while the model computes, so
+a transfer waits for the step's bookkeeping, never for its forward pass.
+Each step's outputs go to ``on_outputs`` from the engine thread: the owner
+hands them to its event loop. So do the prefix cache's changes (block
+hashes stored and evicted), for the block index.
 """
 
 from __future__ import annotations
@@ -67,6 +69,14 @@ class EngineLoop:
     async def acall(self, fn: Callable[[LLMEngine], T]) -> T:
         return await asyncio.wrap_future(self.call(fn))
 
+    def call_here(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Run ``fn(engine)`` in the calling thread under ``lock``, without
+        waiting for the step in flight to end. Only for what a step's forward
+        pass does not touch: the block pool, and requests outside the batch
+        (a prefilled request waiting for its push)."""
+        with self.lock:
+            return fn(self.engine)
+
     def _run(self) -> None:
         while not self._stopping:
             self._run_calls()
@@ -85,7 +95,7 @@ class EngineLoop:
 
     def _step(self) -> list[RequestOutput]:
         try:
-            outputs = self.engine.step()
+            outputs = self.engine.step(pool_lock=self.lock)
         except Exception:  # a broken step must not kill the worker silently
             log.exception("engine step failed; aborting every request")
             outputs = self._abort_all()

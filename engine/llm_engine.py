@@ -8,8 +8,11 @@ that arrived from another engine and continues decoding there.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
+import threading
+from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -49,6 +52,19 @@ class KVExport:
     block_ids: list[int]  # in the exporting engine's pool
     block_hashes: list[BlockHash]  # of the full blocks, in order
     data: torch.Tensor | None  # [layers, 2, blocks, block_size, kv_heads, head_dim]
+
+
+@contextlib.contextmanager
+def _released(lock: threading.RLock | None) -> Iterator[None]:
+    """Let go of ``lock`` (held once by this thread) for the duration."""
+    if lock is None:
+        yield
+        return
+    lock.release()
+    try:
+        yield
+    finally:
+        lock.acquire()
 
 
 def load_tokenizer(path: str):
@@ -244,7 +260,10 @@ class LLMEngine:
 
     # ---- the step -------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, pool_lock: threading.RLock | None = None) -> list[RequestOutput]:
+        """One pass over the scheduled batch. ``pool_lock``, held by the caller
+        around the step, is released while the model computes: the step then
+        touches no pool state, and other threads (KV transfers) may use the pool."""
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
@@ -254,9 +273,18 @@ class LLMEngine:
             self.speculator.fit(batch)
         # One-token sequences first, shortest context first (see attention.py).
         batch.sort(key=lambda s: (s.num_tokens != 1, s.seq.num_computed))
-        sample_rows, spec_rows, hidden = self._forward(batch)
-        outputs = []
-        to_sample = []
+        # Sequences whose last known token is computed this step (the rows of
+        # sample_rows, in batch order) get their next token.
+        to_sample = [
+            item.seq
+            for item in batch
+            if not item.seq.spec_token_ids
+            and item.seq.num_computed + item.num_tokens == item.seq.num_tokens
+        ]
+        with _released(pool_lock):
+            sample_rows, spec_rows, hidden = self._forward(batch)
+            sampled = self._sample(to_sample, hidden[sample_rows]) if to_sample else []
+            spec_logits = self.model.logits(hidden[spec_rows]) if spec_rows else None
         speculated = []
         for item in batch:
             seq = item.seq
@@ -265,22 +293,21 @@ class LLMEngine:
                 continue
             seq.num_computed += item.num_tokens
             self._cache_full_blocks(seq)
-            if seq.num_computed == seq.num_tokens:
-                to_sample.append(seq)
-        if to_sample:
-            logits = self.model.logits(hidden[sample_rows])
-            for s in to_sample:
-                seed_for_token(s.generator, s.params.seed, len(s.output_token_ids))
-            requests = [
-                SampleRequest(s.params, s.prompt_token_ids, s.output_token_ids, s.generator)
-                for s in to_sample
-            ]
-            for seq, sampled in zip(to_sample, self.sampler(logits, requests), strict=True):
-                outputs.append(self._append_token(seq, sampled))
+        outputs = [self._append_token(s, t) for s, t in zip(to_sample, sampled, strict=True)]
         if speculated:
-            assert self.speculator is not None
-            outputs += self.speculator.accept(speculated, self.model.logits(hidden[spec_rows]))
+            assert self.speculator is not None and spec_logits is not None
+            outputs += self.speculator.accept(speculated, spec_logits)
         return outputs
+
+    def _sample(self, seqs: list[Sequence], hidden: torch.Tensor) -> list[SampledToken]:
+        logits = self.model.logits(hidden)
+        for s in seqs:
+            seed_for_token(s.generator, s.params.seed, len(s.output_token_ids))
+        requests = [
+            SampleRequest(s.params, s.prompt_token_ids, s.output_token_ids, s.generator)
+            for s in seqs
+        ]
+        return self.sampler(logits, requests)
 
     def _forward(self, batch: list[ScheduledSeq]) -> tuple[list[int], list[int], torch.Tensor]:
         """The step's pass: rows to sample (one per sequence that reaches its last

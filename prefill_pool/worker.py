@@ -137,14 +137,16 @@ class PrefillWorker(EngineWorker):
         finally:
             self.unlisten(rid)
             if pulled:  # the request holds its own references by now
-                await asyncio.shield(self.loop.acall(lambda e: e.block_pool.free(pulled)))
+                self.store.release(pulled)
         prefilled = time.perf_counter()
         if out.finish_reason == "abort":  # the abort may have come before the add: drop it
             await asyncio.shield(self.loop.acall(lambda e: e.abort(rid)))
         if out.finished:  # ended by its first token, or aborted: nothing to push
             return PrefillResult(rid, out, 0, prefilled - start, 0.0, self.drain_events())
+        # The request is prefilled: out of the batch, its blocks held for the
+        # push. Export and release it without waiting for the next step.
         try:
-            export = await self.loop.acall(lambda e: e.export_kv(rid, with_data=False))
+            export = self.loop.call_here(lambda e: e.export_kv(rid, with_data=False))
             n_hashed = len(export.block_hashes)
             hashes = export.block_hashes + [None] * (len(export.block_ids) - n_hashed)
             skip = min(req.skip_blocks, len(export.block_ids) - 1)
@@ -154,7 +156,7 @@ class PrefillWorker(EngineWorker):
             pushed = await self._push(req.decode_kv_address, blocks)
             self.kv_bytes_pushed += pushed.bytes_sent
         finally:
-            await asyncio.shield(self.loop.acall(lambda e: e.abort(rid)))
+            self.loop.call_here(lambda e: e.abort(rid))
         done = time.perf_counter()
         log_event(
             log,

@@ -1,30 +1,100 @@
 """The router's end of the decode workers' output streams.
 
-One DecodeOutputs stream per decode worker carries every step's deltas for
-this router's requests there (and the workers' cache events). Each request
-reads its deltas from a queue; when a worker's stream breaks, every request
-on that worker gets ``LOST`` and the backend hears of it.
+One TCP connection per decode worker (decode_pool/output_wire.py) carries
+every step's deltas for this router's requests there, and the worker's
+cache events. Each request reads its deltas from a queue; when a worker's
+stream breaks, every request on that worker gets ``LOST`` and the backend
+hears of it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
+import socket
 from collections.abc import Callable
 from typing import Final
 
-import grpc
-
+from decode_pool import output_wire as wire
 from engine.transfer import TransferConfig
-from engine.transfer.grpc_server import message_limits
-from protos.tandem.v1 import worker_pb2, worker_pb2_grpc
+from engine.transfer.datachannel import split_address
+from protos.tandem.v1 import worker_pb2
 from router.pool_manager import WorkerHandle
 
 log = logging.getLogger(__name__)
 
 LOST: Final = None  # put in a request's queue when its worker's stream broke
 DeltaQueue = asyncio.Queue[worker_pb2.RequestDelta | None]
+SUBSCRIBE_TIMEOUT_S = 30.0
+
+
+class _OutputStream(asyncio.Protocol):
+    """One worker's stream: the login, then frames of StepBatch."""
+
+    def __init__(
+        self,
+        worker: WorkerHandle,
+        router_id: str,
+        transfer: TransferConfig,
+        on_batch: Callable[[worker_pb2.StepBatch], None],
+        on_end: Callable[[_OutputStream, str], None],
+    ) -> None:
+        self.worker = worker
+        self.router_id = router_id
+        self.security = transfer.security
+        self.on_batch = on_batch
+        self.on_end = on_end
+        self.frames = wire.FrameReader(transfer.max_message_bytes)
+        self.opened: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.transport: asyncio.Transport | None = None
+        self._hello = bytearray()
+        self.is_open = False  # the worker accepted the login
+        self.ended = False
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            if len(self._hello) < wire.HELLO_BYTES:
+                data = self._read_hello(data)
+            for payload in self.frames.feed(data):
+                if not self.is_open:
+                    self.is_open = True
+                    self.opened.set_result(None)
+                else:
+                    self.on_batch(worker_pb2.StepBatch.FromString(payload))
+        except Exception as exc:  # a bad frame: the stream cannot be trusted any more
+            self.end(f"bad output stream: {type(exc).__name__}: {exc}")
+
+    def _read_hello(self, data: bytes) -> bytes:
+        need = wire.HELLO_BYTES - len(self._hello)
+        self._hello += data[:need]
+        if len(self._hello) == wire.HELLO_BYTES:
+            if self._hello[: len(wire.MAGIC)] != wire.MAGIC:
+                raise wire.ProtocolError("not a decode worker's output stream")
+            nonce = bytes(self._hello[len(wire.MAGIC) :])
+            assert self.transport is not None
+            self.transport.write(wire.login(self.security, nonce, self.router_id))
+        return data[need:]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.end(f"output stream broke: {exc}" if exc else "the output stream ended")
+
+    def end(self, why: str) -> None:
+        """Close the stream (once); ``on_end`` hears why ("" when asked to)."""
+        if self.ended:
+            return
+        self.ended = True
+        if self.transport is not None:
+            self.transport.abort()
+        if not self.opened.done():
+            self.opened.set_exception(ConnectionError(why or "closed"))
+            self.opened.exception()  # subscribe() may have stopped waiting: no warning
+        self.on_end(self, why)
 
 
 class DecodeStreams:
@@ -36,14 +106,13 @@ class DecodeStreams:
         transfer: TransferConfig,
     ) -> None:
         """``transfer``: the cluster's credentials and message limits, which the
-        workers' output-stream servers demand."""
+        workers' output streams demand."""
         self.router_id = router_id
         self.transfer = transfer
         self.on_events = on_events
         self.on_broken = on_broken
         self._queues: dict[str, tuple[DeltaQueue, WorkerHandle]] = {}  # request id ->
-        self._readers: dict[str, asyncio.Task] = {}  # decode worker name -> reader
-        self._channels: dict[str, grpc.aio.Channel] = {}  # decode worker name -> channel
+        self._streams: dict[str, _OutputStream] = {}  # decode worker name -> its stream
 
     def register(self, request_id: str, worker: WorkerHandle) -> DeltaQueue:
         queue: DeltaQueue = asyncio.Queue()
@@ -54,55 +123,56 @@ class DecodeStreams:
         self._queues.pop(request_id, None)
 
     async def subscribe(self, worker: WorkerHandle) -> None:
+        """Open ``worker``'s output stream; ConnectionError if it is refused or
+        does not open in time."""
         await self.unsubscribe(worker)
+        address = worker.info["outputs"]
+        host, port = split_address(address), int(address.rsplit(":", 1)[1])
         security = self.transfer.security
-        channel = security.channel(worker.info["outputs"], message_limits(self.transfer))
-        self._channels[worker.name] = channel
-        stream = worker_pb2_grpc.DecodeOutputsStub(channel).Subscribe(
-            worker_pb2.SubscribeRequest(router_id=self.router_id), metadata=security.metadata()
-        )
-        await stream.read()  # the empty batch that opens the stream
-        self._readers[worker.name] = asyncio.create_task(self._read(worker, stream))
+        ctx = security.client_ssl_context()  # None without cluster TLS
+        server_name = None
+        if ctx is not None:
+            server_name = (security.tls.server_name if security.tls else None) or host
+        stream = _OutputStream(worker, self.router_id, self.transfer, self._dispatch, self._ended)
+        self._streams[worker.name] = stream
+        try:
+            async with asyncio.timeout(SUBSCRIBE_TIMEOUT_S):
+                await asyncio.get_running_loop().create_connection(
+                    lambda: stream, host, port, ssl=ctx, server_hostname=server_name
+                )
+                await stream.opened
+        except (OSError, TimeoutError) as exc:  # ConnectionError is an OSError
+            stream.end("")
+            raise ConnectionError(f"output stream of {worker.name}: {exc!r}") from exc
 
     async def unsubscribe(self, worker: WorkerHandle) -> None:
-        task = self._readers.pop(worker.name, None)
-        if task is not None:
-            task.cancel()
-        channel = self._channels.pop(worker.name, None)
-        if channel is not None:
-            with contextlib.suppress(Exception):
-                await channel.close()
+        """Close ``worker``'s stream; its requests get LOST (the worker is out
+        of routing already, or is subscribed again)."""
+        stream = self._streams.get(worker.name)
+        if stream is not None:
+            stream.end("")
 
     async def close(self) -> None:
-        for task in self._readers.values():
-            task.cancel()
-        for channel in self._channels.values():
-            with contextlib.suppress(Exception):
-                await channel.close()
-        self._readers.clear()
-        self._channels.clear()
+        for stream in list(self._streams.values()):
+            stream.end("")
 
-    async def _read(self, worker: WorkerHandle, stream) -> None:
-        broken = "the stream ended"
-        try:
-            while (batch := await stream.read()) is not grpc.aio.EOF:
-                self.on_events(batch.cache_events)
-                for delta in batch.deltas:
-                    entry = self._queues.get(delta.request_id)
-                    if entry is not None:
-                        entry[0].put_nowait(delta)
-        except asyncio.CancelledError:
-            broken = ""  # unsubscribed: the worker is gone from routing already
-            raise
-        except grpc.aio.AioRpcError as exc:
-            broken = f"output stream broke: {exc.code().name}"
-        except Exception as exc:
-            log.exception("reading the output stream of %s failed", worker.name)
-            broken = f"output stream failed: {type(exc).__name__}"
-        finally:
-            # Requests on that worker can no longer finish there.
-            for queue, owner in list(self._queues.values()):
-                if owner is worker:
-                    queue.put_nowait(LOST)
-            if broken:
-                self.on_broken(worker, broken)
+    def _dispatch(self, batch: worker_pb2.StepBatch) -> None:
+        if batch.cache_events:
+            self.on_events(batch.cache_events)
+        for delta in batch.deltas:
+            entry = self._queues.get(delta.request_id)
+            if entry is not None:
+                entry[0].put_nowait(delta)
+
+    def _ended(self, stream: _OutputStream, why: str) -> None:
+        worker = stream.worker
+        if self._streams.get(worker.name) is stream:
+            del self._streams[worker.name]
+        if not stream.is_open:
+            return  # no request was routed over it
+        # Requests on that worker can no longer finish there.
+        for queue, owner in list(self._queues.values()):
+            if owner is worker:
+                queue.put_nowait(LOST)
+        if why:  # not closed by this router: the worker is suspect
+            self.on_broken(worker, why)

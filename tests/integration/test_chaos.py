@@ -158,7 +158,10 @@ def _check(outs: list, reference: dict) -> None:
 
 
 def _busiest(workers: list[WorkerHandle]) -> WorkerHandle:
-    return max(workers, key=lambda w: w.in_flight)
+    """The decode worker with the most sequences decoding (requests routed to
+    it may still wait in a frozen prefill worker: they are not its streams)."""
+    running = ray.get([w.actor.stats.remote() for w in workers], timeout=30)
+    return max(zip(workers, running, strict=True), key=lambda x: x[1]["num_running"])[0]
 
 
 def _count(d: Deployment) -> None:

@@ -131,24 +131,20 @@ def test_a_worker_refuses_a_kv_peer_without_credentials(hardened, certs, who):
 
 def test_a_decode_worker_refuses_an_output_stream_without_the_secret(hardened):
     """The token streams are internal too: no secret, no tokens."""
-    from protos.tandem.v1 import worker_pb2, worker_pb2_grpc
+    from router.decode_streams import DecodeStreams
+    from router.pool_manager import WorkerHandle
 
     transfer = hardened.config.transfer_config()
-    no_secret = ClusterSecurity(b"", transfer.security.tls)
-    address = hardened.backend.decode.workers[0].info["outputs"]
+    no_secret = dataclasses.replace(transfer, security=ClusterSecurity(b"", transfer.security.tls))
+    decode = hardened.backend.decode.workers[0]
+    intruder = WorkerHandle(decode.name, "decode", None, dict(decode.info))
 
-    async def subscribe() -> grpc.StatusCode:
-        async with no_secret.channel(address) as channel:
-            stream = worker_pb2_grpc.DecodeOutputsStub(channel).Subscribe(
-                worker_pb2.SubscribeRequest(router_id="intruder"), timeout=10
-            )
-            try:
-                await stream.read()
-            except grpc.aio.AioRpcError as e:
-                return e.code()
-        return grpc.StatusCode.OK
+    async def subscribe() -> None:
+        streams = DecodeStreams("intruder", lambda events: None, lambda w, why: None, no_secret)
+        await streams.subscribe(intruder)
 
-    assert asyncio.run(subscribe()) == grpc.StatusCode.UNAUTHENTICATED
+    with pytest.raises(ConnectionError):
+        asyncio.run(subscribe())
 
 
 # ---- fuzzing Generate ----

@@ -7,12 +7,6 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
-class SubscribeRequest(_message.Message):
-    __slots__ = ("router_id",)
-    ROUTER_ID_FIELD_NUMBER: _ClassVar[int]
-    router_id: str
-    def __init__(self, router_id: _Optional[str] = ...) -> None: ...
-
 class StepBatch(_message.Message):
     __slots__ = ("deltas", "cache_events")
     DELTAS_FIELD_NUMBER: _ClassVar[int]

@@ -3,7 +3,6 @@
 import grpc
 import warnings
 
-from protos.tandem.v1 import worker_pb2 as protos_dot_tandem_dot_v1_dot_worker__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -23,75 +22,3 @@ if _version_not_supported:
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
     )
-
-
-class DecodeOutputsStub:
-    """Missing associated documentation comment in .proto file."""
-
-    def __init__(self, channel):
-        """Constructor.
-
-        Args:
-            channel: A grpc.Channel.
-        """
-        self.Subscribe = channel.unary_stream(
-                '/tandem.v1.DecodeOutputs/Subscribe',
-                request_serializer=protos_dot_tandem_dot_v1_dot_worker__pb2.SubscribeRequest.SerializeToString,
-                response_deserializer=protos_dot_tandem_dot_v1_dot_worker__pb2.StepBatch.FromString,
-                _registered_method=True)
-
-
-class DecodeOutputsServicer:
-    """Missing associated documentation comment in .proto file."""
-
-    def Subscribe(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-
-def add_DecodeOutputsServicer_to_server(servicer, server):
-    rpc_method_handlers = {
-            'Subscribe': grpc.unary_stream_rpc_method_handler(
-                    servicer.Subscribe,
-                    request_deserializer=protos_dot_tandem_dot_v1_dot_worker__pb2.SubscribeRequest.FromString,
-                    response_serializer=protos_dot_tandem_dot_v1_dot_worker__pb2.StepBatch.SerializeToString,
-            ),
-    }
-    generic_handler = grpc.method_handlers_generic_handler(
-            'tandem.v1.DecodeOutputs', rpc_method_handlers)
-    server.add_generic_rpc_handlers((generic_handler,))
-    server.add_registered_method_handlers('tandem.v1.DecodeOutputs', rpc_method_handlers)
-
-
- # This class is part of an EXPERIMENTAL API.
-class DecodeOutputs:
-    """Missing associated documentation comment in .proto file."""
-
-    @staticmethod
-    def Subscribe(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
-            target,
-            '/tandem.v1.DecodeOutputs/Subscribe',
-            protos_dot_tandem_dot_v1_dot_worker__pb2.SubscribeRequest.SerializeToString,
-            protos_dot_tandem_dot_v1_dot_worker__pb2.StepBatch.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)

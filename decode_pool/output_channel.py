@@ -1,0 +1,324 @@
+"""A decode worker's output streams: each step's outputs, written to the
+routers by the engine thread itself.
+
+Every router that sends requests here holds one TCP connection to this
+worker (the protocol is in output_wire.py). After each step the engine
+thread groups the outputs by the router that owns each request, encodes one
+StepBatch per router, and writes it to that router's socket without
+blocking: no event loop, no other thread sits between a step and the wire.
+A socket that cannot take a frame at once (a router reading slowly) queues
+it, and the connection's own thread writes the queue out when the socket
+is writable; a queue beyond ``MAX_BACKLOG_BYTES`` closes the connection.
+
+The connection's thread also notices the router going away (the socket
+closes or breaks): the worker then aborts every request that router owned
+here. The router notices a worker going away the same way and fails those
+requests over.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import secrets
+import select
+import socket
+import ssl
+import threading
+from collections.abc import Callable
+
+from decode_pool import output_wire as wire
+from engine.index import KVEvent
+from engine.sequence import RequestOutput
+from engine.transfer.datachannel import recv_exact, tune
+from engine.transfer.security import ClusterSecurity
+from protos.tandem.v1 import generate_pb2, worker_pb2
+
+log = logging.getLogger(__name__)
+
+HANDSHAKE_TIMEOUT_S = 10.0
+MAX_BACKLOG_BYTES = 256 << 20
+_WOULD_BLOCK = (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
+
+RouterGone = Callable[[str, list[str]], None]
+"""(router id, the requests it owned here): its stream closed."""
+
+
+def to_delta(out: RequestOutput) -> worker_pb2.RequestDelta:
+    delta = worker_pb2.RequestDelta(
+        request_id=out.request_id,
+        token_ids=out.new_token_ids,
+        text=out.text_delta,
+        finished=out.finished,
+        finish_reason=out.finish_reason or "",
+        num_output_tokens=out.num_output_tokens,
+        num_cached_tokens=out.num_cached_tokens,
+    )
+    for lp in out.logprobs or []:
+        delta.logprobs.append(
+            generate_pb2.TokenLogprob(
+                token_id=lp.token_id,
+                logprob=lp.logprob,
+                top_logprobs=[generate_pb2.TopLogprob(token_id=t, logprob=p) for t, p in lp.top],
+            )
+        )
+    return delta
+
+
+class RouterConnection:
+    """One router's stream: non-blocking writes from any thread, and a thread
+    of its own that flushes what the socket could not take and watches for
+    the router closing it."""
+
+    def __init__(self, router_id: str, sock: socket.socket) -> None:
+        self.router_id = router_id
+        self._sock = sock
+        self._lock = threading.Lock()  # one SSL object must not be used by two threads at once
+        self._backlog: collections.deque[memoryview] = collections.deque()
+        self._backlog_bytes = 0
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_w.setblocking(False)
+        self.closed = False
+        self.why = ""
+
+    def send(self, data: bytes) -> None:
+        """Write ``data`` now, or queue it behind what the socket has not taken."""
+        with self._lock:
+            if self.closed:
+                return
+            wake = not self._backlog
+            if wake:
+                sent = self._write(data)
+                if sent == len(data) or sent < 0:
+                    return
+                data = memoryview(data)[sent:]
+            self._backlog.append(memoryview(data))
+            self._backlog_bytes += len(data)
+            if self._backlog_bytes > MAX_BACKLOG_BYTES:
+                self._close_locked(f"more than {MAX_BACKLOG_BYTES} bytes unread")
+                return
+        if wake:
+            with contextlib.suppress(OSError):
+                self._wake_w.send(b"\0")
+
+    def close(self, why: str) -> None:
+        with self._lock:
+            self._close_locked(why)
+
+    def run(self) -> None:
+        """Flush the backlog and watch the socket until the stream ends; then
+        close it (in this thread only, so no one else uses a closed socket)."""
+        poller = select.poll()
+        poller.register(self._wake_r, select.POLLIN)
+        try:
+            while True:
+                with self._lock:
+                    if self.closed:
+                        return
+                    flags = select.POLLIN | (select.POLLOUT if self._backlog else 0)
+                poller.register(self._sock, flags)
+                for fd, events in poller.poll():
+                    if fd == self._wake_r.fileno():
+                        with contextlib.suppress(OSError):
+                            self._wake_r.recv(4096)
+                        continue
+                    if events & select.POLLOUT:
+                        self._flush()
+                    if events & ~select.POLLOUT:  # data, hang-up or error
+                        self._on_readable()
+        finally:
+            with self._lock:
+                self._close_locked("the stream ended")
+            for s in (self._sock, self._wake_r, self._wake_w):
+                s.close()
+
+    def _write(self, data: bytes | memoryview) -> int:
+        """Bytes the socket took (0: none now; -1: it broke and is closed)."""
+        try:
+            return self._sock.send(data)
+        except _WOULD_BLOCK:
+            return 0  # SSL: nothing sent; the same bytes are written again later
+        except OSError as exc:
+            self._close_locked(f"write failed: {exc}")
+            return -1
+
+    def _flush(self) -> None:
+        with self._lock:
+            while self._backlog and not self.closed:
+                head = self._backlog[0]
+                sent = self._write(head)
+                if sent <= 0:
+                    return
+                self._backlog_bytes -= sent
+                if sent < len(head):
+                    self._backlog[0] = head[sent:]
+                    return
+                self._backlog.popleft()
+
+    def _on_readable(self) -> None:
+        """The router writes nothing after its login: this is the end."""
+        with self._lock:
+            try:
+                data = self._sock.recv(4096)
+            except _WOULD_BLOCK:
+                return
+            except OSError as exc:
+                self._close_locked(f"connection broken: {exc}")
+                return
+            self._close_locked("the router sent data" if data else "the router closed it")
+
+    def _close_locked(self, why: str) -> None:
+        if self.closed:
+            return
+        self.closed, self.why = True, why
+        self._backlog.clear()
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes run(), which closes the socket
+
+
+class OutputServer:
+    """Accepts routers' output streams and writes each step's outputs to them."""
+
+    def __init__(
+        self,
+        host: str,
+        security: ClusterSecurity,
+        on_router_gone: RouterGone,
+        max_frame_bytes: int = 64 << 20,
+    ) -> None:
+        self.security = security
+        self.max_frame_bytes = max_frame_bytes
+        self._on_router_gone = on_router_gone
+        self._ssl = security.server_ssl_context()
+        self._listener = socket.create_server((host, 0), backlog=socket.SOMAXCONN)
+        self.address = f"{host}:{self._listener.getsockname()[1]}"
+        self._lock = threading.Lock()
+        self._routers: dict[str, RouterConnection] = {}
+        self._owner: dict[str, str] = {}  # request id -> router id
+        self._stopped = False
+        self._thread = threading.Thread(target=self._accept, name="outputs-accept", daemon=True)
+        self._thread.start()
+
+    # ---- requests (event loop thread) ----
+
+    def has_router(self, router_id: str) -> bool:
+        return router_id in self._routers
+
+    def own(self, request_id: str, router_id: str) -> None:
+        with self._lock:
+            self._owner[request_id] = router_id
+
+    def disown(self, request_id: str) -> None:
+        with self._lock:
+            self._owner.pop(request_id, None)
+
+    # ---- outputs (engine thread) ----
+
+    def publish(self, outputs: list[RequestOutput], events: list[KVEvent]) -> None:
+        """Send one step's outputs, each to the router that owns its request,
+        and the cache events to every router."""
+        owned: dict[str, list[RequestOutput]] = {}
+        with self._lock:
+            routers = dict(self._routers)
+            for out in outputs:
+                router = self._owner.get(out.request_id)
+                if router is None:
+                    continue
+                if out.finished:
+                    del self._owner[out.request_id]
+                owned.setdefault(router, []).append(out)
+        pb_events = [
+            worker_pb2.CacheEvent(worker=e.worker, stored=e.stored, removed=e.removed)
+            for e in events
+        ]
+        for router_id, conn in routers.items():
+            mine = owned.get(router_id)
+            if not mine and not pb_events:
+                continue
+            batch = worker_pb2.StepBatch(
+                deltas=[to_delta(o) for o in mine or ()], cache_events=pb_events
+            )
+            for frame in wire.frames(batch, self.max_frame_bytes):
+                conn.send(frame)
+
+    # ---- connections ----
+
+    def close(self) -> None:
+        """Stop accepting and end every stream (routers see them end)."""
+        self._stopped = True
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
+        self._listener.close()
+        with self._lock:
+            conns = list(self._routers.values())
+        for conn in conns:
+            conn.close("the worker stops")
+        self._thread.join(5)
+
+    def _accept(self) -> None:
+        while not self._stopped:
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
+                if self._stopped:
+                    return
+                continue
+            threading.Thread(
+                target=self._serve, args=(sock,), name="outputs-conn", daemon=True
+            ).start()
+
+    def _serve(self, sock: socket.socket) -> None:
+        try:
+            tune(sock)
+            sock.settimeout(HANDSHAKE_TIMEOUT_S)
+            if self._ssl is not None:
+                sock = self._ssl.wrap_socket(sock, server_side=True)
+            router_id = self._login(sock)
+        except (OSError, ValueError):  # ssl.SSLError is an OSError
+            router_id = None
+        if router_id is None or self._stopped:
+            sock.close()
+            return
+        sock.setblocking(False)
+        conn = RouterConnection(router_id, sock)
+        with self._lock:  # open it before the router, once it hears so, starts requests here
+            conn.send(wire.OPEN_FRAME)  # first: publish() sends only to registered streams
+            old = self._routers.get(router_id)
+            self._routers[router_id] = conn
+        if old is not None:  # the router opened a new stream: the old one is done
+            old.close("replaced by a new stream from the same router")
+        log.info("router %s subscribed", router_id)
+        try:
+            conn.run()
+        finally:
+            self._closed(conn)
+
+    def _login(self, sock: socket.socket) -> str | None:
+        """The router id a connection's LOGIN proves, or None."""
+        nonce = secrets.token_bytes(wire.NONCE_BYTES)
+        sock.sendall(wire.hello(nonce))
+        head = memoryview(bytearray(len(wire.MAGIC) + wire.ID_LENGTH.size))
+        if not recv_exact(sock, head) or head[: len(wire.MAGIC)] != wire.MAGIC:
+            return None
+        (id_bytes,) = wire.ID_LENGTH.unpack_from(head, len(wire.MAGIC))
+        if id_bytes > wire.MAX_ROUTER_ID_BYTES:
+            return None
+        rest = memoryview(bytearray(wire.login_size(id_bytes)))
+        if not recv_exact(sock, rest):
+            return None
+        router_id, mac = bytes(rest[:id_bytes]), bytes(rest[id_bytes:])
+        if not wire.check_login(self.security, nonce, router_id, mac):
+            return None
+        return router_id.decode(errors="replace")
+
+    def _closed(self, conn: RouterConnection) -> None:
+        with self._lock:
+            if self._routers.get(conn.router_id) is not conn:
+                return  # replaced: the router fails the old stream's requests over
+            del self._routers[conn.router_id]
+            gone = [r for r, owner in self._owner.items() if owner == conn.router_id]
+            for rid in gone:
+                del self._owner[rid]
+        log.info("router %s unsubscribed: %s", conn.router_id, conn.why)
+        self._on_router_gone(conn.router_id, gone)

@@ -1,0 +1,102 @@
+"""The wire format of a decode worker's output stream: one TCP connection
+per (router, decode worker), TLS first when the cluster has TLS.
+
+    worker -> router   HELLO   MAGIC, a random nonce (NONCE_BYTES)
+    router -> worker   LOGIN   MAGIC, u16 length and UTF-8 router id,
+                               HMAC-SHA256(cluster secret, CONTEXT + nonce + router id)
+    worker -> router   frames  u32 length, then that many bytes of a serialized
+                               StepBatch (worker.proto); one frame per engine step.
+                               The first frame, an empty batch, opens the stream.
+
+Integers are little-endian. A LOGIN that does not prove the secret is
+answered by closing the connection (the router sees the stream end before
+it opened). The router never writes after its LOGIN; either side closing
+the connection ends the stream.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterator
+
+from engine.transfer.security import MAC_BYTES, ClusterSecurity
+from protos.tandem.v1 import worker_pb2
+
+MAGIC = b"TOS1"
+NONCE_BYTES = 16
+HELLO_BYTES = len(MAGIC) + NONCE_BYTES
+CONTEXT = b"tandem-output-stream"
+MAX_ROUTER_ID_BYTES = 1024
+LENGTH = struct.Struct("<I")
+ID_LENGTH = struct.Struct("<H")
+OPEN_FRAME = LENGTH.pack(0)  # an empty StepBatch serializes to no bytes
+
+
+class ProtocolError(Exception):
+    """The peer broke the output stream's protocol."""
+
+
+def hello(nonce: bytes) -> bytes:
+    return MAGIC + nonce
+
+
+def login(security: ClusterSecurity, nonce: bytes, router_id: str) -> bytes:
+    rid = router_id.encode()
+    if len(rid) > MAX_ROUTER_ID_BYTES:
+        raise ValueError(f"router id of {len(rid)} bytes; the limit is {MAX_ROUTER_ID_BYTES}")
+    mac = security.token_mac(CONTEXT + nonce + rid)
+    return MAGIC + ID_LENGTH.pack(len(rid)) + rid + mac
+
+
+def check_login(security: ClusterSecurity, nonce: bytes, router_id: bytes, mac: bytes) -> bool:
+    return security.check_token_mac(CONTEXT + nonce + router_id, mac)
+
+
+def login_size(id_bytes: int) -> int:
+    """Bytes of a LOGIN after its magic and id length."""
+    return id_bytes + MAC_BYTES
+
+
+def frames(batch: worker_pb2.StepBatch, max_bytes: int) -> Iterator[bytes]:
+    """``batch`` as frames of at most ``max_bytes`` payload each (split between
+    deltas and cache events when it is bigger: they are independent)."""
+    payload = batch.SerializeToString()
+    if len(payload) <= max_bytes or len(batch.deltas) + len(batch.cache_events) <= 1:
+        yield LENGTH.pack(len(payload)) + payload
+        return
+    items = [*batch.deltas, *batch.cache_events]
+    half = len(items) // 2
+    for part in (items[:half], items[half:]):
+        yield from frames(
+            worker_pb2.StepBatch(
+                deltas=[i for i in part if isinstance(i, worker_pb2.RequestDelta)],
+                cache_events=[i for i in part if isinstance(i, worker_pb2.CacheEvent)],
+            ),
+            max_bytes,
+        )
+
+
+class FrameReader:
+    """Splits a byte stream into frame payloads."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._buffer = bytearray()
+
+    def feed(self, data: bytes) -> list[bytes]:
+        """The payloads ``data`` completes; ProtocolError on an oversized frame."""
+        buf = self._buffer
+        buf += data
+        out = []
+        start = 0
+        while len(buf) - start >= LENGTH.size:
+            (size,) = LENGTH.unpack_from(buf, start)
+            if size > self.max_bytes:
+                raise ProtocolError(f"frame of {size} bytes; the limit is {self.max_bytes}")
+            end = start + LENGTH.size + size
+            if len(buf) < end:
+                break
+            out.append(bytes(buf[start + LENGTH.size : end]))
+            start = end
+        del buf[:start]
+        return out

@@ -1,0 +1,328 @@
+"""A decode worker's output streams (decode_pool/output_channel.py) and the
+router's reader (router/decode_streams.py), both in this process on
+127.0.0.1: framing, the login, cache events, a broken stream, a router
+that goes away or reads slowly, TLS."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+
+import pytest
+
+from decode_pool import output_channel
+from decode_pool import output_wire as wire
+from decode_pool.output_channel import OutputServer
+from engine.index import KVEvent
+from engine.sequence import RequestOutput
+from engine.transfer import ClusterSecurity, TLSFiles, TransferConfig
+from protos.tandem.v1 import worker_pb2
+from router.decode_streams import LOST, DecodeStreams
+from router.pool_manager import WorkerHandle
+from tests.tls_certs import make_certs, openssl_available
+
+pytestmark = pytest.mark.integration
+
+SECRET = b"output stream secret"
+
+
+def _out(rid: str, token: int, finished: bool = False) -> RequestOutput:
+    reason = "length" if finished else None
+    return RequestOutput(rid, [token], f"<{token}>", finished, reason, None, 8, 0, token)
+
+
+class Pair:
+    """An output server and a router's reader of it."""
+
+    def __init__(self, security: ClusterSecurity, reader_security: ClusterSecurity | None = None):
+        self.gone: list[tuple[str, list[str]]] = []
+        self.gone_event = threading.Event()
+        self.server = OutputServer("127.0.0.1", security, self._router_gone, 1 << 20)
+        self.events: list[worker_pb2.CacheEvent] = []
+        self.broken: list[tuple[str, str]] = []
+        self.reader_config = TransferConfig(
+            security=reader_security or security, max_message_bytes=16 << 20
+        )
+        self.worker = WorkerHandle("decode-0", "decode", None, {"outputs": self.server.address})
+        self.streams: DecodeStreams | None = None
+
+    def _router_gone(self, router_id: str, request_ids: list[str]) -> None:
+        self.gone.append((router_id, request_ids))
+        self.gone_event.set()
+
+    async def subscribe(self, router_id: str = "router-a") -> DecodeStreams:
+        self.streams = DecodeStreams(
+            router_id,
+            self.events.extend,
+            lambda w, why: self.broken.append((w.name, why)),
+            self.reader_config,
+        )
+        await self.streams.subscribe(self.worker)
+        return self.streams
+
+    async def publish(self, outputs, events=()) -> None:
+        """From another thread, as the engine thread does."""
+        await asyncio.to_thread(self.server.publish, list(outputs), list(events))
+
+    def close(self) -> None:
+        self.server.close()
+
+
+async def _drain(queue, until_finished: bool = True) -> list:
+    got = []
+    while True:
+        delta = await asyncio.wait_for(queue.get(), 10)
+        got.append(delta)
+        if delta is LOST or (until_finished and delta.finished):
+            return got
+
+
+def test_steps_reach_the_owning_router_in_order_with_cache_events():
+    async def run():
+        pair = Pair(ClusterSecurity(SECRET))
+        try:
+            streams = await pair.subscribe()
+            assert pair.server.has_router("router-a")
+            pair.server.own("r1", "router-a")
+            pair.server.own("r2", "router-b")  # another router's: not sent here
+            q1 = streams.register("r1", pair.worker)
+            event = KVEvent("decode-0", (b"h" * 16,), (b"x" * 16,))
+            for step in range(1, 4):
+                outs = [_out("r1", step, finished=step == 3), _out("r2", step)]
+                await pair.publish(outs, [event] if step == 2 else [])
+            got = await _drain(q1)
+            assert [list(d.token_ids) for d in got] == [[1], [2], [3]]
+            assert [d.text for d in got] == ["<1>", "<2>", "<3>"]
+            assert got[-1].finished and got[-1].finish_reason == "length"
+            assert [(e.worker, list(e.stored), list(e.removed)) for e in pair.events] == [
+                ("decode-0", [b"h" * 16], [b"x" * 16])
+            ]
+            await streams.close()
+        finally:
+            pair.close()
+
+    asyncio.run(run())
+
+
+def test_a_login_without_the_secret_is_refused():
+    async def run():
+        pair = Pair(ClusterSecurity(SECRET), reader_security=ClusterSecurity(b"wrong"))
+        try:
+            with pytest.raises(ConnectionError):
+                await pair.subscribe("intruder")
+            assert not pair.server.has_router("intruder")
+            assert pair.broken == []
+        finally:
+            pair.close()
+
+    asyncio.run(run())
+
+
+def test_a_raw_client_that_sends_garbage_is_dropped():
+    pair = Pair(ClusterSecurity(SECRET))
+    try:
+        host, port = pair.server.address.rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            hello = sock.recv(wire.HELLO_BYTES, socket.MSG_WAITALL)
+            assert hello[: len(wire.MAGIC)] == wire.MAGIC
+            sock.sendall(wire.MAGIC + wire.ID_LENGTH.pack(3) + b"bob" + b"\0" * 32)
+            assert sock.recv(1) == b""  # closed without a frame
+    finally:
+        pair.close()
+
+
+def test_a_broken_stream_makes_its_requests_lost_and_the_worker_suspect():
+    async def run():
+        pair = Pair(ClusterSecurity(SECRET))
+        try:
+            streams = await pair.subscribe()
+            pair.server.own("r1", "router-a")
+            queue = streams.register("r1", pair.worker)
+            await pair.publish([_out("r1", 1)])
+            await asyncio.to_thread(pair.server.close)  # the worker goes away
+            got = await _drain(queue)
+            assert [list(d.token_ids) for d in got[:-1]] == [[1]] and got[-1] is LOST
+            assert [name for name, _ in pair.broken] == ["decode-0"]
+        finally:
+            pair.close()
+
+    asyncio.run(run())
+
+
+def test_unsubscribing_makes_requests_lost_without_suspecting_the_worker():
+    async def run():
+        pair = Pair(ClusterSecurity(SECRET))
+        try:
+            streams = await pair.subscribe()
+            queue = streams.register("r1", pair.worker)
+            await streams.unsubscribe(pair.worker)
+            assert await _drain(queue) == [LOST]
+            assert pair.broken == []
+        finally:
+            pair.close()
+
+    asyncio.run(run())
+
+
+def test_a_router_that_goes_away_has_its_requests_aborted():
+    async def run():
+        pair = Pair(ClusterSecurity(SECRET))
+        try:
+            streams = await pair.subscribe()
+            pair.server.own("r1", "router-a")
+            pair.server.own("r2", "router-a")
+            pair.server.own("r3", "router-b")
+            await streams.close()
+            assert await asyncio.to_thread(pair.gone_event.wait, 10)
+            assert pair.gone == [("router-a", ["r1", "r2"])]
+            assert not pair.server.has_router("router-a")
+        finally:
+            pair.close()
+
+    asyncio.run(run())
+
+
+def test_a_router_that_subscribes_again_replaces_its_old_stream():
+    async def run():
+        pair = Pair(ClusterSecurity(SECRET))
+        try:
+            streams = await pair.subscribe()
+            old = streams.register("old", pair.worker)
+            await streams.subscribe(pair.worker)  # e.g. the worker came back
+            assert await _drain(old) == [LOST]
+            pair.server.own("r1", "router-a")
+            queue = streams.register("r1", pair.worker)
+            await pair.publish([_out("r1", 1, finished=True)])
+            assert [list(d.token_ids) for d in await _drain(queue)] == [[1]]
+            assert all(not owned for _, owned in pair.gone)  # the old stream had nothing
+            assert pair.broken == []
+            await streams.close()
+        finally:
+            pair.close()
+
+    asyncio.run(run())
+
+
+def test_a_slow_reader_never_blocks_the_publisher_and_gets_every_frame():
+    async def run():
+        pair = Pair(ClusterSecurity(SECRET))
+        try:
+            streams = await pair.subscribe()
+            stream = streams._streams["decode-0"]
+            assert stream.transport is not None
+            stream.transport.pause_reading()
+            pair.server.own("r1", "router-a")
+            queue = streams.register("r1", pair.worker)
+            big = "x" * (256 << 10)
+            steps = 64  # 16 MiB: far more than the socket buffers hold
+
+            def publish_all():
+                for i in range(1, steps + 1):
+                    out = _out("r1", i, finished=i == steps)
+                    out.text_delta = big
+                    pair.server.publish([out], [])
+
+            # publish returns while nothing is read (the thread would hang otherwise)
+            writer = threading.Thread(target=publish_all, daemon=True)
+            writer.start()
+            await asyncio.to_thread(writer.join, 60)
+            assert not writer.is_alive()
+            stream.transport.resume_reading()
+            got = await _drain(queue)
+            assert [d.num_output_tokens for d in got] == list(range(1, steps + 1))
+            await streams.close()
+        finally:
+            pair.close()
+
+    asyncio.run(run())
+
+
+def test_a_reader_too_far_behind_is_dropped(monkeypatch):
+    monkeypatch.setattr(output_channel, "MAX_BACKLOG_BYTES", 1 << 20)
+
+    async def run():
+        pair = Pair(ClusterSecurity(SECRET))
+        try:
+            streams = await pair.subscribe()
+            stream = streams._streams["decode-0"]
+            assert stream.transport is not None
+            stream.transport.pause_reading()
+            pair.server.own("r1", "router-a")
+            queue = streams.register("r1", pair.worker)
+            out = _out("r1", 1)
+            out.text_delta = "x" * (256 << 10)
+            for _ in range(64):
+                await pair.publish([out])
+            assert await asyncio.to_thread(pair.gone_event.wait, 10)
+            assert pair.gone == [("router-a", ["r1"])]
+            stream.transport.resume_reading()
+            got = await _drain(queue, until_finished=False)
+            assert got[-1] is LOST
+        finally:
+            pair.close()
+
+    asyncio.run(run())
+
+
+def test_a_step_bigger_than_the_frame_limit_is_split():
+    batch = worker_pb2.StepBatch(
+        deltas=[worker_pb2.RequestDelta(request_id=f"r{i}", text="y" * 1000) for i in range(10)],
+        cache_events=[worker_pb2.CacheEvent(worker="w", stored=[b"s" * 16])],
+    )
+    frames = list(wire.frames(batch, 2500))
+    assert len(frames) > 1
+    reader = wire.FrameReader(2500)
+    payloads = []
+    for frame in frames:  # byte by byte across frame boundaries
+        for i in range(len(frame)):
+            payloads += reader.feed(frame[i : i + 1])
+    parts = [worker_pb2.StepBatch.FromString(p) for p in payloads]
+    assert [d.request_id for p in parts for d in p.deltas] == [f"r{i}" for i in range(10)]
+    assert sum(len(p.cache_events) for p in parts) == 1
+    with pytest.raises(wire.ProtocolError):
+        wire.FrameReader(100).feed(wire.LENGTH.pack(101))
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory):
+    if not openssl_available():
+        pytest.skip("the openssl command is not installed")
+    root = tmp_path_factory.mktemp("tls")
+    return make_certs(root, "cluster"), make_certs(root, "stranger")
+
+
+def _tls(certs, which: int = 0) -> TLSFiles:
+    c = certs[which]
+    return TLSFiles(str(c.cert), str(c.key), str(c.ca))
+
+
+@pytest.mark.parametrize("reader", ["cluster", "plaintext", "stranger"])
+def test_tls_streams_refuse_plaintext_and_strangers(certs, reader, monkeypatch):
+    monkeypatch.setattr(output_channel, "HANDSHAKE_TIMEOUT_S", 1.0)  # the plaintext reader's
+    security = ClusterSecurity(SECRET, _tls(certs))
+    readers = {
+        "cluster": security,
+        "plaintext": ClusterSecurity(SECRET),
+        "stranger": ClusterSecurity(SECRET, _tls(certs, 1)),
+    }
+
+    async def run():
+        pair = Pair(security, reader_security=readers[reader])
+        try:
+            if reader != "cluster":
+                with pytest.raises(ConnectionError):
+                    await pair.subscribe()
+                assert not pair.server.has_router("router-a")
+                return
+            streams = await pair.subscribe()
+            pair.server.own("r1", "router-a")
+            queue = streams.register("r1", pair.worker)
+            await pair.publish([_out("r1", 1), _out("r2", 1)])
+            await pair.publish([_out("r1", 2, finished=True)])
+            assert [list(d.token_ids) for d in await _drain(queue)] == [[1], [2]]
+            await streams.close()
+        finally:
+            pair.close()
+
+    asyncio.run(run())
