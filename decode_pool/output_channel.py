@@ -33,7 +33,7 @@ from engine.index import KVEvent
 from engine.sequence import RequestOutput
 from engine.transfer.datachannel import recv_exact, tune
 from engine.transfer.security import ClusterSecurity
-from protos.tandem.v1 import generate_pb2, worker_pb2
+from protos.tandem.v1 import worker_pb2
 
 log = logging.getLogger(__name__)
 
@@ -43,27 +43,6 @@ _WOULD_BLOCK = (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
 
 RouterGone = Callable[[str, list[str]], None]
 """(router id, the requests it owned here): its stream closed."""
-
-
-def to_delta(out: RequestOutput) -> worker_pb2.RequestDelta:
-    delta = worker_pb2.RequestDelta(
-        request_id=out.request_id,
-        token_ids=out.new_token_ids,
-        text=out.text_delta,
-        finished=out.finished,
-        finish_reason=out.finish_reason or "",
-        num_output_tokens=out.num_output_tokens,
-        num_cached_tokens=out.num_cached_tokens,
-    )
-    for lp in out.logprobs or []:
-        delta.logprobs.append(
-            generate_pb2.TokenLogprob(
-                token_id=lp.token_id,
-                logprob=lp.logprob,
-                top_logprobs=[generate_pb2.TopLogprob(token_id=t, logprob=p) for t, p in lp.top],
-            )
-        )
-    return delta
 
 
 class RouterConnection:
@@ -237,7 +216,7 @@ class OutputServer:
             if not mine and not pb_events:
                 continue
             batch = worker_pb2.StepBatch(
-                deltas=[to_delta(o) for o in mine or ()], cache_events=pb_events
+                deltas=[wire.to_delta(o) for o in mine or ()], cache_events=pb_events
             )
             for frame in wire.frames(batch, self.max_frame_bytes):
                 conn.send(frame)

@@ -19,8 +19,9 @@ from __future__ import annotations
 import struct
 from collections.abc import Iterator
 
+from engine.sequence import RequestOutput
 from engine.transfer.security import MAC_BYTES, ClusterSecurity
-from protos.tandem.v1 import worker_pb2
+from protos.tandem.v1 import generate_pb2, worker_pb2
 
 MAGIC = b"TOS1"
 NONCE_BYTES = 16
@@ -55,6 +56,27 @@ def check_login(security: ClusterSecurity, nonce: bytes, router_id: bytes, mac: 
 def login_size(id_bytes: int) -> int:
     """Bytes of a LOGIN after its magic and id length."""
     return id_bytes + MAC_BYTES
+
+
+def to_delta(out: RequestOutput) -> worker_pb2.RequestDelta:
+    delta = worker_pb2.RequestDelta(
+        request_id=out.request_id,
+        token_ids=out.new_token_ids,
+        text=out.text_delta,
+        finished=out.finished,
+        finish_reason=out.finish_reason or "",
+        num_output_tokens=out.num_output_tokens,
+        num_cached_tokens=out.num_cached_tokens,
+    )
+    for lp in out.logprobs or []:
+        delta.logprobs.append(
+            generate_pb2.TokenLogprob(
+                token_id=lp.token_id,
+                logprob=lp.logprob,
+                top_logprobs=[generate_pb2.TopLogprob(token_id=t, logprob=p) for t, p in lp.top],
+            )
+        )
+    return delta
 
 
 def frames(batch: worker_pb2.StepBatch, max_bytes: int) -> Iterator[bytes]:
