@@ -31,7 +31,7 @@ from collections.abc import Callable
 from decode_pool import output_wire as wire
 from engine.index import KVEvent
 from engine.sequence import RequestOutput
-from engine.transfer.datachannel import recv_exact, tune
+from engine.transfer.datachannel import accept_forever, recv_exact, tune
 from engine.transfer.security import ClusterSecurity
 from protos.tandem.v1 import worker_pb2
 
@@ -236,16 +236,7 @@ class OutputServer:
         self._thread.join(5)
 
     def _accept(self) -> None:
-        while not self._stopped:
-            try:
-                sock, _ = self._listener.accept()
-            except OSError:
-                if self._stopped:
-                    return
-                continue
-            threading.Thread(
-                target=self._serve, args=(sock,), name="outputs-conn", daemon=True
-            ).start()
+        accept_forever(self._listener, lambda: self._stopped, self._serve, "outputs-conn")
 
     def _serve(self, sock: socket.socket) -> None:
         try:

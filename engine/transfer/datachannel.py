@@ -146,6 +146,24 @@ def recv_exact(sock: socket.socket, view: memoryview) -> bool:
     return True
 
 
+def accept_forever(
+    listener: socket.socket,
+    stopped: Callable[[], bool],
+    serve: Callable[[socket.socket], None],
+    name: str,
+) -> None:
+    """Serve each connection on a thread of its own until ``stopped()``
+    (the owner shuts the listener down to end the wait)."""
+    while not stopped():
+        try:
+            sock, _ = listener.accept()
+        except OSError:
+            if stopped():
+                return
+            continue
+        threading.Thread(target=serve, args=(sock,), name=name, daemon=True).start()
+
+
 def split_address(address: str) -> str:
     """The host of a gRPC ``host:port`` address (``[v6]:port`` too)."""
     host = address.rsplit(":", 1)[0]
@@ -378,16 +396,7 @@ class DataServer:
         self._thread.join(5)
 
     def _accept_forever(self) -> None:
-        while not self._stopped:
-            try:
-                sock, _ = self._listener.accept()
-            except OSError:
-                if self._stopped:
-                    return
-                continue
-            threading.Thread(
-                target=self._serve, args=(sock,), name="kv-data-conn", daemon=True
-            ).start()
+        accept_forever(self._listener, lambda: self._stopped, self._serve, "kv-data-conn")
 
     def _serve(self, sock: socket.socket) -> None:
         incoming = None
