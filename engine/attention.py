@@ -117,16 +117,30 @@ def paged_attention(
     layer: int,
     meta: AttentionMetadata,
     scale: float,
+    ops=None,  # engine.kernels.cpu_ops(), for the fused decode kernel
 ) -> torch.Tensor:  # [N, heads * head_dim]
-    flat = cache.flat(layer)  # [2, num_blocks * block_size, kv_heads, head_dim]
-    flat[0].index_copy_(0, meta.slots, k)
-    flat[1].index_copy_(0, meta.slots, v)
-    n, heads, head_dim = q.shape
+    """With ``ops``, the step's keys and values are already in the cache (the
+    kernel ``rope_store_kv`` put them there) and the decode rows go to the
+    fused kernel (``meta`` built with ``fused=True``); else they are stored
+    here and attended in ``meta.decode_groups``."""
     kv = cache.layers[layer]
-    groups = meta.decode_groups
-    if not meta.prefills and len(groups) == 1:  # the common decode step: no scatter
-        return _decode(q, kv, groups[0], scale).view(n, heads * head_dim)
+    if ops is None:
+        flat = cache.flat(layer)  # [2, num_blocks * block_size, kv_heads, head_dim]
+        flat[0].index_copy_(0, meta.slots, k)
+        flat[1].index_copy_(0, meta.slots, v)
+    n, heads, head_dim = q.shape
+    nd, groups = meta.num_decode, meta.decode_groups
+    if not meta.prefills:  # the common decode step: no scatter
+        if ops is not None:
+            return ops.paged_decode_attention(q, kv, meta.decode_tables, meta.decode_lens, scale)
+        if len(groups) == 1:
+            return _decode(q, kv, groups[0], scale).view(n, heads * head_dim)
     out = q.new_empty(n, heads, head_dim)
+    if ops is not None and nd:
+        decoded = ops.paged_decode_attention(
+            q[:nd], kv, meta.decode_tables, meta.decode_lens, scale
+        )
+        out[:nd] = decoded.view(nd, heads, head_dim)
     for g in groups:
         rows = slice(g.start, g.start + g.size)
         out[rows] = _decode(q[rows], kv, g, scale)
@@ -181,31 +195,3 @@ def _prefill(
         enable_gqa=True,
     )
     return out[0].transpose(0, 1)
-
-
-def fused_attention(
-    ops,  # engine.kernels.cpu_ops()
-    q: torch.Tensor,  # [N, heads, head_dim]
-    k: torch.Tensor,  # [N, kv_heads, head_dim]
-    v: torch.Tensor,  # [N, kv_heads, head_dim]
-    cache: KVCache,
-    layer: int,
-    meta: AttentionMetadata,
-    scale: float,
-) -> torch.Tensor:  # [N, heads * head_dim]
-    """paged_attention with the fused decode kernel; the step's keys and values
-    are already in the cache (the kernel ``rope_store_kv`` put them there)."""
-    n, heads, head_dim = q.shape
-    kv = cache.layers[layer]
-    nd = meta.num_decode
-    if nd == n:  # the common decode step
-        return ops.paged_decode_attention(q, kv, meta.decode_tables, meta.decode_lens, scale)
-    out = q.new_empty(n, heads, head_dim)
-    if nd:
-        decoded = ops.paged_decode_attention(
-            q[:nd], kv, meta.decode_tables, meta.decode_lens, scale
-        )
-        out[:nd] = decoded.view(nd, heads, head_dim)
-    for s in meta.prefills:
-        out[s.start : s.start + s.num_tokens] = _prefill(q, k, v, kv, s, scale)
-    return out.view(n, heads * head_dim)

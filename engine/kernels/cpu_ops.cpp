@@ -378,11 +378,15 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   return out;
 }
 
+// The kernels release the GIL, as ATen ops do: a worker's KV-receive and
+// output threads keep running while a step's attention is computed.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("rms_norm", &rms_norm, "RMSNorm over rows");
-  m.def("add_rms_norm", &add_rms_norm, "residual += delta; RMSNorm(residual)");
-  m.def("silu_mul", &silu_mul, "silu(gate) * up");
-  m.def("rope_store_kv", &rope_store_kv, "rotary embedding in place; store K and V");
-  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over paged KV");
-  m.def("argmax_rows", &argmax_rows, "argmax of each row");
+  using release = py::call_guard<py::gil_scoped_release>;
+  m.def("rms_norm", &rms_norm, "RMSNorm over rows", release());
+  m.def("add_rms_norm", &add_rms_norm, "residual += delta; RMSNorm(residual)", release());
+  m.def("silu_mul", &silu_mul, "silu(gate) * up", release());
+  m.def("rope_store_kv", &rope_store_kv, "rotary embedding in place; store K and V", release());
+  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over paged KV",
+        release());
+  m.def("argmax_rows", &argmax_rows, "argmax of each row", release());
 }

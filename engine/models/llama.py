@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from engine.attention import AttentionMetadata, fused_attention, paged_attention
+from engine.attention import AttentionMetadata, paged_attention
 from engine.config import ModelSpec
 from engine.kv_cache import KVCache
 
@@ -208,7 +208,7 @@ class LlamaModel:
             q = qkv[:, : heads * d].view(n, heads, d)
             k = qkv[:, heads * d : (heads + kv_heads) * d].view(n, kv_heads, d)
             v = qkv[:, (heads + kv_heads) * d :].view(n, kv_heads, d)
-            attn = fused_attention(ops, q, k, v, cache, i, meta, self.scale)
+            attn = paged_attention(q, k, v, cache, i, meta, self.scale, ops)
             x = ops.add_rms_norm(h, _linear(attn, w.o, w.o_bias), w.post_norm, eps)
             down = _linear(ops.silu_mul(_linear(x, w.gate_up, w.gate_up_bias)), w.down, w.down_bias)
             following = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm

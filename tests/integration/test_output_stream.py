@@ -69,6 +69,19 @@ class Pair:
         self.server.close()
 
 
+def run_with_pair(body, security=None, reader_security=None) -> None:
+    """Run ``await body(pair)`` with a fresh Pair, closed afterwards."""
+
+    async def run():
+        pair = Pair(security or ClusterSecurity(SECRET), reader_security)
+        try:
+            await body(pair)
+        finally:
+            pair.close()
+
+    asyncio.run(run())
+
+
 async def _drain(queue, until_finished: bool = True) -> list:
     got = []
     while True:
@@ -79,44 +92,36 @@ async def _drain(queue, until_finished: bool = True) -> list:
 
 
 def test_steps_reach_the_owning_router_in_order_with_cache_events():
-    async def run():
-        pair = Pair(ClusterSecurity(SECRET))
-        try:
-            streams = await pair.subscribe()
-            assert pair.server.has_router("router-a")
-            pair.server.own("r1", "router-a")
-            pair.server.own("r2", "router-b")  # another router's: not sent here
-            q1 = streams.register("r1", pair.worker)
-            event = KVEvent("decode-0", (b"h" * 16,), (b"x" * 16,))
-            for step in range(1, 4):
-                outs = [_out("r1", step, finished=step == 3), _out("r2", step)]
-                await pair.publish(outs, [event] if step == 2 else [])
-            got = await _drain(q1)
-            assert [list(d.token_ids) for d in got] == [[1], [2], [3]]
-            assert [d.text for d in got] == ["<1>", "<2>", "<3>"]
-            assert got[-1].finished and got[-1].finish_reason == "length"
-            assert [(e.worker, list(e.stored), list(e.removed)) for e in pair.events] == [
-                ("decode-0", [b"h" * 16], [b"x" * 16])
-            ]
-            await streams.close()
-        finally:
-            pair.close()
+    async def body(pair: Pair):
+        streams = await pair.subscribe()
+        assert pair.server.has_router("router-a")
+        pair.server.own("r1", "router-a")
+        pair.server.own("r2", "router-b")  # another router's: not sent here
+        q1 = streams.register("r1", pair.worker)
+        event = KVEvent("decode-0", (b"h" * 16,), (b"x" * 16,))
+        for step in range(1, 4):
+            outs = [_out("r1", step, finished=step == 3), _out("r2", step)]
+            await pair.publish(outs, [event] if step == 2 else [])
+        got = await _drain(q1)
+        assert [list(d.token_ids) for d in got] == [[1], [2], [3]]
+        assert [d.text for d in got] == ["<1>", "<2>", "<3>"]
+        assert got[-1].finished and got[-1].finish_reason == "length"
+        assert [(e.worker, list(e.stored), list(e.removed)) for e in pair.events] == [
+            ("decode-0", [b"h" * 16], [b"x" * 16])
+        ]
+        await streams.close()
 
-    asyncio.run(run())
+    run_with_pair(body)
 
 
 def test_a_login_without_the_secret_is_refused():
-    async def run():
-        pair = Pair(ClusterSecurity(SECRET), reader_security=ClusterSecurity(b"wrong"))
-        try:
-            with pytest.raises(ConnectionError):
-                await pair.subscribe("intruder")
-            assert not pair.server.has_router("intruder")
-            assert pair.broken == []
-        finally:
-            pair.close()
+    async def body(pair: Pair):
+        with pytest.raises(ConnectionError):
+            await pair.subscribe("intruder")
+        assert not pair.server.has_router("intruder")
+        assert pair.broken == []
 
-    asyncio.run(run())
+    run_with_pair(body, reader_security=ClusterSecurity(b"wrong"))
 
 
 def test_a_raw_client_that_sends_garbage_is_dropped():
@@ -133,136 +138,112 @@ def test_a_raw_client_that_sends_garbage_is_dropped():
 
 
 def test_a_broken_stream_makes_its_requests_lost_and_the_worker_suspect():
-    async def run():
-        pair = Pair(ClusterSecurity(SECRET))
-        try:
-            streams = await pair.subscribe()
-            pair.server.own("r1", "router-a")
-            queue = streams.register("r1", pair.worker)
-            await pair.publish([_out("r1", 1)])
-            await asyncio.to_thread(pair.server.close)  # the worker goes away
-            got = await _drain(queue)
-            assert [list(d.token_ids) for d in got[:-1]] == [[1]] and got[-1] is LOST
-            assert [name for name, _ in pair.broken] == ["decode-0"]
-        finally:
-            pair.close()
+    async def body(pair: Pair):
+        streams = await pair.subscribe()
+        pair.server.own("r1", "router-a")
+        queue = streams.register("r1", pair.worker)
+        await pair.publish([_out("r1", 1)])
+        await asyncio.to_thread(pair.server.close)  # the worker goes away
+        got = await _drain(queue)
+        assert [list(d.token_ids) for d in got[:-1]] == [[1]] and got[-1] is LOST
+        assert [name for name, _ in pair.broken] == ["decode-0"]
 
-    asyncio.run(run())
+    run_with_pair(body)
 
 
 def test_unsubscribing_makes_requests_lost_without_suspecting_the_worker():
-    async def run():
-        pair = Pair(ClusterSecurity(SECRET))
-        try:
-            streams = await pair.subscribe()
-            queue = streams.register("r1", pair.worker)
-            await streams.unsubscribe(pair.worker)
-            assert await _drain(queue) == [LOST]
-            assert pair.broken == []
-        finally:
-            pair.close()
+    async def body(pair: Pair):
+        streams = await pair.subscribe()
+        queue = streams.register("r1", pair.worker)
+        await streams.unsubscribe(pair.worker)
+        assert await _drain(queue) == [LOST]
+        assert pair.broken == []
 
-    asyncio.run(run())
+    run_with_pair(body)
 
 
 def test_a_router_that_goes_away_has_its_requests_aborted():
-    async def run():
-        pair = Pair(ClusterSecurity(SECRET))
-        try:
-            streams = await pair.subscribe()
-            pair.server.own("r1", "router-a")
-            pair.server.own("r2", "router-a")
-            pair.server.own("r3", "router-b")
-            await streams.close()
-            assert await asyncio.to_thread(pair.gone_event.wait, 10)
-            assert pair.gone == [("router-a", ["r1", "r2"])]
-            assert not pair.server.has_router("router-a")
-        finally:
-            pair.close()
+    async def body(pair: Pair):
+        streams = await pair.subscribe()
+        pair.server.own("r1", "router-a")
+        pair.server.own("r2", "router-a")
+        pair.server.own("r3", "router-b")
+        await streams.close()
+        assert await asyncio.to_thread(pair.gone_event.wait, 10)
+        assert pair.gone == [("router-a", ["r1", "r2"])]
+        assert not pair.server.has_router("router-a")
 
-    asyncio.run(run())
+    run_with_pair(body)
 
 
 def test_a_router_that_subscribes_again_replaces_its_old_stream():
-    async def run():
-        pair = Pair(ClusterSecurity(SECRET))
-        try:
-            streams = await pair.subscribe()
-            old = streams.register("old", pair.worker)
-            await streams.subscribe(pair.worker)  # e.g. the worker came back
-            assert await _drain(old) == [LOST]
-            pair.server.own("r1", "router-a")
-            queue = streams.register("r1", pair.worker)
-            await pair.publish([_out("r1", 1, finished=True)])
-            assert [list(d.token_ids) for d in await _drain(queue)] == [[1]]
-            assert all(not owned for _, owned in pair.gone)  # the old stream had nothing
-            assert pair.broken == []
-            await streams.close()
-        finally:
-            pair.close()
+    async def body(pair: Pair):
+        streams = await pair.subscribe()
+        old = streams.register("old", pair.worker)
+        await streams.subscribe(pair.worker)  # e.g. the worker came back
+        assert await _drain(old) == [LOST]
+        pair.server.own("r1", "router-a")
+        queue = streams.register("r1", pair.worker)
+        await pair.publish([_out("r1", 1, finished=True)])
+        assert [list(d.token_ids) for d in await _drain(queue)] == [[1]]
+        assert all(not owned for _, owned in pair.gone)  # the old stream had nothing
+        assert pair.broken == []
+        await streams.close()
 
-    asyncio.run(run())
+    run_with_pair(body)
 
 
 def test_a_slow_reader_never_blocks_the_publisher_and_gets_every_frame():
-    async def run():
-        pair = Pair(ClusterSecurity(SECRET))
-        try:
-            streams = await pair.subscribe()
-            stream = streams._streams["decode-0"]
-            assert stream.transport is not None
-            stream.transport.pause_reading()
-            pair.server.own("r1", "router-a")
-            queue = streams.register("r1", pair.worker)
-            big = "x" * (256 << 10)
-            steps = 64  # 16 MiB: far more than the socket buffers hold
+    async def body(pair: Pair):
+        streams = await pair.subscribe()
+        stream = streams._streams["decode-0"]
+        assert stream.transport is not None
+        stream.transport.pause_reading()
+        pair.server.own("r1", "router-a")
+        queue = streams.register("r1", pair.worker)
+        big = "x" * (256 << 10)
+        steps = 64  # 16 MiB: far more than the socket buffers hold
 
-            def publish_all():
-                for i in range(1, steps + 1):
-                    out = _out("r1", i, finished=i == steps)
-                    out.text_delta = big
-                    pair.server.publish([out], [])
+        def publish_all():
+            for i in range(1, steps + 1):
+                out = _out("r1", i, finished=i == steps)
+                out.text_delta = big
+                pair.server.publish([out], [])
 
-            # publish returns while nothing is read (the thread would hang otherwise)
-            writer = threading.Thread(target=publish_all, daemon=True)
-            writer.start()
-            await asyncio.to_thread(writer.join, 60)
-            assert not writer.is_alive()
-            stream.transport.resume_reading()
-            got = await _drain(queue)
-            assert [d.num_output_tokens for d in got] == list(range(1, steps + 1))
-            await streams.close()
-        finally:
-            pair.close()
+        # publish returns while nothing is read (the thread would hang otherwise)
+        writer = threading.Thread(target=publish_all, daemon=True)
+        writer.start()
+        await asyncio.to_thread(writer.join, 60)
+        assert not writer.is_alive()
+        stream.transport.resume_reading()
+        got = await _drain(queue)
+        assert [d.num_output_tokens for d in got] == list(range(1, steps + 1))
+        await streams.close()
 
-    asyncio.run(run())
+    run_with_pair(body)
 
 
 def test_a_reader_too_far_behind_is_dropped(monkeypatch):
     monkeypatch.setattr(output_channel, "MAX_BACKLOG_BYTES", 1 << 20)
 
-    async def run():
-        pair = Pair(ClusterSecurity(SECRET))
-        try:
-            streams = await pair.subscribe()
-            stream = streams._streams["decode-0"]
-            assert stream.transport is not None
-            stream.transport.pause_reading()
-            pair.server.own("r1", "router-a")
-            queue = streams.register("r1", pair.worker)
-            out = _out("r1", 1)
-            out.text_delta = "x" * (256 << 10)
-            for _ in range(64):
-                await pair.publish([out])
-            assert await asyncio.to_thread(pair.gone_event.wait, 10)
-            assert pair.gone == [("router-a", ["r1"])]
-            stream.transport.resume_reading()
-            got = await _drain(queue, until_finished=False)
-            assert got[-1] is LOST
-        finally:
-            pair.close()
+    async def body(pair: Pair):
+        streams = await pair.subscribe()
+        stream = streams._streams["decode-0"]
+        assert stream.transport is not None
+        stream.transport.pause_reading()
+        pair.server.own("r1", "router-a")
+        queue = streams.register("r1", pair.worker)
+        out = _out("r1", 1)
+        out.text_delta = "x" * (256 << 10)
+        for _ in range(64):
+            await pair.publish([out])
+        assert await asyncio.to_thread(pair.gone_event.wait, 10)
+        assert pair.gone == [("router-a", ["r1"])]
+        stream.transport.resume_reading()
+        got = await _drain(queue, until_finished=False)
+        assert got[-1] is LOST
 
-    asyncio.run(run())
+    run_with_pair(body)
 
 
 def test_a_step_bigger_than_the_frame_limit_is_split():
@@ -307,22 +288,18 @@ def test_tls_streams_refuse_plaintext_and_strangers(certs, reader, monkeypatch):
         "stranger": ClusterSecurity(SECRET, _tls(certs, 1)),
     }
 
-    async def run():
-        pair = Pair(security, reader_security=readers[reader])
-        try:
-            if reader != "cluster":
-                with pytest.raises(ConnectionError):
-                    await pair.subscribe()
-                assert not pair.server.has_router("router-a")
-                return
-            streams = await pair.subscribe()
-            pair.server.own("r1", "router-a")
-            queue = streams.register("r1", pair.worker)
-            await pair.publish([_out("r1", 1), _out("r2", 1)])
-            await pair.publish([_out("r1", 2, finished=True)])
-            assert [list(d.token_ids) for d in await _drain(queue)] == [[1], [2]]
-            await streams.close()
-        finally:
-            pair.close()
+    async def body(pair: Pair):
+        if reader != "cluster":
+            with pytest.raises(ConnectionError):
+                await pair.subscribe()
+            assert not pair.server.has_router("router-a")
+            return
+        streams = await pair.subscribe()
+        pair.server.own("r1", "router-a")
+        queue = streams.register("r1", pair.worker)
+        await pair.publish([_out("r1", 1), _out("r2", 1)])
+        await pair.publish([_out("r1", 2, finished=True)])
+        assert [list(d.token_ids) for d in await _drain(queue)] == [[1], [2]]
+        await streams.close()
 
-    asyncio.run(run())
+    run_with_pair(body, security, readers[reader])
