@@ -39,6 +39,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.default_model import default_model_path
+from engine.kernels import PackedWeight
 
 NEW_TOKENS = 64
 
@@ -87,6 +88,10 @@ def weight_pass_ms(engine: LLMEngine, passes: int = 5) -> float:
     step on this machine (it is bound by reading the weights from memory)."""
     model = engine.model
     mats = [m for w in model.layers for m in (w.qkv, w.o, w.gate_up, w.down)] + [model.lm_head]
+    # Packed panels are read as one [rows, 32] matrix: the same bytes.
+    mats = [
+        m.panels.view(-1, m.panels.shape[-1]) if isinstance(m, PackedWeight) else m for m in mats
+    ]
     x = {m.shape[0]: torch.randn(1, m.shape[0]) for m in mats}
     times = []
     for _ in range(passes + 1):

@@ -22,6 +22,7 @@ import os
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
@@ -32,6 +33,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_ops.cpp")
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-trapping-math"]
 
+PANEL_WIDTH = 32  # cpu_ops.cpp's kPanel: columns per panel of a packed weight
 STALE_LOCK_S = 600  # a build takes about a minute
 
 _lock = threading.Lock()
@@ -111,3 +113,29 @@ def select(setting: str, device: torch.device, dtype: torch.dtype) -> ModuleType
             raise ValueError("cpu_kernels 'on' needs device cpu and dtype float32")
         return None
     return cpu_ops(required=setting == "on")
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """An [in, out] weight in the ``linear`` kernel's layout: panels of
+    PANEL_WIDTH columns, [ceil(out / PANEL_WIDTH), in, PANEL_WIDTH], the last
+    one zero-padded. The fused path keeps its weights only in this form."""
+
+    panels: torch.Tensor
+    out_features: int
+
+    @classmethod
+    def pack(cls, w: torch.Tensor) -> PackedWeight:
+        k, n = w.shape
+        count = -(-n // PANEL_WIDTH)
+        padded = w.new_zeros(k, count * PANEL_WIDTH)
+        padded[:, :n] = w
+        return cls(padded.view(k, count, PANEL_WIDTH).transpose(0, 1).contiguous(), n)
+
+    @property
+    def in_features(self) -> int:
+        return self.panels.shape[1]
+
+    def unpack(self) -> torch.Tensor:
+        """The [in, out] matrix (a copy)."""
+        return self.panels.transpose(0, 1).reshape(self.in_features, -1)[:, : self.out_features]

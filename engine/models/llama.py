@@ -19,22 +19,25 @@ import torch.nn.functional as F
 
 from engine.attention import AttentionMetadata, paged_attention
 from engine.config import ModelSpec
+from engine.kernels import PackedWeight
 from engine.kv_cache import KVCache
+
+Weight = torch.Tensor | PackedWeight  # PackedWeight on the fused CPU path
 
 
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv: torch.Tensor  # [hidden, (heads + 2 * kv_heads) * head_dim]
+    qkv: Weight  # [hidden, (heads + 2 * kv_heads) * head_dim]
     qkv_bias: torch.Tensor | None
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
-    o: torch.Tensor
+    o: Weight
     o_bias: torch.Tensor | None
     post_norm: torch.Tensor
-    gate_up: torch.Tensor  # [hidden, 2 * intermediate]
+    gate_up: Weight  # [hidden, 2 * intermediate]
     gate_up_bias: torch.Tensor | None
-    down: torch.Tensor
+    down: Weight
     down_bias: torch.Tensor | None
 
 
@@ -137,6 +140,12 @@ class LlamaModel:
             )
         cos, sin = rope_tables(hf_config, spec, max_len)
         self.cos, self.sin = cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
+        if kernels is not None:  # one copy of each matrix, in the linear kernel's layout
+            self.lm_head = PackedWeight.pack(self.lm_head)
+            for w in self.layers:
+                w.qkv, w.o, w.gate_up, w.down = (
+                    PackedWeight.pack(m) for m in (w.qkv, w.o, w.gate_up, w.down)
+                )
 
     @property
     def fused(self) -> bool:
@@ -185,7 +194,8 @@ class LlamaModel:
         meta: AttentionMetadata,
         cache: KVCache,
     ) -> torch.Tensor:
-        """forward with the fused CPU kernels: the same arithmetic in 8 calls a layer."""
+        """forward with the fused CPU kernels: the same arithmetic in 8 calls a
+        layer, the matmuls included (weights packed in panels)."""
         ops, spec = self.kernels, self.spec
         eps, d, heads, kv_heads = (
             spec.rms_norm_eps,
@@ -193,10 +203,14 @@ class LlamaModel:
             spec.num_heads,
             spec.num_kv_heads,
         )
+
+        def linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+            return ops.linear(x, w.panels, w.out_features, bias)
+
         h = self.embed[input_ids]  # a fresh tensor: the residual stream, updated in place
         x = ops.rms_norm(h, self.layers[0].input_norm, eps)
         for i, w in enumerate(self.layers):
-            qkv = _linear(x, w.qkv, w.qkv_bias)
+            qkv = linear(x, w.qkv, w.qkv_bias)
             n = qkv.shape[0]
             if w.q_norm is not None:
                 qk = qkv[:, : (heads + kv_heads) * d].view(n, heads + kv_heads, d)
@@ -209,12 +223,15 @@ class LlamaModel:
             k = qkv[:, heads * d : (heads + kv_heads) * d].view(n, kv_heads, d)
             v = qkv[:, (heads + kv_heads) * d :].view(n, kv_heads, d)
             attn = paged_attention(q, k, v, cache, i, meta, self.scale, ops)
-            x = ops.add_rms_norm(h, _linear(attn, w.o, w.o_bias), w.post_norm, eps)
-            down = _linear(ops.silu_mul(_linear(x, w.gate_up, w.gate_up_bias)), w.down, w.down_bias)
+            x = ops.add_rms_norm(h, linear(attn, w.o, w.o_bias), w.post_norm, eps)
+            down = linear(ops.silu_mul(linear(x, w.gate_up, w.gate_up_bias)), w.down, w.down_bias)
             following = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
             x = ops.add_rms_norm(h, down, following, eps)
         return x
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [M, hidden] -> [M, vocab]
-        return torch.mm(hidden, self.lm_head).float()
+        head = self.lm_head
+        if isinstance(head, PackedWeight):
+            return self.kernels.linear(hidden.contiguous(), head.panels, head.out_features)
+        return torch.mm(hidden, head).float()

@@ -63,6 +63,35 @@ def _layout(kv_heads: int, head_dim: int, block_size: int = 16) -> KVLayout:
     return KVLayout("test", "float32", 1, block_size, kv_heads, head_dim)
 
 
+@pytest.mark.parametrize("rows", [0, 1, 5, 12, 13, 40])
+@pytest.mark.parametrize("k,n", [(256, 512), (64, 33), (100, 31), (576, 1000)])
+def test_linear_equals_mm_over_packed_panels(ops, rows, k, n):
+    g = _gen(rows + n)
+    x, w, bias = torch.randn(rows, k, generator=g), torch.randn(k, n, generator=g), torch.randn(n)
+    packed = kernels.PackedWeight.pack(w)
+    assert packed.panels.shape == (-(-n // kernels.PANEL_WIDTH), k, kernels.PANEL_WIDTH)
+    assert ops.PANEL_WIDTH == kernels.PANEL_WIDTH
+    assert torch.equal(packed.unpack(), w)
+    tol = {"rtol": 1e-5, "atol": 1e-5 * math.sqrt(k)}  # only the summation order differs
+    torch.testing.assert_close(ops.linear(x, packed.panels, n), x @ w, **tol)
+    torch.testing.assert_close(ops.linear(x, packed.panels, n, bias), x @ w + bias, **tol)
+
+
+def test_linear_reads_strided_rows_and_refuses_mismatches(ops):
+    wide = torch.randn(7, 300, generator=_gen(3))
+    x, w = wide[:, :256], torch.randn(256, 70, generator=_gen(4))
+    packed = kernels.PackedWeight.pack(w)
+    torch.testing.assert_close(ops.linear(x, packed.panels, 70), x @ w, rtol=1e-5, atol=1e-4)
+    with pytest.raises(RuntimeError, match="x has 255 columns"):
+        ops.linear(wide[:, :255], packed.panels, 70)
+    with pytest.raises(RuntimeError, match="does not match"):
+        ops.linear(x, packed.panels, 100)
+    with pytest.raises(RuntimeError, match="bias must be"):
+        ops.linear(x, packed.panels, 70, torch.zeros(69))
+    with pytest.raises(RuntimeError, match="contiguous"):
+        ops.linear(x, packed.panels.transpose(1, 2), 70)
+
+
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 4, 32), (4, 4, 64), (6, 2, 16)])
 def test_rope_store_kv(ops, heads, kv_heads, head_dim):
     g, n, max_len = _gen(), 5, 64
