@@ -49,7 +49,7 @@ class Workload:
 class SystemConfig:
     num_prefill: int
     num_decode: int
-    prefill_token_budget: int = 2048  # 0: no batching (one prompt per batch)
+    prefill_token_budget: int = 512  # as tandem serve; 0: no batching (one prompt per batch)
     max_decode_seqs: int = 256
     kv_bytes_per_token: int = 0
     kv_bandwidth_Bps: float = 10e9

@@ -59,6 +59,8 @@ class Watchdog:
         self, queue: DeltaQueue, worker: WorkerHandle
     ) -> worker_pb2.RequestDelta | None:
         """The next delta of a request on ``worker``, or LOST."""
+        if not queue.empty():  # under load the next step is often already here
+            return queue.get_nowait()
         while True:
             try:
                 return await asyncio.wait_for(queue.get(), self.stall_check_s)

@@ -54,7 +54,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--attainment", type=float, default=0.9, help="target share meeting the SLO")
     p.add_argument("--max-workers", type=int, default=8, help="most prefill + decode workers")
     p.add_argument("--num-requests", type=int, default=500, help="simulated requests")
-    p.add_argument("--prefill-token-budget", type=int, default=2048, metavar="TOKENS")
+    p.add_argument("--prefill-token-budget", type=int, default=512, metavar="TOKENS")
     p.add_argument("--max-decode-seqs", type=int, default=256)
     p.add_argument("--kv-bandwidth-gbps", type=float, default=10.0, help="GB/s of a KV transfer")
     p.add_argument("--kv-latency-ms", type=float, default=0.5)
