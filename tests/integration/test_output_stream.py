@@ -61,6 +61,15 @@ class Pair:
         await self.streams.subscribe(self.worker)
         return self.streams
 
+    async def paused_reader(self):
+        """Subscribed, request r1 registered, and the reader not reading."""
+        streams = await self.subscribe()
+        stream = streams._streams["decode-0"]
+        assert stream.transport is not None
+        stream.transport.pause_reading()
+        self.server.own("r1", "router-a")
+        return streams, stream, streams.register("r1", self.worker)
+
     async def publish(self, outputs, events=()) -> None:
         """From another thread, as the engine thread does."""
         await asyncio.to_thread(self.server.publish, list(outputs), list(events))
@@ -195,12 +204,7 @@ def test_a_router_that_subscribes_again_replaces_its_old_stream():
 
 def test_a_slow_reader_never_blocks_the_publisher_and_gets_every_frame():
     async def body(pair: Pair):
-        streams = await pair.subscribe()
-        stream = streams._streams["decode-0"]
-        assert stream.transport is not None
-        stream.transport.pause_reading()
-        pair.server.own("r1", "router-a")
-        queue = streams.register("r1", pair.worker)
+        streams, stream, queue = await pair.paused_reader()
         big = "x" * (256 << 10)
         steps = 64  # 16 MiB: far more than the socket buffers hold
 
@@ -227,12 +231,7 @@ def test_a_reader_too_far_behind_is_dropped(monkeypatch):
     monkeypatch.setattr(output_channel, "MAX_BACKLOG_BYTES", 1 << 20)
 
     async def body(pair: Pair):
-        streams = await pair.subscribe()
-        stream = streams._streams["decode-0"]
-        assert stream.transport is not None
-        stream.transport.pause_reading()
-        pair.server.own("r1", "router-a")
-        queue = streams.register("r1", pair.worker)
+        _, stream, queue = await pair.paused_reader()
         out = _out("r1", 1)
         out.text_delta = "x" * (256 << 10)
         for _ in range(64):
