@@ -17,7 +17,7 @@ stop string: exactly the text to hold back, since it may still become a stop.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -89,6 +89,27 @@ def _matcher(stops: tuple[str, ...]) -> StopMatcher:
     return StopMatcher(stops)
 
 
+def _decoder(tokenizer: Any, skip_special_tokens: bool) -> Callable[[list[int]], str]:
+    """``tokenizer.decode`` over a list of ids. A Hugging Face fast tokenizer
+    whose decode does nothing past its Rust backend's (no space clean-up, no
+    override) is called through the backend directly: the same text, without
+    the Python wrapper (4.1 us -> 0.9 us a call; a decode step makes one or
+    two per sequence)."""
+    import transformers
+
+    fast = getattr(transformers, "PreTrainedTokenizerFast", None)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if (
+        fast is not None
+        and backend is not None
+        and type(tokenizer).decode is fast.decode
+        and type(tokenizer)._decode is fast._decode
+        and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False
+    ):
+        return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
 class IncrementalDetokenizer:
     """Token ids in, text deltas out; never a broken character or a stop string."""
 
@@ -99,8 +120,7 @@ class IncrementalDetokenizer:
         stop: Sequence[str] = (),
         skip_special_tokens: bool = True,
     ) -> None:
-        self._tokenizer = tokenizer
-        self._skip_special = skip_special_tokens
+        self._decode_ids = _decoder(tokenizer, skip_special_tokens)
         self._ids = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
         self._start = 0  # window start in _ids
         self._clean = len(self._ids)  # _ids length when the window last ended cleanly
@@ -138,7 +158,7 @@ class IncrementalDetokenizer:
         return update.text_delta + rest
 
     def _decode(self, start: int) -> str:
-        return self._tokenizer.decode(self._ids[start:], skip_special_tokens=self._skip_special)
+        return self._decode_ids(self._ids[start:])
 
     def _new_text(self, final: bool) -> str:
         """Characters that are complete now and were not handed on before."""

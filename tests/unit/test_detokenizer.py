@@ -359,3 +359,28 @@ def test_stop_matcher_holdback_is_longest_stop_prefix_suffix():
     assert m.depth[state] == 3 and m.match_len[state] == 0  # "abc" may still become "abcd"
     state = m.step(state, "e")
     assert m.match_len[state] == 3  # "bce" found through the failure link
+
+
+def _refuse(*args, **kwargs):
+    raise AssertionError("the Python wrapper was called")
+
+
+def test_fast_tokenizers_decode_through_their_backend(tokenizer, sentencepiece_style, monkeypatch):
+    from engine.detokenizer import _decoder
+
+    ids = [*tokenizer.encode(_CORPUS[1]), tokenizer.eos_token_id]
+    for tok in (tokenizer, sentencepiece_style):
+        skipped, kept = (tok.decode(ids, skip_special_tokens=s) for s in (True, False))
+        with monkeypatch.context() as m:
+            m.setattr(tok, "decode", _refuse)  # the fast path never reaches it
+            assert _decoder(tok, skip_special_tokens=True)(ids) == skipped
+            assert _decoder(tok, skip_special_tokens=False)(ids) == kept
+
+
+def test_a_tokenizer_that_cleans_up_spaces_keeps_its_own_decode(tokenizer, monkeypatch):
+    from engine.detokenizer import _decoder
+
+    monkeypatch.setattr(tokenizer, "clean_up_tokenization_spaces", True)
+    monkeypatch.setattr(tokenizer, "decode", _refuse)
+    with pytest.raises(AssertionError, match="wrapper was called"):
+        _decoder(tokenizer, skip_special_tokens=True)([5, 6])
