@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 from collections.abc import Callable
 from typing import Final
 
 from decode_pool import output_wire as wire
 from engine.transfer import TransferConfig
-from engine.transfer.datachannel import split_address
+from engine.transfer.datachannel import split_address, tune
 from protos.tandem.v1 import worker_pb2
 from router.pool_manager import WorkerHandle
 
@@ -54,8 +53,8 @@ class _OutputStream(asyncio.Protocol):
     def connection_made(self, transport) -> None:
         self.transport = transport
         sock = transport.get_extra_info("socket")
-        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if sock is not None:
+            tune(sock)
 
     def data_received(self, data: bytes) -> None:
         try:
@@ -130,9 +129,7 @@ class DecodeStreams:
         host, port = split_address(address), int(address.rsplit(":", 1)[1])
         security = self.transfer.security
         ctx = security.client_ssl_context()  # None without cluster TLS
-        server_name = None
-        if ctx is not None:
-            server_name = (security.tls.server_name if security.tls else None) or host
+        server_name = security.server_hostname(host)
         stream = _OutputStream(worker, self.router_id, self.transfer, self._dispatch, self._ended)
         self._streams[worker.name] = stream
         try:

@@ -58,3 +58,10 @@ def make_certs(directory: Path, name: str = "tandem") -> CertSet:
         "-CAcreateserial", "-out", str(cert), "-days", "2", "-extfile", str(ext),
     )  # fmt: skip
     return CertSet(ca, cert, key)
+
+
+def tls_files(certs: CertSet):
+    """``certs`` as the cluster TLS settings of engine.transfer."""
+    from engine.transfer import TLSFiles
+
+    return TLSFiles(str(certs.cert), str(certs.key), str(certs.ca))

@@ -131,11 +131,3 @@ class PackedWeight:
         padded = w.new_zeros(k, count * PANEL_WIDTH)
         padded[:, :n] = w
         return cls(padded.view(k, count, PANEL_WIDTH).transpose(0, 1).contiguous(), n)
-
-    @property
-    def in_features(self) -> int:
-        return self.panels.shape[1]
-
-    def unpack(self) -> torch.Tensor:
-        """The [in, out] matrix (a copy)."""
-        return self.panels.transpose(0, 1).reshape(self.in_features, -1)[:, : self.out_features]

@@ -205,10 +205,10 @@ class DataSender:
         self.connected = True
         ctx = self.security.client_ssl_context()
         if ctx is not None:
-            tls = self.security.tls
-            server_name = (tls.server_name if tls else None) or self.host
             try:
-                sock = ctx.wrap_socket(sock, server_hostname=server_name)
+                sock = ctx.wrap_socket(
+                    sock, server_hostname=self.security.server_hostname(self.host)
+                )
             except BaseException:
                 sock.close()
                 raise

@@ -131,6 +131,14 @@ class ClusterSecurity:
             ctx.verify_mode = ssl.CERT_REQUIRED
         return ctx
 
+    def server_hostname(self, host: str) -> str | None:
+        """The name a TLS client checks the server's certificate against:
+        ``cluster_tls_server_name`` when set, else the host dialled; None
+        without cluster TLS."""
+        if self.tls is None:
+            return None
+        return self.tls.server_name or host
+
     def client_ssl_context(self) -> ssl.SSLContext | None:
         if self.tls is None:
             return None

@@ -22,3 +22,14 @@ def ray_cluster():
     )
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def cluster_certs(tmp_path_factory):
+    """(the cluster's CA and leaf, a stranger's: another CA and its leaf)."""
+    from tests.tls_certs import make_certs, openssl_available
+
+    if not openssl_available():
+        pytest.skip("the openssl command is not installed")
+    root = tmp_path_factory.mktemp("tls")
+    return make_certs(root, "cluster"), make_certs(root, "stranger")

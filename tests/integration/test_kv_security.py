@@ -21,7 +21,6 @@ from engine.transfer import (
     ClusterSecurity,
     GrpcKVClient,
     KVBlocks,
-    TLSFiles,
     TransferConfig,
     TransferError,
     datachannel,
@@ -29,24 +28,11 @@ from engine.transfer import (
 )
 from engine.transfer.security import SECRET_KEY
 from tests.kv_harness import LAYOUT, KVServerHarness, header, make_store
-from tests.tls_certs import make_certs, openssl_available
+from tests.tls_certs import tls_files
 
 pytestmark = pytest.mark.integration
 
 SECRET = b"correct horse battery staple"
-
-
-@pytest.fixture(scope="module")
-def certs(tmp_path_factory):
-    if not openssl_available():
-        pytest.skip("the openssl command is not installed")
-    root = tmp_path_factory.mktemp("tls")
-    return make_certs(root, "cluster"), make_certs(root, "stranger")
-
-
-def _tls(certs, which: int = 0) -> TLSFiles:
-    c = certs[which]
-    return TLSFiles(str(c.cert), str(c.key), str(c.ca))
 
 
 def _push(harness: KVServerHarness, config: TransferConfig, n: int = 3, rid: str = "r"):
@@ -161,18 +147,20 @@ def test_a_data_connection_without_the_secrets_mac_is_dropped():
 
 
 @pytest.mark.parametrize("data_channel", [True, False])
-def test_tls_kv_endpoints_refuse_plaintext_and_strangers(certs, data_channel):
+def test_tls_kv_endpoints_refuse_plaintext_and_strangers(cluster_certs, data_channel):
     """TLS pushes over the gRPC stream (the default under TLS) and over the
     data channel (``tls_data_channel``)."""
     tls = TransferConfig(
-        security=ClusterSecurity(SECRET, _tls(certs)), tls_data_channel=data_channel
+        security=ClusterSecurity(SECRET, tls_files(cluster_certs[0])), tls_data_channel=data_channel
     )
     harness = KVServerHarness(tls)
     try:
         assert (harness.server._data is not None) == data_channel
         plaintext = dataclasses.replace(tls, security=ClusterSecurity(SECRET))
         assert _status_of_push(harness, plaintext) == grpc.StatusCode.UNAVAILABLE
-        stranger = dataclasses.replace(tls, security=ClusterSecurity(SECRET, _tls(certs, 1)))
+        stranger = dataclasses.replace(
+            tls, security=ClusterSecurity(SECRET, tls_files(cluster_certs[1]))
+        )
         assert _status_of_push(harness, stranger) == grpc.StatusCode.UNAVAILABLE
         assert harness.free_blocks_settle() == harness.initial_free
         for n in (1, 5, 17):  # 5 once lost its tail to a RST (an unread TLS session ticket)
@@ -183,9 +171,11 @@ def test_tls_kv_endpoints_refuse_plaintext_and_strangers(certs, data_channel):
         harness.close()
 
 
-def test_tls_data_channel_refuses_a_plaintext_connection(certs):
+def test_tls_data_channel_refuses_a_plaintext_connection(cluster_certs):
     harness = KVServerHarness(
-        TransferConfig(security=ClusterSecurity(SECRET, _tls(certs)), tls_data_channel=True)
+        TransferConfig(
+            security=ClusterSecurity(SECRET, tls_files(cluster_certs[0])), tls_data_channel=True
+        )
     )
     try:
         data = harness.server._data
@@ -194,7 +184,7 @@ def test_tls_data_channel_refuses_a_plaintext_connection(certs):
             conn.sendall(b"TKV1" + bytes(16) + bytes(32))
             assert _dropped(conn)  # not a TLS hello
         # A TLS client whose certificate another CA signed: no further.
-        ctx = ClusterSecurity(b"", _tls(certs, 1)).client_ssl_context()
+        ctx = ClusterSecurity(b"", tls_files(cluster_certs[1])).client_ssl_context()
         assert ctx is not None
         ctx.check_hostname = False
         ctx.verify_mode = ssl.CERT_NONE
@@ -208,7 +198,9 @@ def test_tls_data_channel_refuses_a_plaintext_connection(certs):
                     with contextlib.suppress(ssl.SSLError, ConnectionError):
                         conn.sendall(b"TKV1" + bytes(48))
                     assert _dropped(conn)
-        _push(harness, TransferConfig(security=ClusterSecurity(SECRET, _tls(certs))))
+        _push(
+            harness, TransferConfig(security=ClusterSecurity(SECRET, tls_files(cluster_certs[0])))
+        )
         assert harness.free_blocks_settle() == harness.initial_free
     finally:
         harness.close()

@@ -16,11 +16,11 @@ from decode_pool import output_wire as wire
 from decode_pool.output_channel import OutputServer
 from engine.index import KVEvent
 from engine.sequence import RequestOutput
-from engine.transfer import ClusterSecurity, TLSFiles, TransferConfig
+from engine.transfer import ClusterSecurity, TransferConfig
 from protos.tandem.v1 import worker_pb2
 from router.decode_streams import LOST, DecodeStreams
 from router.pool_manager import WorkerHandle
-from tests.tls_certs import make_certs, openssl_available
+from tests.tls_certs import tls_files
 
 pytestmark = pytest.mark.integration
 
@@ -264,27 +264,14 @@ def test_a_step_bigger_than_the_frame_limit_is_split():
         wire.FrameReader(100).feed(wire.LENGTH.pack(101))
 
 
-@pytest.fixture(scope="module")
-def certs(tmp_path_factory):
-    if not openssl_available():
-        pytest.skip("the openssl command is not installed")
-    root = tmp_path_factory.mktemp("tls")
-    return make_certs(root, "cluster"), make_certs(root, "stranger")
-
-
-def _tls(certs, which: int = 0) -> TLSFiles:
-    c = certs[which]
-    return TLSFiles(str(c.cert), str(c.key), str(c.ca))
-
-
 @pytest.mark.parametrize("reader", ["cluster", "plaintext", "stranger"])
-def test_tls_streams_refuse_plaintext_and_strangers(certs, reader, monkeypatch):
+def test_tls_streams_refuse_plaintext_and_strangers(cluster_certs, reader, monkeypatch):
     monkeypatch.setattr(output_channel, "HANDSHAKE_TIMEOUT_S", 1.0)  # the plaintext reader's
-    security = ClusterSecurity(SECRET, _tls(certs))
+    security = ClusterSecurity(SECRET, tls_files(cluster_certs[0]))
     readers = {
         "cluster": security,
         "plaintext": ClusterSecurity(SECRET),
-        "stranger": ClusterSecurity(SECRET, _tls(certs, 1)),
+        "stranger": ClusterSecurity(SECRET, tls_files(cluster_certs[1])),
     }
 
     async def body(pair: Pair):

@@ -13,21 +13,12 @@ from router.client import TandemClient
 from router.service import RouterServer
 from tandem_cli.config import CLUSTER_SECRET_ENV, ServeConfig
 from tests.fakes import FakeBackend, FakeTokenizer
-from tests.tls_certs import make_certs, openssl_available
 
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture(scope="module")
-def certs(tmp_path_factory):
-    if not openssl_available():
-        pytest.skip("the openssl command is not installed")
-    root = tmp_path_factory.mktemp("router-tls")
-    return make_certs(root, "router"), make_certs(root, "other")
-
-
-def test_tls_router_serves_tls_clients_and_refuses_plaintext(certs):
-    mine, other = certs
+def test_tls_router_serves_tls_clients_and_refuses_plaintext(cluster_certs):
+    mine, other = cluster_certs
 
     async def body():
         backend = FakeBackend(tokenizer=FakeTokenizer())
@@ -68,8 +59,8 @@ def test_cluster_secret_comes_from_the_environment_and_stays_hidden(monkeypatch)
     assert ServeConfig.load(None).cluster_security().secret == b""
 
 
-def test_tls_settings_are_checked(tmp_path, certs):
-    mine, _ = certs
+def test_tls_settings_are_checked(tmp_path, cluster_certs):
+    mine, _ = cluster_certs
     with pytest.raises(ValueError, match="tls_cert and tls_key"):
         ServeConfig(tls_cert=mine.cert)
     with pytest.raises(ValueError, match="no file"):
