@@ -252,10 +252,13 @@ class OutputServer:
             return
         sock.setblocking(False)
         conn = RouterConnection(router_id, sock)
-        with self._lock:  # open it before the router, once it hears so, starts requests here
-            conn.send(wire.OPEN_FRAME)  # first: publish() sends only to registered streams
+        with self._lock:
+            # Registered before the router hears OPEN: it may route a request
+            # here (has_router) the moment it does. OPEN is still the first
+            # frame, since publish() sees the stream only after this lock.
             old = self._routers.get(router_id)
             self._routers[router_id] = conn
+            conn.send(wire.OPEN_FRAME)
         if old is not None:  # the router opened a new stream: the old one is done
             old.close("replaced by a new stream from the same router")
         log.info("router %s subscribed", router_id)

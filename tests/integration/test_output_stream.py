@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
+import time
 
 import pytest
 
@@ -119,6 +120,26 @@ def test_steps_reach_the_owning_router_in_order_with_cache_events():
             ("decode-0", [b"h" * 16], [b"x" * 16])
         ]
         await streams.close()
+
+    run_with_pair(body)
+
+
+def test_the_stream_is_registered_before_the_router_hears_it_open(monkeypatch):
+    """A router routes requests to a worker as soon as its stream opens, and
+    the worker refuses one whose router it does not know (has_router): the
+    OPEN frame must not reach the router before the registration."""
+    send = output_channel.RouterConnection.send
+
+    def slow_after_open(self, data):
+        send(self, data)
+        if data == wire.OPEN_FRAME:
+            time.sleep(0.3)  # a thread switch right after the frame went out
+
+    monkeypatch.setattr(output_channel.RouterConnection, "send", slow_after_open)
+
+    async def body(pair: Pair):
+        await pair.subscribe()
+        assert pair.server.has_router("router-a")
 
     run_with_pair(body)
 
