@@ -78,6 +78,22 @@ def test_linear_equals_mm_over_packed_panels(ops, rows, k, n):
     torch.testing.assert_close(ops.linear(x, packed.panels, n, bias), x @ w + bias, **tol)
 
 
+def test_linear_rows_do_not_depend_on_the_batch(ops):
+    """Rows go through different tiles (a full group of rows or the rest),
+    yet each output is the same in-order sum: a sequence's logits are the
+    same bits whatever batch it decodes in."""
+    g = _gen(7)
+    x, w, bias = (
+        torch.randn(23, 256, generator=g),
+        torch.randn(256, 100, generator=g),
+        torch.randn(100),
+    )
+    packed = kernels.PackedWeight.pack(w)
+    whole = ops.linear(x, packed.panels, 100, bias)
+    for rows in (slice(0, 1), slice(5, 9), slice(11, 23)):
+        assert torch.equal(ops.linear(x[rows], packed.panels, 100, bias), whole[rows])
+
+
 def test_linear_reads_strided_rows_and_refuses_mismatches(ops):
     wide = torch.randn(7, 300, generator=_gen(3))
     x, w = wide[:, :256], torch.randn(256, 70, generator=_gen(4))
