@@ -300,14 +300,16 @@ class LLMEngine:
         return outputs
 
     def _sample(self, seqs: list[Sequence], hidden: torch.Tensor) -> list[SampledToken]:
-        logits = self.model.logits(hidden)
         for s in seqs:
             seed_for_token(s.generator, s.params.seed, len(s.output_token_ids))
         requests = [
             SampleRequest(s.params, s.prompt_token_ids, s.output_token_ids, s.generator)
             for s in seqs
         ]
-        return self.sampler(logits, requests)
+        if self.model.half_head is not None and all(map(Sampler.plain_greedy, requests)):
+            tokens = self.model.greedy_tokens(hidden, self.sampler.vocab_size)
+            return [SampledToken(t, None, None) for t in tokens]
+        return self.sampler(self.model.logits(hidden), requests)
 
     def _forward(self, batch: list[ScheduledSeq]) -> tuple[list[int], list[int], torch.Tensor]:
         """The step's pass: rows to sample (one per sequence that reaches its last

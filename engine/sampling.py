@@ -273,14 +273,15 @@ class Sampler:
         if logits.shape[0] != len(requests):
             raise ValueError(f"logits has {logits.shape[0]} rows for {len(requests)} requests")
         logits = logits[:, : self.vocab_size].float()
-        if all(self._plain_greedy(r) for r in requests):
+        if all(self.plain_greedy(r) for r in requests):
             return [SampledToken(t, None, None) for t in self.argmax(logits).tolist()]
         adjusted = self.adjusted_logits(logits, requests)
         token_ids = self._choose(adjusted, requests)
         return self._package(logits, token_ids, requests)
 
     @staticmethod
-    def _plain_greedy(r: SampleRequest) -> bool:
+    def plain_greedy(r: SampleRequest) -> bool:
+        """Whether the row's token is the bare argmax of its logits."""
         p = r.params
         return (
             p.greedy

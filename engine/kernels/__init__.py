@@ -131,3 +131,35 @@ class PackedWeight:
         padded = w.new_zeros(k, count * PANEL_WIDTH)
         padded[:, :n] = w
         return cls(padded.view(k, count, PANEL_WIDTH).transpose(0, 1).contiguous(), n)
+
+
+@dataclass(frozen=True)
+class HalfHead:
+    """A float16 copy of a packed head and, per column, how far a logit summed
+    over it can be from the float32 one: ``|approx - exact| <= ||x||_2 *
+    bound``. cpu_ops' greedy_head reads it instead of the float32 panels and
+    recomputes exactly only the columns that could hold the argmax."""
+
+    half: torch.Tensor  # float16, the packed panels' shape
+    bound: torch.Tensor  # float64 [columns]
+
+    @classmethod
+    def of(cls, head: PackedWeight, chunk: int = 256) -> HalfHead | None:
+        """None when float16 cannot hold the weights (too large, not finite)."""
+        panels = head.panels
+        if not bool(torch.isfinite(panels).all()) or float(panels.abs().max()) > 65504.0:
+            return None
+        half = panels.half()
+        k = panels.shape[1]
+        unit = 2.0**-24  # float32 rounding of each fused multiply-add
+        gamma = k * unit / (1 - k * unit)
+        parts = []
+        for start in range(0, panels.shape[0], chunk):  # float64 copies a chunk at a time
+            w = panels[start : start + chunk].double()
+            w_half = half[start : start + chunk].double()
+            error = (w - w_half).square().sum(1).sqrt()
+            rounding = gamma * (w.square().sum(1).sqrt() + w_half.square().sum(1).sqrt())
+            parts.append((error + rounding).reshape(-1))
+        # Slack for the float64 arithmetic of the bound and of the screen itself.
+        bound = torch.cat(parts) * (1 + 1e-6) + 1e-30
+        return cls(half, bound)

@@ -10,6 +10,7 @@
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
+#include <immintrin.h>
 
 #include <algorithm>
 #include <array>
@@ -573,6 +574,147 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& panels, int64_t n,
   return out;
 }
 
+// ---------------------------------------------------------------------------
+// Greedy tokens from the head without the full float32 logits.
+//
+// At a small decode batch the head's matmul only streams its weight (32k x
+// 256 floats, 32 MB, for the default model) from memory. This reads a
+// float16 copy instead (half the bytes) for approximate logits y~, and
+// bounds each one's distance from the float32 logit y the linear kernel
+// would give:  |y~_i - y_i| <= ||x||_2 * bound_i,  where bound_i (computed
+// at load, engine.kernels.HalfHead) is ||w_i - w~_i||_2 plus the float32
+// rounding of both sums, gamma_K (||w_i||_2 + ||w~_i||_2). Every column whose
+// interval can reach the highest lower bound is a candidate; the argmax is
+// one of them. Candidates get the linear kernel's exact sum (the same
+// in-order FMAs, so the same bits), and the first largest wins, as
+// argmax_rows. A row whose candidates exceed ``max_candidates``, or with a
+// value that is not finite, gets -1: the caller computes its logits in full.
+
+#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+namespace {
+
+// Approximate logits of R rows (R <= 2): 8 accumulators and 4 panel vectors,
+// named one by one (GCC keeps an array of them on the stack).
+template <int R>
+void half_panel_rows(const float* a, int64_t lda, const uint16_t* panel, int64_t k, float* out,
+                     int64_t ldo) {
+  static_assert(R == 1 || R == 2);
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  __m256 c0 = a0, c1 = a0, c2 = a0, c3 = a0;
+  for (int64_t p = 0; p < k; ++p) {
+    const auto* q = reinterpret_cast<const __m128i*>(panel + p * kPanel);
+    const __m256 b0 = _mm256_cvtph_ps(_mm_loadu_si128(q));
+    const __m256 b1 = _mm256_cvtph_ps(_mm_loadu_si128(q + 1));
+    const __m256 b2 = _mm256_cvtph_ps(_mm_loadu_si128(q + 2));
+    const __m256 b3 = _mm256_cvtph_ps(_mm_loadu_si128(q + 3));
+    const __m256 x = _mm256_broadcast_ss(a + p);
+    a0 = _mm256_fmadd_ps(x, b0, a0);
+    a1 = _mm256_fmadd_ps(x, b1, a1);
+    a2 = _mm256_fmadd_ps(x, b2, a2);
+    a3 = _mm256_fmadd_ps(x, b3, a3);
+    if constexpr (R == 2) {
+      const __m256 y = _mm256_broadcast_ss(a + lda + p);
+      c0 = _mm256_fmadd_ps(y, b0, c0);
+      c1 = _mm256_fmadd_ps(y, b1, c1);
+      c2 = _mm256_fmadd_ps(y, b2, c2);
+      c3 = _mm256_fmadd_ps(y, b3, c3);
+    }
+  }
+  _mm256_storeu_ps(out, a0);
+  _mm256_storeu_ps(out + 8, a1);
+  _mm256_storeu_ps(out + 16, a2);
+  _mm256_storeu_ps(out + 24, a3);
+  if constexpr (R == 2) {
+    _mm256_storeu_ps(out + ldo, c0);
+    _mm256_storeu_ps(out + ldo + 8, c1);
+    _mm256_storeu_ps(out + ldo + 16, c2);
+    _mm256_storeu_ps(out + ldo + 24, c3);
+  }
+}
+
+// Column j of a packed weight times x, as the linear kernel sums it.
+float exact_column(const float* x, const float* panels, int64_t k, int64_t j) {
+  const float* w = panels + (j / kPanel) * k * kPanel + j % kPanel;
+  float acc = 0.f;
+  for (int64_t p = 0; p < k; ++p) acc = std::fma(x[p], w[p * kPanel], acc);
+  return acc;
+}
+
+int64_t screened_argmax(const float* x, int64_t k, const float* approx, const double* bound,
+                        const float* panels, int64_t n, int64_t max_candidates) {
+  double norm2 = 0.0;
+  for (int64_t p = 0; p < k; ++p) norm2 += static_cast<double>(x[p]) * x[p];
+  if (!std::isfinite(norm2)) return -1;
+  const double norm = std::sqrt(norm2) * (1.0 + 1e-12);  // sqrt and sum rounded up
+  double floor_ = -std::numeric_limits<double>::infinity();
+  int bad = 0;
+#pragma omp simd reduction(max : floor_) reduction(| : bad)
+  for (int64_t i = 0; i < n; ++i) {
+    floor_ = std::max(floor_, approx[i] - norm * bound[i]);
+    bad |= !std::isfinite(approx[i]);
+  }
+  if (bad) return -1;
+  int64_t best = -1, count = 0;
+  float top = 0.f;
+  for (int64_t i = 0; i < n; ++i) {
+    if (approx[i] + norm * bound[i] < floor_) continue;
+    if (++count > max_candidates) return -1;
+    const float y = exact_column(x, panels, k, i);
+    if (!std::isfinite(y)) return -1;
+    if (best < 0 || y > top) best = i, top = y;  // ascending i: the first of equals stays
+  }
+  return best;
+}
+
+}  // namespace
+
+//   x:      [M, K] float32 rows (unit inner stride)
+//   panels: the head packed for linear(), [ceil(N / 32), K, 32] float32
+//   half:   the same values as float16, same shape
+//   bound:  [>= n] float64, per column (see above)
+//   n:      columns that are tokens (the sampler's vocabulary size)
+//   returns [M] int64: the greedy token of each row, or -1
+at::Tensor greedy_head(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& half,
+                       const at::Tensor& bound, int64_t n, int64_t max_candidates) {
+  check_rows(x, "x");
+  check_f32(panels, "panels");
+  const int64_t m = x.size(0), k = x.size(1);
+  TORCH_CHECK(panels.dim() == 3 && panels.is_contiguous() && panels.size(2) == kPanel &&
+                  panels.size(1) == k,
+              "panels must be contiguous [P, ", k, ", ", kPanel, "]");
+  TORCH_CHECK(half.scalar_type() == at::kHalf && half.is_contiguous() &&
+                  half.sizes() == panels.sizes(),
+              "half must be float16 panels of the same shape");
+  TORCH_CHECK(bound.scalar_type() == at::kDouble && bound.is_contiguous() && bound.dim() == 1,
+              "bound must be contiguous float64 [N]");
+  TORCH_CHECK(n >= 1 && n <= panels.size(0) * kPanel && n <= bound.numel(),
+              "n = ", n, " is out of range");
+  auto out = at::empty({m}, x.options().dtype(at::kLong));
+  if (m == 0) return out;
+  auto approx = at::empty({m, panels.size(0) * kPanel}, x.options());
+  const float* a = x.data_ptr<float>();
+  const int64_t lda = x.stride(0), ldo = approx.size(1);
+  const float* w = panels.data_ptr<float>();
+  const auto* h = reinterpret_cast<const uint16_t*>(half.data_ptr<at::Half>());
+  float* ap = approx.data_ptr<float>();
+  for (int64_t t = 0; t < panels.size(0); ++t) {
+    const uint16_t* panel = h + t * k * kPanel;
+    for (int64_t i = 0; i < m; i += 2) {
+      if (m - i >= 2)
+        half_panel_rows<2>(a + i * lda, lda, panel, k, ap + i * ldo + t * kPanel, ldo);
+      else
+        half_panel_rows<1>(a + i * lda, lda, panel, k, ap + i * ldo + t * kPanel, ldo);
+    }
+  }
+  int64_t* op = out.data_ptr<int64_t>();
+  for (int64_t r = 0; r < m; ++r)
+    op[r] = screened_argmax(a + r * lda, k, ap + r * ldo, bound.data_ptr<double>(), w, n,
+                            max_candidates);
+  return out;
+}
+#define TANDEM_GREEDY_HEAD 1
+#endif
+
 // The kernels release the GIL, as ATen ops do: a worker's KV-receive and
 // output threads keep running while a step's attention is computed.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -586,5 +728,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, "argmax of each row", release());
   m.def("linear", &linear, "x @ W (+ bias), W packed in panels", py::arg("x"), py::arg("panels"),
         py::arg("n"), py::arg("bias") = py::none(), release());
+#ifdef TANDEM_GREEDY_HEAD
+  m.def("greedy_head", &greedy_head, "greedy tokens from a float16 screen of the head",
+        release());
+#endif
   m.attr("PANEL_WIDTH") = kPanel;
 }

@@ -19,10 +19,13 @@ import torch.nn.functional as F
 
 from engine.attention import AttentionMetadata, paged_attention
 from engine.config import ModelSpec
-from engine.kernels import PackedWeight
+from engine.kernels import HalfHead, PackedWeight
 from engine.kv_cache import KVCache
 
 Weight = torch.Tensor | PackedWeight  # PackedWeight on the fused CPU path
+# A row whose float16 screen leaves more columns that could hold its argmax
+# gets its full logits (random rows of the default model leave 1 to 3).
+MAX_CANDIDATES = 64
 
 
 @dataclass
@@ -140,8 +143,11 @@ class LlamaModel:
             )
         cos, sin = rope_tables(hf_config, spec, max_len)
         self.cos, self.sin = cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
+        self.half_head: HalfHead | None = None
         if kernels is not None:  # one copy of each matrix, in the linear kernel's layout
             self.lm_head = PackedWeight.pack(self.lm_head)
+            if hasattr(kernels, "greedy_head"):  # built where the CPU has F16C and FMA
+                self.half_head = HalfHead.of(self.lm_head)
             for w in self.layers:
                 w.qkv, w.o, w.gate_up, w.down = (
                     PackedWeight.pack(m) for m in (w.qkv, w.o, w.gate_up, w.down)
@@ -228,6 +234,23 @@ class LlamaModel:
             following = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
             x = ops.add_rms_norm(h, down, following, eps)
         return x
+
+    @torch.inference_mode()
+    def greedy_tokens(self, hidden: torch.Tensor, vocab_size: int) -> list[int]:
+        """The argmax of each row's logits over the first ``vocab_size`` columns,
+        the same token as ``logits`` then argmax, from a float16 screen of the
+        head (cpu_ops.cpp, greedy_head); needs ``half_head``. Rows the screen
+        cannot settle get their full logits."""
+        head, half = self.lm_head, self.half_head
+        assert isinstance(head, PackedWeight) and half is not None, "no screened head"
+        x = hidden.contiguous()
+        ops = self.kernels
+        tokens = ops.greedy_head(x, head.panels, half.half, half.bound, vocab_size, MAX_CANDIDATES)
+        unsettled = (tokens < 0).nonzero().flatten()
+        if len(unsettled):
+            full = ops.linear(x[unsettled], head.panels, head.out_features)
+            tokens[unsettled] = ops.argmax_rows(full[:, :vocab_size].contiguous())
+        return tokens.tolist()
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [M, hidden] -> [M, vocab]

@@ -1,0 +1,126 @@
+"""The screened greedy head (cpu_ops greedy_head, engine.kernels.HalfHead): the
+same tokens as the float32 logits' argmax, from a float16 read of the head."""
+
+from __future__ import annotations
+
+import math
+import shutil
+
+import pytest
+import torch
+
+import engine.kernels as kernels
+from engine import LLM, SamplingParams
+from engine.models import llama
+
+pytestmark = pytest.mark.unit
+
+if shutil.which("c++") is None and shutil.which("g++") is None:
+    pytest.skip("no C++ compiler: the engine runs its PyTorch path", allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def ops():
+    ops = kernels.cpu_ops(required=True)
+    if not hasattr(ops, "greedy_head"):
+        pytest.skip("this CPU has no F16C/FMA: the engine computes full logits")
+    return ops
+
+
+def _head(k: int, n: int, scale: float, seed: int) -> torch.Tensor:
+    return torch.randn(k, n, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def _full(ops, x: torch.Tensor, head: kernels.PackedWeight, n: int) -> torch.Tensor:
+    return ops.argmax_rows(ops.linear(x, head.panels, head.out_features)[:, :n].contiguous())
+
+
+def _screened(ops, x, head, n, max_candidates=64):
+    half = kernels.HalfHead.of(head)
+    assert half is not None
+    return ops.greedy_head(x, head.panels, half.half, half.bound, n, max_candidates)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5])
+@pytest.mark.parametrize("k,n,vocab,scale", [(256, 32000, 32000, 0.02), (64, 1000, 990, 1.0)])
+def test_tokens_equal_the_full_logits_argmax(ops, rows, k, n, vocab, scale):
+    head = kernels.PackedWeight.pack(_head(k, n, scale, seed=rows))
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(100 + rows)) * 3
+    assert torch.equal(_screened(ops, x, head, vocab), _full(ops, x, head, vocab))
+
+
+def test_the_bound_holds(ops):
+    """|x . w~_i - x . w_i| <= ||x|| * bound_i, with both sums as computed."""
+    w = _head(96, 300, 0.5, seed=3)
+    head = kernels.PackedWeight.pack(w)
+    half = kernels.HalfHead.of(head)
+    x = torch.randn(50, 96, generator=torch.Generator().manual_seed(4)) * 10
+    exact = ops.linear(x, head.panels, 300).double()
+    approx = ops.linear(x, kernels.PackedWeight.pack(w.half().float()).panels, 300).double()
+    slack = x.double().norm(dim=1, keepdim=True) * half.bound[:300]
+    assert bool(((approx - exact).abs() <= slack).all())
+    assert float((approx - exact).abs().max()) > 0  # the screen is approximate
+
+
+def test_columns_float16_cannot_tell_apart_are_settled_exactly(ops):
+    """Columns equal in float16 but not in float32: the exact sums decide, and an
+    exact tie goes to the first column, as argmax does."""
+    w = _head(64, 96, 0.05, seed=5)
+    w[:, 7] += 0.5  # columns 7 and 8 lead for most rows
+    w[:, 8] += 0.5
+    w[:, 40] = w[:, 7]  # an exact tie: column 7 wins
+    w[:, 41] = w[:, 8]
+    w[0, 41] += 1e-6  # below float16 resolution at this size: 41 beats 8 by a hair
+    x = torch.randn(40, 64, generator=torch.Generator().manual_seed(6))
+    x[:, 0] = 1.0
+    head = kernels.PackedWeight.pack(w)
+    half = kernels.HalfHead.of(head).half
+    assert torch.equal(half[1, :, 41 - 32], half[0, :, 8])  # the same in float16
+    full = _full(ops, x, head, 96)
+    assert torch.equal(_screened(ops, x, head, 96), full)
+    assert 7 in full.tolist() and 40 not in full.tolist()
+    assert 41 in full.tolist() and 8 not in full.tolist()
+
+
+def test_rows_it_cannot_settle_are_left_to_the_caller(ops):
+    head = kernels.PackedWeight.pack(_head(32, 64, 1.0, seed=7))
+    x = torch.randn(3, 32, generator=torch.Generator().manual_seed(8))
+    x[1] = 0.0  # every column ties: more candidates than allowed
+    x[2, 5] = math.nan
+    tokens = _screened(ops, x, head, 64, max_candidates=8)
+    assert tokens[1:].tolist() == [-1, -1]
+    assert tokens[0] == _full(ops, x[:1], head, 64)[0]
+
+
+def test_a_head_float16_cannot_hold_gets_no_screen():
+    w = _head(32, 40, 1.0, seed=9)
+    w[3, 5] = 1e5
+    assert kernels.HalfHead.of(kernels.PackedWeight.pack(w)) is None
+    w[3, 5] = math.inf
+    assert kernels.HalfHead.of(kernels.PackedWeight.pack(w)) is None
+
+
+def test_the_engine_screens_plain_greedy_rows_only(llama_dir, ops, monkeypatch):
+    """Plain greedy decoding goes through the screen and gives the tokens of
+    the full logits; rows that ask for logprobs take the full logits. A
+    screen that settles nothing (every row recomputed) changes no token."""
+    prompts = [[5, 17, 300, 42], list(range(20, 60)), [9] * 7]
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    llm = LLM(str(llama_dir), num_kv_blocks=64)
+    calls = []
+    screen = llm.engine.model.greedy_tokens
+    monkeypatch.setattr(llm.engine.model, "greedy_tokens", lambda *a: calls.append(1) or screen(*a))
+    free = llm.engine.block_pool.num_free
+    screened = [o.token_ids for o in llm.generate(prompts, greedy)]
+    assert len(calls) >= 16 and llm.engine.block_pool.num_free == free
+
+    calls.clear()
+    with_logprobs = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1)
+    assert [o.token_ids for o in llm.generate(prompts, with_logprobs)] == screened
+    assert calls == []
+
+    monkeypatch.setattr(llama, "MAX_CANDIDATES", 0)
+    assert [o.token_ids for o in llm.generate(prompts, greedy)] == screened
+    full = LLM(str(llama_dir), num_kv_blocks=64)
+    full.engine.model.half_head = None
+    assert [o.token_ids for o in full.generate(prompts, greedy)] == screened
