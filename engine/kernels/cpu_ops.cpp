@@ -10,7 +10,9 @@
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
-#include <immintrin.h>
+#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#include <immintrin.h>  // greedy_head only; other kernels use vector extensions
+#endif
 
 #include <algorithm>
 #include <array>
