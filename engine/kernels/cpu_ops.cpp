@@ -699,19 +699,25 @@ at::Tensor greedy_head(const at::Tensor& x, const at::Tensor& panels, const at::
   const float* w = panels.data_ptr<float>();
   const auto* h = reinterpret_cast<const uint16_t*>(half.data_ptr<at::Half>());
   float* ap = approx.data_ptr<float>();
-  for (int64_t t = 0; t < panels.size(0); ++t) {
-    const uint16_t* panel = h + t * k * kPanel;
-    for (int64_t i = 0; i < m; i += 2) {
-      if (m - i >= 2)
-        half_panel_rows<2>(a + i * lda, lda, panel, k, ap + i * ldo + t * kPanel, ldo);
-      else
-        half_panel_rows<1>(a + i * lda, lda, panel, k, ap + i * ldo + t * kPanel, ldo);
+  // Threads split the panels, then the rows, as linear() does.
+  const int64_t grain = m * k * n < (1 << 21) ? panels.size(0) : 1;
+  at::parallel_for(0, panels.size(0), grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const uint16_t* panel = h + t * k * kPanel;
+      for (int64_t i = 0; i < m; i += 2) {
+        if (m - i >= 2)
+          half_panel_rows<2>(a + i * lda, lda, panel, k, ap + i * ldo + t * kPanel, ldo);
+        else
+          half_panel_rows<1>(a + i * lda, lda, panel, k, ap + i * ldo + t * kPanel, ldo);
+      }
     }
-  }
+  });
   int64_t* op = out.data_ptr<int64_t>();
-  for (int64_t r = 0; r < m; ++r)
-    op[r] = screened_argmax(a + r * lda, k, ap + r * ldo, bound.data_ptr<double>(), w, n,
-                            max_candidates);
+  const double* bp = bound.data_ptr<double>();
+  at::parallel_for(0, m, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      op[r] = screened_argmax(a + r * lda, k, ap + r * ldo, bp, w, n, max_candidates);
+  });
   return out;
 }
 #define TANDEM_GREEDY_HEAD 1
