@@ -634,6 +634,32 @@ void half_panel_rows(const float* a, int64_t lda, const uint16_t* panel, int64_t
   }
 }
 
+// Approximate logits of 6 rows x 16 columns (half a panel, from ``panel``):
+// 12 accumulators and 2 panel vectors, each converted once for 6 rows
+// instead of once for 2 (the head at 16 rows: 4.5 -> 4.2 ms here).
+void half_rows_6x16(const float* a, int64_t lda, const uint16_t* panel, int64_t k, float* out,
+                    int64_t ldo) {
+  __m256 acc[6][2];
+#pragma GCC unroll 6
+  for (int r = 0; r < 6; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t p = 0; p < k; ++p) {
+    const auto* q = reinterpret_cast<const __m128i*>(panel + p * kPanel);
+    const __m256 b0 = _mm256_cvtph_ps(_mm_loadu_si128(q));
+    const __m256 b1 = _mm256_cvtph_ps(_mm_loadu_si128(q + 1));
+#pragma GCC unroll 6
+    for (int r = 0; r < 6; ++r) {
+      const __m256 x = _mm256_broadcast_ss(a + r * lda + p);
+      acc[r][0] = _mm256_fmadd_ps(x, b0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(x, b1, acc[r][1]);
+    }
+  }
+#pragma GCC unroll 6
+  for (int r = 0; r < 6; ++r) {
+    _mm256_storeu_ps(out + r * ldo, acc[r][0]);
+    _mm256_storeu_ps(out + r * ldo + 8, acc[r][1]);
+  }
+}
+
 // Column j of a packed weight times x, as the linear kernel sums it.
 float exact_column(const float* x, const float* panels, int64_t k, int64_t j) {
   const float* w = panels + (j / kPanel) * k * kPanel + j % kPanel;
@@ -704,7 +730,13 @@ at::Tensor greedy_head(const at::Tensor& x, const at::Tensor& panels, const at::
   at::parallel_for(0, panels.size(0), grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const uint16_t* panel = h + t * k * kPanel;
-      for (int64_t i = 0; i < m; i += 2) {
+      // 6-row tiles over both halves of the panel, the rest 1-2 rows at a time.
+      const int64_t full = m / 6 * 6;
+      for (int64_t i = 0; i < full; i += 6)
+        for (int half_col = 0; half_col < kPanel; half_col += 16)
+          half_rows_6x16(a + i * lda, lda, panel + half_col, k,
+                         ap + i * ldo + t * kPanel + half_col, ldo);
+      for (int64_t i = full; i < m; i += 2) {
         if (m - i >= 2)
           half_panel_rows<2>(a + i * lda, lda, panel, k, ap + i * ldo + t * kPanel, ldo);
         else

@@ -41,7 +41,7 @@ def _screened(ops, x, head, n, max_candidates=64):
     return ops.greedy_head(x, head.panels, half.half, half.bound, n, max_candidates)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 5])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 13])
 @pytest.mark.parametrize("k,n,vocab,scale", [(256, 32000, 32000, 0.02), (64, 1000, 990, 1.0)])
 def test_tokens_equal_the_full_logits_argmax(ops, rows, k, n, vocab, scale):
     head = kernels.PackedWeight.pack(_head(k, n, scale, seed=rows))
