@@ -2,7 +2,8 @@
 same run, default tiny model.
 
   1. TPOT through the router (disaggregated, 1 prefill + 1 decode) vs the
-     bare engine's decode step, at 1 and at 64 streams (target <= 1.10x).
+     bare engine's decode step, at 1 and at 64 streams (target <= 1.10x);
+     medians of ROUNDS router runs alternating with ROUNDS bare-engine runs.
      Reported both as the mean TPOT of the final messages (it includes the
      steps slowed by other requests' prefill and KV arrival) and as the
      median inter-token latency seen by the client;
@@ -40,7 +41,7 @@ from router.client import TandemClient
 
 OUT_TOKENS = 64
 PROMPT_TOKENS = 256
-ROUNDS = 3  # throughput runs per deployment; the median is reported
+ROUNDS = 3  # runs of each measurement; medians are reported
 
 
 def prompts(n: int, length: int, seed: int) -> list[list[int]]:
@@ -81,21 +82,21 @@ async def run_streams(address: str, batch: list[list[int]]) -> tuple[float, list
 def throughput(address: str, batch: list[list[int]]) -> float:
     """Median output tokens/s over ROUNDS runs: ``batch`` first, then fresh
     prompts of the same shape (a repeated batch would hit the prefix cache)."""
-    rates = []
+    rates, cached = [], []
     for r in range(ROUNDS):
         prompts_r = batch if r == 0 else prompts(len(batch), PROMPT_TOKENS, seed=1000 + r)
-        elapsed, _, _ = asyncio.run(run_streams(address, prompts_r))
+        elapsed, finals, _ = asyncio.run(run_streams(address, prompts_r))
         rates.append(len(batch) * OUT_TOKENS / elapsed)
-    print("tok/s per round", [round(x) for x in rates], flush=True)
+        cached.append(sum(f.usage.cached_tokens for f in finals))
+    print("tok/s per round", [round(x) for x in rates], "cached tokens", cached, flush=True)
     return round(statistics.median(rates), 1)
 
 
-def engine_step_ms(streams: int) -> float:
+def engine_step_ms(engine: LLMEngine, streams: int, seed: int) -> float:
     """Median decode step of the bare engine with ``streams`` sequences decoding."""
-    engine = LLMEngine(EngineConfig(num_threads=1, kv_cache_memory_bytes=256 << 20))
     params = SamplingParams(temperature=0, max_tokens=OUT_TOKENS, ignore_eos=True)
-    for i, p in enumerate(prompts(streams, 64, seed=streams)):
-        engine.add_request(str(i), p, params)
+    for i, p in enumerate(prompts(streams, 64, seed=seed)):
+        engine.add_request(f"{seed}-{i}", p, params)
     steps = []
     while engine.has_unfinished():
         t = time.perf_counter()
@@ -123,13 +124,20 @@ def hf_static_tok_s(batch: list[list[int]], size: int, threads: int) -> float:
 def main() -> None:
     batch = prompts(16, PROMPT_TOKENS, seed=7)
     results: dict = {}
+    engine = LLMEngine(EngineConfig(num_threads=1, kv_cache_memory_bytes=256 << 20))
     with serve("--prefill", "1", "--decode", "1") as address:
         asyncio.run(run_streams(address, prompts(2, 64, seed=99)))  # warm up
         for streams in (1, 64):
-            _, finals, gaps = asyncio.run(run_streams(address, prompts(streams, 64, streams)))
-            bare = engine_step_ms(streams)
-            tpot = statistics.mean(f.timings.mean_tpot_s for f in finals) * 1e3
-            itl = statistics.median(gaps) * 1e3
+            # Router runs and bare-engine runs alternate, ROUNDS of each, so a
+            # burst of load on the shared machine does not land on one side only.
+            tpots, itls, bares = [], [], []
+            for r in range(ROUNDS):
+                seed = streams + 100 * r
+                _, finals, gaps = asyncio.run(run_streams(address, prompts(streams, 64, seed)))
+                tpots.append(statistics.mean(f.timings.mean_tpot_s for f in finals) * 1e3)
+                itls.append(statistics.median(gaps) * 1e3)
+                bares.append(engine_step_ms(engine, streams, seed))
+            tpot, itl, bare = (statistics.median(x) for x in (tpots, itls, bares))
             results[f"tpot_{streams}"] = {
                 "router_mean_tpot_ms": round(tpot, 3),
                 "client_median_itl_ms": round(itl, 3),
