@@ -245,12 +245,16 @@ class LlamaModel:
         assert isinstance(head, PackedWeight) and half is not None, "no screened head"
         x = hidden.contiguous()
         ops = self.kernels
-        tokens = ops.greedy_head(x, head.panels, half.half, half.bound, vocab_size, MAX_CANDIDATES)
-        unsettled = (tokens < 0).nonzero().flatten()
-        if len(unsettled):
+        bound = half.bound
+        screened = ops.greedy_head(x, head.panels, half.half, bound, vocab_size, MAX_CANDIDATES)
+        tokens = screened.tolist()  # checked in Python: no tensor op when every row settles
+        unsettled = [i for i, t in enumerate(tokens) if t < 0]
+        if unsettled:
             full = ops.linear(x[unsettled], head.panels, head.out_features)
-            tokens[unsettled] = ops.argmax_rows(full[:, :vocab_size].contiguous())
-        return tokens.tolist()
+            best = ops.argmax_rows(full[:, :vocab_size].contiguous()).tolist()
+            for i, t in zip(unsettled, best, strict=True):
+                tokens[i] = t
+        return tokens
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [M, hidden] -> [M, vocab]
