@@ -121,6 +121,11 @@ class DecodeStreams:
     def unregister(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
 
+    def routed(self) -> dict[str, WorkerHandle]:
+        """The decode worker of every try registered now, by its id
+        (``<request id>#<try>``)."""
+        return {rid: worker for rid, (_, worker) in list(self._queues.items())}
+
     async def subscribe(self, worker: WorkerHandle) -> None:
         """Open ``worker``'s output stream; ConnectionError if it is refused or
         does not open in time."""

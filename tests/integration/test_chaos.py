@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import os
 import signal
 import time
+import uuid
 
 import pytest
 import ray
@@ -124,30 +126,68 @@ def _kill(worker: WorkerHandle, pid: int, how: str) -> None:
 
 async def _load(address: str, actions: list[tuple[int, object]]) -> list:
     """Run LOAD concurrently; each action runs (in a thread) once the streams
-    together have received its number of tokens."""
-    received = 0
+    together have received its number of tokens. An action that returns False
+    runs again after the next tokens arrive. Actions that take an argument get
+    the tokens received so far by each stream's request id."""
+    received, open_streams = 0, len(LOAD)
+    counts: dict[str, int] = {}
+    tag = uuid.uuid4().hex[:8]
     due = [(n, asyncio.Event(), act) for n, act in actions]
 
-    async def stream(client: TandemClient, prompt: str, sampling: dict):
-        nonlocal received
+    async def stream(client: TandemClient, i: int, prompt: str, sampling: dict):
+        nonlocal received, open_streams
         responses = []
-        async for r in client.generate(prompt, **sampling):
-            responses.append(r)
-            received += len(r.chunk.token_ids)
+        rid = f"load-{tag}-{i}"
+        counts[rid] = 0
+        try:
+            async for r in client.generate(prompt, request_id=rid, **sampling):
+                responses.append(r)
+                received += len(r.chunk.token_ids)
+                counts[rid] += len(r.chunk.token_ids)
+                for n, event, _ in due:
+                    if received >= n:
+                        event.set()
+        finally:
+            open_streams -= 1
             for n, event, _ in due:
-                if received >= n:
-                    event.set()
+                if received >= n or not open_streams:
+                    event.set()  # an action waiting to run again sees the end
         return collect(responses)
 
     async def act(event: asyncio.Event, action) -> None:
-        await event.wait()
-        await asyncio.to_thread(action)
+        args = (counts,) if inspect.signature(action).parameters else ()
+        while open_streams:
+            await event.wait()
+            event.clear()
+            if await asyncio.to_thread(action, *args) is not False:
+                return
 
     async with TandemClient(address) as client:
-        streams = [stream(client, p, s) for p, s in LOAD]
+        streams = [stream(client, i, p, s) for i, (p, s) in enumerate(LOAD)]
         results = await asyncio.gather(*streams, *(act(e, a) for _, e, a in due))
     TOTALS["requests"] += len(LOAD)
     return results[: len(LOAD)]
+
+
+def _stop_midway(workers: list[WorkerHandle], streams, counts: dict[str, int]):
+    """Stop (SIGSTOP) the decode worker of a stream that has tokens and is not
+    finished, and return (worker, pid); None (nothing stopped) if there is no
+    such stream. Every decode worker is stopped while one is chosen, so no
+    stream can finish in between."""
+    pids = {w.name: ray.get(w.actor.pid.remote(), timeout=30) for w in workers}
+    for pid in pids.values():
+        os.kill(pid, signal.SIGSTOP)
+    time.sleep(0.5)  # tokens sent before the stop reach the client
+    midway = [
+        (n, worker)
+        for attempt, worker in streams.routed().items()
+        if 0 < (n := counts.get(attempt.split("#", 1)[0], 0)) < MAX_TOKENS and worker.name in pids
+    ]
+    victim = min(midway, key=lambda x: x[0])[1] if midway else None  # the furthest from its end
+    for name, pid in pids.items():
+        if victim is None or name != victim.name:
+            os.kill(pid, signal.SIGCONT)
+    return None if victim is None else (victim, pids[victim.name])
 
 
 def _check(outs: list, reference: dict) -> None:
@@ -155,13 +195,6 @@ def _check(outs: list, reference: dict) -> None:
         assert out.finish_reason == "length"
         assert out.usage.completion_tokens == MAX_TOKENS
         assert out.token_ids == reference[_key(prompt, sampling)], (prompt[:20], sampling)
-
-
-def _busiest(workers: list[WorkerHandle]) -> WorkerHandle:
-    """The decode worker with the most sequences decoding (requests routed to
-    it may still wait in a frozen prefill worker: they are not its streams)."""
-    running = ray.get([w.actor.stats.remote() for w in workers], timeout=30)
-    return max(zip(workers, running, strict=True), key=lambda x: x[1]["num_running"])[0]
 
 
 def _count(d: Deployment) -> None:
@@ -175,8 +208,9 @@ def test_kill_prefill_and_decode_during_load(cluster, reference, how):
     b = cluster.backend
     before = (b.failover.retries, b.failover.resumed, b.failover.workers_recovered)
     # A frozen prefill worker holds the requests routed to it in their prefill
-    # until it is killed; a decode worker is frozen, then killed, once every
-    # stream is about a quarter through: its streams stop mid-way for sure.
+    # until it is killed; a decode worker is frozen, then killed, once the
+    # streams are about a quarter through, and only while one of its streams is
+    # mid-way (tokens sent, not finished): that stream must resume elsewhere.
     prefill = b.prefill.workers[0]
     prefill_pid = _freeze(prefill)
     in_flight = []
@@ -184,11 +218,13 @@ def test_kill_prefill_and_decode_during_load(cluster, reference, how):
     def kill_prefill():
         _kill(prefill, prefill_pid, how)
 
-    def kill_decode():
-        decode = _busiest(b.decode.workers)
-        pid = _freeze(decode)
-        in_flight.append(decode.in_flight)
-        _kill(decode, pid, how)
+    def kill_decode(counts) -> bool:
+        stopped = _stop_midway(b.decode.workers, b.streams, counts)
+        if stopped is None:
+            return False
+        in_flight.append(stopped[0].in_flight)
+        _kill(*stopped, how)
+        return True
 
     try:
         actions = [(1, kill_prefill), (len(LOAD) * 10, kill_decode)]
@@ -197,7 +233,7 @@ def test_kill_prefill_and_decode_during_load(cluster, reference, how):
         with contextlib.suppress(ProcessLookupError):
             os.kill(prefill_pid, signal.SIGCONT)
     _check(outs, reference)
-    assert in_flight[0] > 0  # the decode worker had streams when it died
+    assert in_flight and in_flight[0] > 0  # the decode worker had streams when it died
     assert b.failover.retries > before[0]
     assert b.failover.resumed > before[1]  # streams continued on another pair
     assert b.failover.failed == 0
@@ -215,8 +251,11 @@ def test_hung_decode_worker_fails_over(cluster, reference):
     _wait_recovered(cluster)
     resumed, stopped = b.failover.resumed, []
 
-    def stop():  # the process hangs: no error, no broken stream, just silence
-        stopped.append(_freeze(_busiest(b.decode.workers)))
+    def stop(counts) -> bool:  # the process hangs: no error, no broken stream, just silence
+        frozen = _stop_midway(b.decode.workers, b.streams, counts)
+        if frozen is not None:
+            stopped.append(frozen[1])
+        return frozen is not None
 
     try:
         outs = asyncio.run(_load(cluster.address, [(len(LOAD) * 10, stop)]))
@@ -278,9 +317,11 @@ def test_colocated_worker_killed_mid_stream(ray_cluster, reference):
     d = Deployment(_config(mode="colocated", prefill=0, decode=2))
     try:
 
-        def kill():
-            worker = _busiest(d.backend.decode.workers)
-            _kill(worker, _freeze(worker), "SIGKILL")
+        def kill(counts) -> bool:
+            stopped = _stop_midway(d.backend.decode.workers, d.backend.streams, counts)
+            if stopped is not None:
+                _kill(*stopped, "SIGKILL")
+            return stopped is not None
 
         outs = asyncio.run(_load(d.address, [(len(LOAD) * 10, kill)]))
         _check(outs, reference)
