@@ -27,6 +27,22 @@ DeltaQueue = asyncio.Queue[worker_pb2.RequestDelta | None]
 SUBSCRIBE_TIMEOUT_S = 30.0
 
 
+def merge_queued(delta: worker_pb2.RequestDelta, queue: DeltaQueue) -> worker_pb2.RequestDelta:
+    """``delta`` with the deltas already queued behind it folded in, up to a
+    finished one: when the router falls behind the workers, a client gets one
+    chunk of several tokens instead of several messages (each gRPC write costs
+    the router and the client far more than a token's bytes). LOST stays queued."""
+    while not delta.finished and not queue.empty():
+        later = queue.get_nowait()
+        if later is LOST:
+            queue.put_nowait(LOST)  # nothing follows LOST on a request's queue
+            break
+        text = delta.text + later.text
+        delta.MergeFrom(later)  # appends tokens and logprobs; later scalars win
+        delta.text = text
+    return delta
+
+
 class _OutputStream(asyncio.Protocol):
     """One worker's stream: the login, then frames of StepBatch."""
 

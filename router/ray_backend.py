@@ -28,7 +28,7 @@ from engine.loader import resolve_model_dir
 from engine.logfmt import log_event
 from prefill_pool.worker import PrefillRequest, PrefillResult
 from router.backend import GenerateInput, GenerateResult, TokenDelta
-from router.decode_streams import LOST, DecodeStreams
+from router.decode_streams import LOST, DecodeStreams, merge_queued
 from router.failover import FailoverStats, NoWorkerAvailable, RetryPolicy, WorkerLost, is_retryable
 from router.messages import RequestError
 from router.policies import make_policy
@@ -343,6 +343,8 @@ class RayBackend:
                 await self.watchdog.call(d, d.actor.start_decode.remote(req))
             while True:
                 delta = await self.watchdog.next_delta(queue, d)
+                if delta is not LOST:
+                    delta = merge_queued(delta, queue)
                 if delta is LOST or (delta.finished and delta.finish_reason == "abort"):
                     raise WorkerLost(d.name, "its output stream broke or it dropped the request")
                 if delta.token_ids:
