@@ -22,7 +22,7 @@ import grpc
 from benchkit.http_client import HttpSender, http_ready, is_http
 from benchkit.metrics import OK, FinalInfo, RequestRecord
 from benchkit.workload import Conversation, Prompt, interarrival_gaps, next_turn_prompt
-from router.client import TandemClient
+from router.client import TandemClient, open_channel
 
 
 @dataclass
@@ -128,14 +128,16 @@ async def run_load(
     temperature: float = 0.0,
     timeout_s: float | None = None,
     on_done: Callable[[RequestRecord], None] | None = None,
+    root_certificates: bytes | None = None,
 ) -> list[RequestRecord]:
-    """Run one load against ``target``; the records in completion order."""
+    """Run one load against ``target``; the records in completion order.
+    ``root_certificates`` (PEM of a CA): gRPC over TLS."""
     records: list[RequestRecord] = []
     counter = iter(range(1 << 62))
     start = time.perf_counter()
     budget = _Budget(load.num_requests, load.duration_s, start)
 
-    async with _sender(target, timeout_s) as send:
+    async with _sender(target, timeout_s, root_certificates) as send:
 
         async def conversation(conv: Conversation, n_turns: int) -> None:
             prompt: Prompt = conv.turns[0].message
@@ -190,8 +192,8 @@ async def run_load(
 
 
 class _GrpcSender:
-    def __init__(self, target: str, timeout_s: float | None) -> None:
-        self.client = TandemClient(target, timeout_s=timeout_s)
+    def __init__(self, target: str, timeout_s: float | None, ca: bytes | None) -> None:
+        self.client = TandemClient(target, timeout_s=timeout_s, root_certificates=ca)
 
     async def __aenter__(self):
         await self.client.__aenter__()
@@ -210,18 +212,22 @@ class _HttpSender(HttpSender):
         return self.send
 
 
-def _sender(target: str, timeout_s: float | None):
+def _sender(target: str, timeout_s: float | None, ca: bytes | None):
     """An async context giving ``send(prompt, max_tokens, temperature=, index=, ...)``:
     gRPC for ``host:port``, the HTTP front for ``http://host:port``."""
-    return _HttpSender(target, timeout_s) if is_http(target) else _GrpcSender(target, timeout_s)
+    if is_http(target):
+        return _HttpSender(target, timeout_s)
+    return _GrpcSender(target, timeout_s, ca)
 
 
-async def wait_ready(target: str, timeout_s: float = 10.0) -> bool:
-    """Whether ``target`` answers within ``timeout_s``: a gRPC channel connects, or
-    the HTTP front's /health says ok."""
+async def wait_ready(
+    target: str, timeout_s: float = 10.0, root_certificates: bytes | None = None
+) -> bool:
+    """Whether ``target`` answers within ``timeout_s``: a gRPC channel connects
+    (over TLS with ``root_certificates``), or the HTTP front's /health says ok."""
     if is_http(target):
         return await http_ready(target, timeout_s)
-    async with grpc.aio.insecure_channel(target) as channel:
+    async with open_channel(target, root_certificates) as channel:
         try:
             await asyncio.wait_for(channel.channel_ready(), timeout_s)
         except TimeoutError:

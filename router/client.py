@@ -102,6 +102,19 @@ def collect(responses: Sequence[pb.GenerateResponse]) -> Completion:
     )
 
 
+def open_channel(
+    target: str,
+    root_certificates: bytes | None = None,
+    options: Sequence[tuple[str, int | str]] = (),
+) -> grpc.aio.Channel:
+    """A ``grpc.aio`` channel to a router: TLS when ``root_certificates`` (PEM
+    of the CA that signed the router's certificate) are given, else plaintext."""
+    if root_certificates is None:
+        return grpc.aio.insecure_channel(target, options=list(options))
+    creds = grpc.ssl_channel_credentials(root_certificates=root_certificates)
+    return grpc.aio.secure_channel(target, creds, options=list(options))
+
+
 class TandemClient:
     """Async client over one ``grpc.aio`` channel; use as an async context manager."""
 
@@ -131,11 +144,7 @@ class TandemClient:
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             *self.options,
         ]
-        if self.root_certificates is None:
-            self._channel = grpc.aio.insecure_channel(self.target, options=options)
-        else:
-            creds = grpc.ssl_channel_credentials(root_certificates=self.root_certificates)
-            self._channel = grpc.aio.secure_channel(self.target, creds, options=options)
+        self._channel = open_channel(self.target, self.root_certificates, options)
         self._stub = generate_pb2_grpc.TandemStub(self._channel)
         return self
 

@@ -11,6 +11,8 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+from tandem_cli.tls_ca import add_tls_ca, read_tls_ca
+
 DEFAULT_TARGET = "127.0.0.1:50051"
 DEFAULT_RATE = 4.0
 DEFAULT_NUM_REQUESTS = 120
@@ -172,6 +174,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    add_tls_ca(p)
 
 
 def _conversations(args: argparse.Namespace, rows: list[dict] | None, seed: int) -> Iterator:
@@ -215,8 +218,12 @@ def _progress(total: int | None, label: str, enabled: bool):
 
 def command(args: argparse.Namespace) -> int:
     from benchkit import metrics, plots, report, workload
-    from benchkit.runner import LoadSpec, run_load, wait_ready
+    from benchkit.runner import LoadSpec, is_http, run_load, wait_ready
 
+    if is_http(args.target) and args.tls_ca:
+        print("tandem bench: --tls-ca is for a gRPC target (HOST:PORT)", file=sys.stderr)
+        return 2
+    ca = None if is_http(args.target) else read_tls_ca(args.tls_ca)
     rows = None
     if args.dataset:
         if args.shared_prefix_ratio:
@@ -244,7 +251,7 @@ def command(args: argparse.Namespace) -> int:
             for i, r in enumerate(rates)
         ]
 
-    if not asyncio.run(wait_ready(args.target)):
+    if not asyncio.run(wait_ready(args.target, root_certificates=ca)):
         print(f"tandem bench: cannot reach {args.target}", file=sys.stderr)
         return 1
 
@@ -276,6 +283,7 @@ def command(args: argparse.Namespace) -> int:
                     load,
                     temperature=args.temperature,
                     timeout_s=args.timeout,
+                    root_certificates=ca,
                     on_done=done,
                 )
             )

@@ -10,6 +10,7 @@ import grpc
 
 from protos.tandem.v1 import generate_pb2 as pb
 from router.client import TandemClient
+from tandem_cli.tls_ca import read_tls_ca
 
 # Every GenerateRequest field but the prompt is a flag of the same name.
 SAMPLING_ARGS = tuple(
@@ -25,9 +26,10 @@ def command(args: argparse.Namespace) -> int:
         return 2
     prompt = args.prompt if args.prompt is not None else args.prompt_token_ids
     sampling = {name: getattr(args, name) for name in SAMPLING_ARGS}
+    ca = read_tls_ca(args.tls_ca)
     wrote: list[str] = []
     try:
-        final = asyncio.run(_stream(args.target, args.timeout, prompt, sampling, wrote))
+        final = asyncio.run(_stream(args.target, args.timeout, ca, prompt, sampling, wrote))
     except grpc.aio.AioRpcError as e:
         if wrote:  # end the partial output's line
             print(flush=True)
@@ -40,11 +42,16 @@ def command(args: argparse.Namespace) -> int:
 
 
 async def _stream(
-    target: str, timeout_s: float | None, prompt: str | list[int], sampling: dict, wrote: list[str]
+    target: str,
+    timeout_s: float | None,
+    ca: bytes | None,
+    prompt: str | list[int],
+    sampling: dict,
+    wrote: list[str],
 ) -> pb.GenerateFinal:
     out = sys.stdout
     logprobs: list[pb.TokenLogprob] = []
-    async with TandemClient(target, timeout_s) as client:
+    async with TandemClient(target, timeout_s, root_certificates=ca) as client:
         async for response in client.generate(prompt, **sampling):
             if response.HasField("chunk"):
                 out.write(response.chunk.text)

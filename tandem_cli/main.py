@@ -7,6 +7,8 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from tandem_cli.tls_ca import UsageError, add_tls_ca
+
 DEFAULT_TARGET = "127.0.0.1:50051"
 
 
@@ -42,6 +44,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--ignore-eos", action="store_true", default=None)
     p.add_argument("--logprobs", type=int, metavar="N", help="top alternatives per token")
+    add_tls_ca(p)
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
@@ -117,6 +120,14 @@ _PLUGGED = ("bench", "plan", "scale")
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        return _run(args)
+    except UsageError as exc:
+        print(f"tandem: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.command == "generate":
         from tandem_cli import generate
 

@@ -10,6 +10,8 @@ import grpc
 
 from protos.tandem.v1 import admin_pb2, admin_pb2_grpc
 from router.auth import client_metadata
+from router.client import open_channel
+from tandem_cli.tls_ca import add_tls_ca, read_tls_ca
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -20,6 +22,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--drain-timeout", type=float, metavar="S", help="longest a removed worker may drain"
     )
+    add_tls_ca(p)
 
 
 def command(args: argparse.Namespace) -> int:
@@ -30,7 +33,7 @@ def command(args: argparse.Namespace) -> int:
     if args.drain_timeout is not None:
         request.drain_timeout_s = args.drain_timeout
     try:
-        reply = asyncio.run(_scale(args.target, request))
+        reply = asyncio.run(_scale(args.target, request, read_tls_ca(args.tls_ca)))
     except grpc.aio.AioRpcError as e:
         print(f"tandem: error: {e.code().name}: {e.details()}", file=sys.stderr)
         return 1
@@ -38,7 +41,9 @@ def command(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _scale(target: str, request: admin_pb2.ScaleRequest) -> admin_pb2.ScaleReply:
+async def _scale(
+    target: str, request: admin_pb2.ScaleRequest, ca: bytes | None
+) -> admin_pb2.ScaleReply:
     limits = [("grpc.max_receive_message_length", 4 << 20)]  # replies are small
-    async with grpc.aio.insecure_channel(target, options=limits) as channel:
+    async with open_channel(target, ca, limits) as channel:
         return await admin_pb2_grpc.AdminStub(channel).Scale(request, metadata=client_metadata())

@@ -12,7 +12,9 @@ import pytest
 from router.client import TandemClient
 from router.service import RouterServer
 from tandem_cli.config import CLUSTER_SECRET_ENV, ServeConfig
-from tests.fakes import FakeBackend, FakeTokenizer
+from tandem_cli.main import main
+from tandem_cli.tls_ca import TLS_CA_ENV
+from tests.fakes import FakeBackend, FakeTokenizer, RouterInThread
 
 pytestmark = pytest.mark.integration
 
@@ -72,3 +74,46 @@ def test_tls_settings_are_checked(tmp_path, cluster_certs):
     )
     tls = config.cluster_security().tls
     assert tls is not None and tls.ca == str(mine.ca)
+
+
+def test_client_commands_reach_a_tls_router_with_tls_ca(cluster_certs, tmp_path, capsys):
+    mine, other = cluster_certs
+    backend = FakeBackend(tokenizer=FakeTokenizer())
+    with RouterInThread(backend, tls_cert=mine.cert, tls_key=mine.key) as router:
+        target = ["--target", router.address]
+        ask = ["generate", "hi", *target, "--max-tokens", "3", "--timeout", "10"]
+        assert main([*ask, "--tls-ca", str(mine.ca)]) == 0
+        out, err = capsys.readouterr()
+        assert out == " alpha beta gamma\n" and "3 completion tokens" in err
+        for refused in ([], ["--tls-ca", str(other.ca)]):  # plaintext; another CA
+            assert main([*ask, *refused]) == 1
+            assert "UNAVAILABLE" in capsys.readouterr().err
+        # Admin calls go over TLS too: the fake backend cannot scale.
+        assert main(["scale", *target, "--decode", "2", "--tls-ca", str(mine.ca)]) == 1
+        assert "UNIMPLEMENTED" in capsys.readouterr().err
+        dataset = tmp_path / "prompts.jsonl"
+        dataset.write_text('{"prompt": "hi", "max_tokens": 2}\n')
+        bench = ["bench", *target, "--dataset", str(dataset), "--num-requests", "2"]
+        out_dir = tmp_path / "report"
+        bench += ["--no-progress", "--no-plots", "--out", str(out_dir)]
+        assert main([*bench, "--tls-ca", str(mine.ca)]) == 0
+        assert (out_dir / "report.json").is_file()
+        assert len(backend.inputs) == 3  # generate once, bench twice
+
+
+def test_tls_ca_from_the_environment(cluster_certs, monkeypatch, capsys):
+    mine, _ = cluster_certs
+    with RouterInThread(FakeBackend(tokenizer=FakeTokenizer()), tls_cert=mine.cert,
+                        tls_key=mine.key) as router:  # fmt: skip
+        monkeypatch.setenv(TLS_CA_ENV, str(mine.ca))
+        assert main(["generate", "hi", "--target", router.address, "--max-tokens", "2"]) == 0
+    assert capsys.readouterr().out == " alpha beta\n"
+
+
+def test_a_bad_tls_ca_file_exits_2_naming_it(tmp_path, capsys):
+    not_pem = tmp_path / "ca.txt"
+    not_pem.write_text("not a certificate")
+    for path, why in ((tmp_path / "missing.pem", "No such file"), (not_pem, "no PEM certificate")):
+        assert main(["generate", "hi", "--target", "127.0.0.1:1", "--tls-ca", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert f"--tls-ca {path}" in err and why in err
