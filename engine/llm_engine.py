@@ -103,7 +103,10 @@ class LLMEngine:
         self.max_model_len = min(limits)
         state = load_weights(config, model_dir, spec, hf_config)
         kernels = select_kernels(config.cpu_kernels, device, dtype)
-        self.model = LlamaModel(spec, state, hf_config, self.max_model_len, dtype, device, kernels)
+        self.model = LlamaModel(
+            spec, state, hf_config, self.max_model_len, dtype, device, kernels,
+            greedy_screen=config.greedy_screen,
+        )  # fmt: skip
         del state
         self.block_pool = BlockPool(num_blocks, config.block_size)
         self.kv_cache = KVCache(self.kv_layout, num_blocks, device)

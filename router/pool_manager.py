@@ -81,6 +81,7 @@ def engine_config(
         kv_transfer_dtype=config.kv_transfer_dtype,
         cuda_graphs=config.cuda_graphs,
         cpu_kernels=config.cpu_kernels,
+        greedy_screen=config.greedy_screen,
     )
 
 

@@ -52,6 +52,9 @@ class ServeConfig(BaseModel):
     cpu_kernels: Literal["auto", "on", "off"] = "auto"
     """Fused C++ kernels for float32 CPU workers: auto (fall back to PyTorch if they
     cannot be built), on (a failed build is an error), off."""
+    greedy_screen: bool = True
+    """With the CPU kernels: a float16 copy of the LM head screens plain-greedy steps
+    (same tokens, less work); false saves its memory (2 bytes per head weight)."""
     mode: Literal["disaggregated", "colocated"] = "disaggregated"
     """disaggregated: separate prefill and decode pools; colocated: one pool does both."""
     prefill: int = Field(1, ge=0)

@@ -92,8 +92,11 @@ class LlamaModel:
         dtype: torch.dtype,
         device: torch.device,
         kernels: Any = None,
+        *,
+        greedy_screen: bool = True,
     ) -> None:
-        """``kernels``: engine.kernels.cpu_ops() to run the fused CPU path, or None."""
+        """``kernels``: engine.kernels.cpu_ops() to run the fused CPU path, or None.
+        ``greedy_screen``: with kernels, a float16 copy of the head screens greedy steps."""
         self.spec = spec
         self.kernels = kernels
         self.scale = spec.head_dim**-0.5
@@ -146,7 +149,7 @@ class LlamaModel:
         self.half_head: HalfHead | None = None
         if kernels is not None:  # one copy of each matrix, in the linear kernel's layout
             self.lm_head = PackedWeight.pack(self.lm_head)
-            if hasattr(kernels, "greedy_head"):  # built where the CPU has F16C and FMA
+            if greedy_screen and hasattr(kernels, "greedy_head"):  # needs F16C and FMA
                 self.half_head = HalfHead.of(self.lm_head)
             for w in self.layers:
                 w.qkv, w.o, w.gate_up, w.down = (

@@ -121,6 +121,6 @@ def test_the_engine_screens_plain_greedy_rows_only(llama_dir, ops, monkeypatch):
 
     monkeypatch.setattr(llama, "MAX_CANDIDATES", 0)
     assert [o.token_ids for o in llm.generate(prompts, greedy)] == screened
-    full = LLM(str(llama_dir), num_kv_blocks=64)
-    full.engine.model.half_head = None
+    full = LLM(str(llama_dir), num_kv_blocks=64, greedy_screen=False)
+    assert full.engine.model.half_head is None  # no float16 copy is kept
     assert [o.token_ids for o in full.generate(prompts, greedy)] == screened
