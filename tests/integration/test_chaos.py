@@ -175,18 +175,23 @@ def _stop_midway(workers: list[WorkerHandle], streams, counts: dict[str, int]):
     such stream. Every decode worker is stopped while one is chosen, so no
     stream can finish in between."""
     pids = {w.name: ray.get(w.actor.pid.remote(), timeout=30) for w in workers}
-    for pid in pids.values():
-        os.kill(pid, signal.SIGSTOP)
-    time.sleep(0.5)  # tokens sent before the stop reach the client
-    midway = [
-        (n, worker)
-        for attempt, worker in streams.routed().items()
-        if 0 < (n := counts.get(attempt.split("#", 1)[0], 0)) < MAX_TOKENS and worker.name in pids
-    ]
-    victim = min(midway, key=lambda x: x[0])[1] if midway else None  # the furthest from its end
-    for name, pid in pids.items():
-        if victim is None or name != victim.name:
-            os.kill(pid, signal.SIGCONT)
+    victim = None
+    try:
+        for pid in pids.values():
+            os.kill(pid, signal.SIGSTOP)
+        time.sleep(0.5)  # tokens sent before the stop reach the client
+        midway = [
+            (n, worker)
+            for attempt, worker in streams.routed().items()
+            if 0 < (n := counts.get(attempt.split("#", 1)[0], 0)) < MAX_TOKENS
+            and worker.name in pids
+        ]
+        victim = min(midway, key=lambda x: x[0])[1] if midway else None  # furthest from its end
+    finally:  # whatever happens, only the victim stays stopped
+        for name, pid in pids.items():
+            if victim is None or name != victim.name:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
     return None if victim is None else (victim, pids[victim.name])
 
 
