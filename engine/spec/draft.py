@@ -63,7 +63,11 @@ class DraftProposer:
         dtype = getattr(torch, config.dtype)
         state = load_weights(draft_config, model_dir, spec, hf_config)
         kernels = select_kernels(config.cpu_kernels, device, dtype)
-        self.model = LlamaModel(spec, state, hf_config, max_len, dtype, device, kernels)
+        # The draft proposes from its logits (argmax or probabilities) and never
+        # calls greedy_tokens: no float16 copy of its head.
+        self.model = LlamaModel(
+            spec, state, hf_config, max_len, dtype, device, kernels, greedy_screen=False
+        )
         del state
         layout = KVLayout(
             model_fingerprint=model_fingerprint(
