@@ -309,7 +309,7 @@ class LLMEngine:
             SampleRequest(s.params, s.prompt_token_ids, s.output_token_ids, s.generator)
             for s in seqs
         ]
-        if self.model.half_head is not None and all(map(Sampler.plain_greedy, requests)):
+        if self.model.screen_head is not None and all(map(Sampler.plain_greedy, requests)):
             tokens = self.model.greedy_tokens(hidden, self.sampler.vocab_size)
             return [SampledToken(t, None, None) for t in tokens]
         return self.sampler(self.model.logits(hidden), requests)

@@ -134,32 +134,48 @@ class PackedWeight:
 
 
 @dataclass(frozen=True)
-class HalfHead:
-    """A float16 copy of a packed head and, per column, how far a logit summed
-    over it can be from the float32 one: ``|approx - exact| <= ||x||_2 *
-    bound``. cpu_ops' greedy_head reads it instead of the float32 panels and
-    recomputes exactly only the columns that could hold the argmax."""
+class Int8Head:
+    """An int8 copy of a packed head, for cpu_ops' greedy_head, which reads
+    it instead of the float32 panels and recomputes exactly only the columns
+    that could hold the argmax. Column j is quantized symmetrically,
+    ``w~_j = scale_j * q_j`` with ``|q_j| <= 127``; per column it keeps what
+    the screen's bound needs: for a row x and its quantized x~,
+    ``|x~ . w~_j - y_j| <= ||x|| * error_j + ||x - x~|| * norm_j`` where y_j
+    is the float32 logit the linear kernel gives."""
 
-    half: torch.Tensor  # float16, the packed panels' shape
-    bound: torch.Tensor  # float64 [columns]
+    q8: torch.Tensor  # int8 [panels, 2 * ceil(K / 8), PANEL_WIDTH, 4]
+    colsum: torch.Tensor  # int32 [columns]: sum of each column's q
+    columns: torch.Tensor  # float32 [3, columns]: scale, error (||w - w~|| + rounding), ||w~||
+
+    GROUP = 4  # k values a vpmaddubsw lane multiplies
 
     @classmethod
-    def of(cls, head: PackedWeight, chunk: int = 256) -> HalfHead | None:
-        """None when float16 cannot hold the weights (too large, not finite)."""
+    def of(cls, head: PackedWeight, chunk: int = 256) -> Int8Head | None:
+        """None when the weights are not all finite."""
         panels = head.panels
-        if not bool(torch.isfinite(panels).all()) or float(panels.abs().max()) > 65504.0:
+        if not bool(torch.isfinite(panels).all()):
             return None
-        half = panels.half()
-        k = panels.shape[1]
-        unit = 2.0**-24  # float32 rounding of each fused multiply-add
+        count, k, width = panels.shape
+        groups = -(-k // (2 * cls.GROUP)) * 2  # the kernel takes two groups at a time
+        unit = 2.0**-24  # float32 rounding of each fused multiply-add of y
         gamma = k * unit / (1 - k * unit)
-        parts = []
-        for start in range(0, panels.shape[0], chunk):  # float64 copies a chunk at a time
-            w = panels[start : start + chunk].double()
-            w_half = half[start : start + chunk].double()
-            error = (w - w_half).square().sum(1).sqrt()
-            rounding = gamma * (w.square().sum(1).sqrt() + w_half.square().sum(1).sqrt())
-            parts.append((error + rounding).reshape(-1))
-        # Slack for the float64 arithmetic of the bound and of the screen itself.
-        bound = torch.cat(parts) * (1 + 1e-6) + 1e-30
-        return cls(half, bound)
+        q8 = torch.zeros(count, groups * cls.GROUP, width, dtype=torch.int8)
+        colsum = torch.empty(count, width, dtype=torch.int32)
+        columns = torch.empty(3, count, width, dtype=torch.float32)
+        for start in range(0, count, chunk):  # float64 copies a chunk at a time
+            part = slice(start, start + chunk)
+            w = panels[part].double()  # [p, K, 32]
+            scale = (w.abs().amax(dim=1) / 127).float()  # what the kernel multiplies by
+            scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+            q = torch.round(w / scale.double()[:, None, :]).clamp(-127, 127)
+            approx = q * scale.double()[:, None, :]  # exact: a float32 times a small integer
+            q8[part, :k] = q.to(torch.int8)
+            colsum[part] = q.sum(dim=1).to(torch.int32)
+            norm = w.square().sum(1).sqrt()
+            columns[0, part] = scale
+            # Rounded up: float64 arithmetic here, float32 storage.
+            error = (w - approx).square().sum(1).sqrt() + gamma * norm
+            columns[1, part] = (error * (1 + 1e-6) + 1e-30).float()
+            columns[2, part] = (approx.square().sum(1).sqrt() * (1 + 1e-6)).float()
+        q8 = q8.view(count, groups, cls.GROUP, width).transpose(2, 3).contiguous()
+        return cls(q8, colsum.reshape(-1), columns.reshape(3, -1).contiguous())

@@ -10,7 +10,7 @@
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
-#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>  // greedy_head only; other kernels use vector extensions
 #endif
 
@@ -579,85 +579,122 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& panels, int64_t n,
 // ---------------------------------------------------------------------------
 // Greedy tokens from the head without the full float32 logits.
 //
-// At a small decode batch the head's matmul only streams its weight (32k x
-// 256 floats, 32 MB, for the default model) from memory. This reads a
-// float16 copy instead (half the bytes) for approximate logits y~, and
-// bounds each one's distance from the float32 logit y the linear kernel
-// would give:  |y~_i - y_i| <= ||x||_2 * bound_i,  where bound_i (computed
-// at load, engine.kernels.HalfHead) is ||w_i - w~_i||_2 plus the float32
-// rounding of both sums, gamma_K (||w_i||_2 + ||w~_i||_2). Every column whose
-// interval can reach the highest lower bound is a candidate; the argmax is
-// one of them. Candidates get the linear kernel's exact sum (the same
-// in-order FMAs, so the same bits), and the first largest wins, as
-// argmax_rows. A row whose candidates exceed ``max_candidates``, or with a
-// value that is not finite, gets -1: the caller computes its logits in full.
+// At a small decode batch the head's matmul streams its weight (32k x 256
+// floats, 32 MB, for the default model) from memory; at a larger one it is
+// the step's largest block of arithmetic. This reads an int8 copy instead
+// (a quarter of the bytes; AVX2's vpmaddubsw does 32 multiply-adds an
+// instruction) for approximate logits, and bounds each one's distance from
+// the float32 logit y the linear kernel would give. With w~_i = s_i q_i the
+// column quantized (engine.kernels.Int8Head) and x~ = s_x q_x the row
+// quantized here (6 bits, |q_x| <= 31, so that four products sum in int16):
+//
+//   |x~ . w~_i - y_i| <= ||x|| E_i + ||x - x~|| W_i,
+//
+// E_i = ||w_i - w~_i|| plus the float32 rounding of y_i (gamma_K ||w_i||),
+// W_i = ||w~_i||. The integer sums are exact; the float arithmetic that
+// scales them and the bound gets a relative slack. Three passes per row:
+//   1. every column's x~ . w~_i; the candidates are the columns whose
+//      interval can reach the highest lower bound (tens of the default
+//      model's 32k, a few hundred at most in our runs);
+//   2. for those, x . w~_i from the int8 column and x itself, within
+//      ||x|| (E_i + gamma_K W_i): the x quantization's share is gone, and the
+//      same test leaves 1 to 7;
+//   3. for those, the linear kernel's exact sum (the same in-order FMAs, so
+//      the same bits); the first largest wins, as argmax_rows.
+// The argmax survives each pass. A row whose candidates exceed
+// ``max_candidates`` in pass 3 (or kMaxScreened in pass 2), or with a value
+// that is not finite, gets -1: the caller computes its logits in full.
 
-#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__)
 namespace {
 
-// Approximate logits of R rows (R <= 2): 8 accumulators and 4 panel vectors,
-// named one by one (GCC keeps an array of them on the stack).
+constexpr int kGroup = 4;      // k values per int8 group (one int32 lane)
+constexpr int kQuantMax = 31;  // |q_x|: 4 products of u8 (q_x + 32) and s8 fit int16
+constexpr int kQuantOffset = 32;
+
+// Approximate logits of R rows x 16 columns (half a panel). ``xq``: the rows
+// quantized, (q_x + 32) as bytes, ``groups`` * 4 per row; ``panel``: int8
+// [groups, 32 columns, 4]; the offset's share (32 * column sum) comes off at
+// the end, then the row and column scales.
 template <int R>
-void half_panel_rows(const float* a, int64_t lda, const uint16_t* panel, int64_t k, float* out,
-                     int64_t ldo) {
-  static_assert(R == 1 || R == 2);
-  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-  __m256 c0 = a0, c1 = a0, c2 = a0, c3 = a0;
-  for (int64_t p = 0; p < k; ++p) {
-    const auto* q = reinterpret_cast<const __m128i*>(panel + p * kPanel);
-    const __m256 b0 = _mm256_cvtph_ps(_mm_loadu_si128(q));
-    const __m256 b1 = _mm256_cvtph_ps(_mm_loadu_si128(q + 1));
-    const __m256 b2 = _mm256_cvtph_ps(_mm_loadu_si128(q + 2));
-    const __m256 b3 = _mm256_cvtph_ps(_mm_loadu_si128(q + 3));
-    const __m256 x = _mm256_broadcast_ss(a + p);
-    a0 = _mm256_fmadd_ps(x, b0, a0);
-    a1 = _mm256_fmadd_ps(x, b1, a1);
-    a2 = _mm256_fmadd_ps(x, b2, a2);
-    a3 = _mm256_fmadd_ps(x, b3, a3);
-    if constexpr (R == 2) {
-      const __m256 y = _mm256_broadcast_ss(a + lda + p);
-      c0 = _mm256_fmadd_ps(y, b0, c0);
-      c1 = _mm256_fmadd_ps(y, b1, c1);
-      c2 = _mm256_fmadd_ps(y, b2, c2);
-      c3 = _mm256_fmadd_ps(y, b3, c3);
+void int8_rows_x16(const uint8_t* xq, int64_t ldx, const int8_t* panel, int64_t groups,
+                   const int32_t* colsum, const float* col_scale, const float* row_scale,
+                   float* out, int64_t ldo) {
+  __m256i acc[R][2];
+  const __m256i ones = _mm256_set1_epi16(1);
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+  // Two groups a pass: their int16 pair sums (each within 2 * 63 * 127)
+  // added before one widening multiply-add ("groups" is even). That is 3
+  // multiplying instructions per 64 multiply-adds where float32 FMAs take 8.
+  for (int64_t g = 0; g < groups; g += 2) {
+    const auto* q = reinterpret_cast<const __m256i*>(panel + g * kPanel * kGroup);
+    const __m256i b0 = _mm256_loadu_si256(q), b1 = _mm256_loadu_si256(q + 1);
+    const __m256i c0 = _mm256_loadu_si256(q + 4), c1 = _mm256_loadu_si256(q + 5);
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) {
+      int32_t four[2];
+      std::memcpy(four, xq + r * ldx + g * kGroup, sizeof four);
+      const __m256i x = _mm256_set1_epi32(four[0]), y = _mm256_set1_epi32(four[1]);
+      const __m256i s0 = _mm256_add_epi16(_mm256_maddubs_epi16(x, b0), _mm256_maddubs_epi16(y, c0));
+      const __m256i s1 = _mm256_add_epi16(_mm256_maddubs_epi16(x, b1), _mm256_maddubs_epi16(y, c1));
+      acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(s0, ones));
+      acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(s1, ones));
     }
   }
-  _mm256_storeu_ps(out, a0);
-  _mm256_storeu_ps(out + 8, a1);
-  _mm256_storeu_ps(out + 16, a2);
-  _mm256_storeu_ps(out + 24, a3);
-  if constexpr (R == 2) {
-    _mm256_storeu_ps(out + ldo, c0);
-    _mm256_storeu_ps(out + ldo + 8, c1);
-    _mm256_storeu_ps(out + ldo + 16, c2);
-    _mm256_storeu_ps(out + ldo + 24, c3);
+  const __m256i off = _mm256_set1_epi32(kQuantOffset);
+  for (int c = 0; c < 2; ++c) {
+    const __m256i shift =
+        _mm256_mullo_epi32(off, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(colsum + 8 * c)));
+    const __m256 scale = _mm256_loadu_ps(col_scale + 8 * c);
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) {
+      const __m256 dot = _mm256_cvtepi32_ps(_mm256_sub_epi32(acc[r][c], shift));
+      const __m256 s = _mm256_mul_ps(scale, _mm256_set1_ps(row_scale[r]));
+      _mm256_storeu_ps(out + r * ldo + 8 * c, _mm256_mul_ps(dot, s));
+    }
   }
 }
 
-// Approximate logits of 6 rows x 16 columns (half a panel, from ``panel``):
-// 12 accumulators and 2 panel vectors, each converted once for 6 rows
-// instead of once for 2 (the head at 16 rows: 4.5 -> 4.2 ms here).
-void half_rows_6x16(const float* a, int64_t lda, const uint16_t* panel, int64_t k, float* out,
-                    int64_t ldo) {
-  __m256 acc[6][2];
-#pragma GCC unroll 6
-  for (int r = 0; r < 6; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+using Int8Tile = void (*)(const uint8_t*, int64_t, const int8_t*, int64_t, const int32_t*,
+                          const float*, const float*, float*, int64_t);
+constexpr int kInt8TileRows = 6;
+constexpr Int8Tile kInt8Tiles[kInt8TileRows] = {int8_rows_x16<1>, int8_rows_x16<2>,
+                                                 int8_rows_x16<3>, int8_rows_x16<4>,
+                                                 int8_rows_x16<5>, int8_rows_x16<6>};
+
+// One row quantized: (q_x + 32) bytes (zero padding quantizes to 32 and
+// meets zero weights), its scale, ||x|| and ||x - x~||. False when the row
+// is zero or not finite (the screen cannot settle it).
+struct RowQuant {
+  float scale = 0.f;
+  double norm = 0.0, error = 0.0;
+};
+
+bool quantize_row(const float* x, int64_t k, uint8_t* out, int64_t padded, RowQuant& q) {
+  float top = 0.f;
   for (int64_t p = 0; p < k; ++p) {
-    const auto* q = reinterpret_cast<const __m128i*>(panel + p * kPanel);
-    const __m256 b0 = _mm256_cvtph_ps(_mm_loadu_si128(q));
-    const __m256 b1 = _mm256_cvtph_ps(_mm_loadu_si128(q + 1));
-#pragma GCC unroll 6
-    for (int r = 0; r < 6; ++r) {
-      const __m256 x = _mm256_broadcast_ss(a + r * lda + p);
-      acc[r][0] = _mm256_fmadd_ps(x, b0, acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(x, b1, acc[r][1]);
-    }
+    if (!std::isfinite(x[p])) return false;
+    top = std::max(top, std::fabs(x[p]));
   }
-#pragma GCC unroll 6
-  for (int r = 0; r < 6; ++r) {
-    _mm256_storeu_ps(out + r * ldo, acc[r][0]);
-    _mm256_storeu_ps(out + r * ldo + 8, acc[r][1]);
+  if (!(top > 0.f)) return false;
+  q.scale = top / kQuantMax;
+  if (!std::isnormal(q.scale)) return false;  // x / scale would overflow
+  double norm2 = 0.0, error2 = 0.0;
+  for (int64_t p = 0; p < k; ++p) {
+    const float level = std::nearbyint(x[p] / q.scale);
+    const float bound = kQuantMax;
+    const int qi = static_cast<int>(std::min(std::max(level, -bound), bound));
+    out[p] = static_cast<uint8_t>(qi + kQuantOffset);
+    const double e = static_cast<double>(x[p]) - static_cast<double>(q.scale) * qi;
+    norm2 += static_cast<double>(x[p]) * x[p];
+    error2 += e * e;
   }
+  for (int64_t p = k; p < padded; ++p) out[p] = kQuantOffset;
+  if (!std::isfinite(norm2)) return false;
+  q.norm = std::sqrt(norm2);
+  q.error = std::sqrt(error2);
+  return true;
 }
 
 // Column j of a packed weight times x, as the linear kernel sums it.
@@ -668,24 +705,109 @@ float exact_column(const float* x, const float* panels, int64_t k, int64_t j) {
   return acc;
 }
 
-int64_t screened_argmax(const float* x, int64_t k, const float* approx, const double* bound,
-                        const float* panels, int64_t n, int64_t max_candidates) {
-  double norm2 = 0.0;
-  for (int64_t p = 0; p < k; ++p) norm2 += static_cast<double>(x[p]) * x[p];
-  if (!std::isfinite(norm2)) return -1;
-  const double norm = std::sqrt(norm2) * (1.0 + 1e-12);  // sqrt and sum rounded up
-  double floor_ = -std::numeric_limits<double>::infinity();
-  int bad = 0;
-#pragma omp simd reduction(max : floor_) reduction(| : bad)
-  for (int64_t i = 0; i < n; ++i) {
-    floor_ = std::max(floor_, approx[i] - norm * bound[i]);
-    bad |= !std::isfinite(approx[i]);
+// Column j of the int8 copy times x (unquantized) in float32: within
+// ||x|| (E_j + gamma_K W_j) of y_j, gamma_K covering this sum's own rounding.
+float int8_column(const float* x, int64_t k, const int8_t* q8, int64_t groups, int64_t j,
+                  float scale) {
+  const int8_t* q = q8 + (j / kPanel) * groups * kPanel * kGroup + (j % kPanel) * kGroup;
+  __m128 acc = _mm_setzero_ps();
+  int64_t p = 0;
+  for (; p + kGroup <= k; p += kGroup) {
+    int32_t four;
+    std::memcpy(&four, q + p / kGroup * kPanel * kGroup, sizeof four);
+    const __m128 w = _mm_cvtepi32_ps(_mm_cvtepi8_epi32(_mm_cvtsi32_si128(four)));
+    acc = _mm_fmadd_ps(_mm_loadu_ps(x + p), w, acc);
   }
-  if (bad) return -1;
+  alignas(16) float lanes[4];
+  _mm_store_ps(lanes, acc);
+  float sum = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+  for (; p < k; ++p) sum += x[p] * q[p / kGroup * kPanel * kGroup + p % kGroup];
+  return sum * scale;
+}
+
+// Slack for the float arithmetic of the approximate logits and their bounds
+// (each a few roundings of 2^-24): relative to the bound and to the logit.
+constexpr float kBoundSlack = 1.001f;
+constexpr float kLogitSlack = 1e-5f;
+// Columns the first screen may pass to the second (one int8 column each).
+constexpr int64_t kMaxScreened = 1024;
+
+// The screen in three passes: the int8 logits of quantized x (every column),
+// then the int8 logits of x itself (the columns the first pass could not rule
+// out), then the exact float32 sums (the columns the second could not).
+int64_t screened_argmax(const float* x, int64_t k, const float* approx, const RowQuant& q,
+                        const float* col_scale, const float* err, const float* norm,
+                        const int8_t* q8, int64_t groups, const float* panels, int64_t n,
+                        int64_t max_candidates, std::vector<int64_t>& first,
+                        std::vector<float>& second) {
+  // First pass, 8 columns at a time: the highest lower bound, then every
+  // column whose upper bound reaches it. radius_i = (||x|| E_i + ||x - x~|| W_i)
+  // * kBoundSlack + kLogitSlack * |approx_i|.
+  const float nxs = static_cast<float>(q.norm * (1.0 + 1e-9)) * kBoundSlack;
+  const float exs = static_cast<float>(q.error * (1.0 + 1e-9)) * kBoundSlack + 1e-30f;
+  const __m256 nx = _mm256_set1_ps(nxs), ex = _mm256_set1_ps(exs);
+  const __m256 logit_slack = _mm256_set1_ps(kLogitSlack);
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  auto radius = [&](int64_t i, __m256 y) {
+    const __m256 r = _mm256_add_ps(_mm256_mul_ps(nx, _mm256_loadu_ps(err + i)),
+                                   _mm256_mul_ps(ex, _mm256_loadu_ps(norm + i)));
+    return _mm256_add_ps(r, _mm256_mul_ps(logit_slack, _mm256_andnot_ps(sign, y)));
+  };
+  const int64_t whole = n / 8 * 8;
+  __m256 lower = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  __m256 finite = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+  const __m256 inf = _mm256_set1_ps(std::numeric_limits<float>::infinity());
+  for (int64_t i = 0; i < whole; i += 8) {
+    const __m256 y = _mm256_loadu_ps(approx + i);
+    lower = _mm256_max_ps(lower, _mm256_sub_ps(y, radius(i, y)));
+    finite = _mm256_and_ps(finite, _mm256_cmp_ps(_mm256_andnot_ps(sign, y), inf, _CMP_LT_OQ));
+  }
+  if (_mm256_movemask_ps(finite) != 0xff) return -1;
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, lower);
+  float floor_ = *std::max_element(lanes, lanes + 8);
+  auto scalar_radius = [&](int64_t i) {
+    return (nxs * err[i] + exs * norm[i]) + kLogitSlack * std::fabs(approx[i]);
+  };
+  for (int64_t i = whole; i < n; ++i) {
+    if (!std::isfinite(approx[i])) return -1;
+    floor_ = std::max(floor_, approx[i] - scalar_radius(i));
+  }
+  first.clear();
+  const __m256 floor_v = _mm256_set1_ps(floor_);
+  for (int64_t i = 0; i < whole; i += 8) {
+    const __m256 y = _mm256_loadu_ps(approx + i);
+    unsigned mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_add_ps(y, radius(i, y)), floor_v, _CMP_GE_OQ));
+    while (mask != 0) {
+      if (static_cast<int64_t>(first.size()) >= kMaxScreened) return -1;
+      first.push_back(i + std::countr_zero(mask));
+      mask &= mask - 1;
+    }
+  }
+  for (int64_t i = whole; i < n; ++i) {
+    if (approx[i] + scalar_radius(i) < floor_) continue;
+    if (static_cast<int64_t>(first.size()) >= kMaxScreened) return -1;
+    first.push_back(i);
+  }
+  // Second pass: radius ||x|| (E_j + gamma_K W_j), rounded up.
+  const double unit = std::ldexp(1.0, -24);
+  const float gamma = static_cast<float>(k * unit / (1 - k * unit) * 1.01);
+  const float nx2 = static_cast<float>(q.norm * (1.0 + 1e-9)) * kBoundSlack;
+  auto radius2 = [&](int64_t i, float y) {
+    return nx2 * (err[i] + gamma * norm[i]) + kLogitSlack * std::fabs(y);
+  };
+  second.resize(first.size());
+  float floor2 = -std::numeric_limits<float>::infinity();
+  for (size_t c = 0; c < first.size(); ++c) {
+    const int64_t i = first[c];
+    second[c] = int8_column(x, k, q8, groups, i, col_scale[i]);
+    floor2 = std::max(floor2, second[c] - radius2(i, second[c]));
+  }
   int64_t best = -1, count = 0;
   float top = 0.f;
-  for (int64_t i = 0; i < n; ++i) {
-    if (approx[i] + norm * bound[i] < floor_) continue;
+  for (size_t c = 0; c < first.size(); ++c) {  // ascending columns
+    const int64_t i = first[c];
+    if (second[c] + radius2(i, second[c]) < floor2) continue;
     if (++count > max_candidates) return -1;
     const float y = exact_column(x, panels, k, i);
     if (!std::isfinite(y)) return -1;
@@ -696,59 +818,78 @@ int64_t screened_argmax(const float* x, int64_t k, const float* approx, const do
 
 }  // namespace
 
-//   x:      [M, K] float32 rows (unit inner stride)
-//   panels: the head packed for linear(), [ceil(N / 32), K, 32] float32
-//   half:   the same values as float16, same shape
-//   bound:  [>= n] float64, per column (see above)
-//   n:      columns that are tokens (the sampler's vocabulary size)
+//   x:       [M, K] float32 rows (unit inner stride)
+//   panels:  the head packed for linear(), [P, K, 32] float32
+//   q8:      int8 [P, ceil(K / 4), 32, 4]: column j's quantized weights
+//   colsum:  int32 [P * 32]: each column's sum of q8
+//   columns: float32 [3, P * 32]: scale s_j, E_j, W_j (see above)
+//   n:       columns that are tokens (the sampler's vocabulary size)
 //   returns [M] int64: the greedy token of each row, or -1
-at::Tensor greedy_head(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& half,
-                       const at::Tensor& bound, int64_t n, int64_t max_candidates) {
+at::Tensor greedy_head(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& q8,
+                       const at::Tensor& colsum, const at::Tensor& columns, int64_t n,
+                       int64_t max_candidates) {
   check_rows(x, "x");
   check_f32(panels, "panels");
   const int64_t m = x.size(0), k = x.size(1);
   TORCH_CHECK(panels.dim() == 3 && panels.is_contiguous() && panels.size(2) == kPanel &&
                   panels.size(1) == k,
               "panels must be contiguous [P, ", k, ", ", kPanel, "]");
-  TORCH_CHECK(half.scalar_type() == at::kHalf && half.is_contiguous() &&
-                  half.sizes() == panels.sizes(),
-              "half must be float16 panels of the same shape");
-  TORCH_CHECK(bound.scalar_type() == at::kDouble && bound.is_contiguous() && bound.dim() == 1,
-              "bound must be contiguous float64 [N]");
-  TORCH_CHECK(n >= 1 && n <= panels.size(0) * kPanel && n <= bound.numel(),
-              "n = ", n, " is out of range");
+  const int64_t num_panels = panels.size(0), ncols = num_panels * kPanel;
+  const int64_t groups = (k + 2 * kGroup - 1) / (2 * kGroup) * 2, padded = groups * kGroup;
+  TORCH_CHECK(q8.scalar_type() == at::kChar && q8.is_contiguous() &&
+                  q8.sizes() == at::IntArrayRef({num_panels, groups, kPanel, kGroup}),
+              "q8 must be contiguous int8 [", num_panels, ", ", groups, ", ", kPanel, ", ",
+              kGroup, "]");
+  TORCH_CHECK(colsum.scalar_type() == at::kInt && colsum.is_contiguous() &&
+                  colsum.numel() == ncols,
+              "colsum must be contiguous int32 [", ncols, "]");
+  TORCH_CHECK(columns.scalar_type() == at::kFloat && columns.is_contiguous() &&
+                  columns.sizes() == at::IntArrayRef({3, ncols}),
+              "columns must be contiguous float32 [3, ", ncols, "]");
+  TORCH_CHECK(n >= 1 && n <= ncols, "n = ", n, " is out of range");
   auto out = at::empty({m}, x.options().dtype(at::kLong));
   if (m == 0) return out;
-  auto approx = at::empty({m, panels.size(0) * kPanel}, x.options());
   const float* a = x.data_ptr<float>();
-  const int64_t lda = x.stride(0), ldo = approx.size(1);
-  const float* w = panels.data_ptr<float>();
-  const auto* h = reinterpret_cast<const uint16_t*>(half.data_ptr<at::Half>());
+  const int64_t lda = x.stride(0);
+  std::vector<uint8_t> xq(static_cast<size_t>(m * padded));
+  std::vector<RowQuant> quant(static_cast<size_t>(m));
+  std::vector<float> row_scale(static_cast<size_t>(m));
+  std::vector<char> settled(static_cast<size_t>(m));
+  for (int64_t r = 0; r < m; ++r) {
+    settled[r] = quantize_row(a + r * lda, k, xq.data() + r * padded, padded, quant[r]);
+    row_scale[r] = quant[r].scale;
+  }
+  auto approx = at::empty({m, ncols}, x.options());
   float* ap = approx.data_ptr<float>();
+  const auto* w8 = q8.data_ptr<int8_t>();
+  const int32_t* cs = colsum.data_ptr<int32_t>();
+  const float* scale = columns.data_ptr<float>();
   // Threads split the panels, then the rows, as linear() does.
-  const int64_t grain = m * k * n < (1 << 21) ? panels.size(0) : 1;
-  at::parallel_for(0, panels.size(0), grain, [&](int64_t begin, int64_t end) {
+  const int64_t grain = m * k * n < (1 << 21) ? num_panels : 1;
+  at::parallel_for(0, num_panels, grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const uint16_t* panel = h + t * k * kPanel;
-      // 6-row tiles over both halves of the panel, the rest 1-2 rows at a time.
-      const int64_t full = m / 6 * 6;
-      for (int64_t i = 0; i < full; i += 6)
-        for (int half_col = 0; half_col < kPanel; half_col += 16)
-          half_rows_6x16(a + i * lda, lda, panel + half_col, k,
-                         ap + i * ldo + t * kPanel + half_col, ldo);
-      for (int64_t i = full; i < m; i += 2) {
-        if (m - i >= 2)
-          half_panel_rows<2>(a + i * lda, lda, panel, k, ap + i * ldo + t * kPanel, ldo);
-        else
-          half_panel_rows<1>(a + i * lda, lda, panel, k, ap + i * ldo + t * kPanel, ldo);
+      for (int half_col = 0; half_col < kPanel; half_col += 16) {
+        const int8_t* panel = w8 + t * groups * kPanel * kGroup + half_col * kGroup;
+        const int64_t col = t * kPanel + half_col;
+        for (int64_t i = 0; i < m; i += kInt8TileRows) {
+          const int rows = static_cast<int>(std::min<int64_t>(kInt8TileRows, m - i));
+          kInt8Tiles[rows - 1](xq.data() + i * padded, padded, panel, groups, cs + col,
+                               scale + col, row_scale.data() + i, ap + i * ncols + col, ncols);
+        }
       }
     }
   });
   int64_t* op = out.data_ptr<int64_t>();
-  const double* bp = bound.data_ptr<double>();
+  const float* err = scale + ncols;
+  const float* norm = scale + 2 * ncols;
+  const float* w = panels.data_ptr<float>();
   at::parallel_for(0, m, 1, [&](int64_t begin, int64_t end) {
+    std::vector<int64_t> first;
+    std::vector<float> second;
     for (int64_t r = begin; r < end; ++r)
-      op[r] = screened_argmax(a + r * lda, k, ap + r * ldo, bp, w, n, max_candidates);
+      op[r] = settled[r] ? screened_argmax(a + r * lda, k, ap + r * ncols, quant[r], scale, err,
+                                           norm, w8, groups, w, n, max_candidates, first, second)
+                         : -1;
   });
   return out;
 }
@@ -769,7 +910,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "x @ W (+ bias), W packed in panels", py::arg("x"), py::arg("panels"),
         py::arg("n"), py::arg("bias") = py::none(), release());
 #ifdef TANDEM_GREEDY_HEAD
-  m.def("greedy_head", &greedy_head, "greedy tokens from a float16 screen of the head",
+  m.def("greedy_head", &greedy_head, "greedy tokens from an int8 screen of the head",
         release());
 #endif
   m.attr("PANEL_WIDTH") = kPanel;

@@ -19,12 +19,13 @@ import torch.nn.functional as F
 
 from engine.attention import AttentionMetadata, paged_attention
 from engine.config import ModelSpec
-from engine.kernels import HalfHead, PackedWeight
+from engine.kernels import Int8Head, PackedWeight
 from engine.kv_cache import KVCache
 
 Weight = torch.Tensor | PackedWeight  # PackedWeight on the fused CPU path
-# A row whose float16 screen leaves more columns that could hold its argmax
-# gets its full logits (random rows of the default model leave 1 to 3).
+# A row whose int8 screen leaves more columns that could hold its argmax for
+# the exact float32 sums gets its full logits (the default model's rows leave
+# 1 to 7).
 MAX_CANDIDATES = 64
 
 
@@ -96,7 +97,7 @@ class LlamaModel:
         greedy_screen: bool = True,
     ) -> None:
         """``kernels``: engine.kernels.cpu_ops() to run the fused CPU path, or None.
-        ``greedy_screen``: with kernels, a float16 copy of the head screens greedy steps."""
+        ``greedy_screen``: with kernels, an int8 copy of the head screens greedy steps."""
         self.spec = spec
         self.kernels = kernels
         self.scale = spec.head_dim**-0.5
@@ -146,11 +147,11 @@ class LlamaModel:
             )
         cos, sin = rope_tables(hf_config, spec, max_len)
         self.cos, self.sin = cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
-        self.half_head: HalfHead | None = None
+        self.screen_head: Int8Head | None = None
         if kernels is not None:  # one copy of each matrix, in the linear kernel's layout
             self.lm_head = PackedWeight.pack(self.lm_head)
-            if greedy_screen and hasattr(kernels, "greedy_head"):  # needs F16C and FMA
-                self.half_head = HalfHead.of(self.lm_head)
+            if greedy_screen and hasattr(kernels, "greedy_head"):  # needs AVX2 and FMA
+                self.screen_head = Int8Head.of(self.lm_head)
             for w in self.layers:
                 w.qkv, w.o, w.gate_up, w.down = (
                     PackedWeight.pack(m) for m in (w.qkv, w.o, w.gate_up, w.down)
@@ -241,15 +242,16 @@ class LlamaModel:
     @torch.inference_mode()
     def greedy_tokens(self, hidden: torch.Tensor, vocab_size: int) -> list[int]:
         """The argmax of each row's logits over the first ``vocab_size`` columns,
-        the same token as ``logits`` then argmax, from a float16 screen of the
-        head (cpu_ops.cpp, greedy_head); needs ``half_head``. Rows the screen
+        the same token as ``logits`` then argmax, from an int8 screen of the
+        head (cpu_ops.cpp, greedy_head); needs ``screen_head``. Rows the screen
         cannot settle get their full logits."""
-        head, half = self.lm_head, self.half_head
-        assert isinstance(head, PackedWeight) and half is not None, "no screened head"
+        head, screen = self.lm_head, self.screen_head
+        assert isinstance(head, PackedWeight) and screen is not None, "no screened head"
         x = hidden.contiguous()
         ops = self.kernels
-        bound = half.bound
-        screened = ops.greedy_head(x, head.panels, half.half, bound, vocab_size, MAX_CANDIDATES)
+        screened = ops.greedy_head(
+            x, head.panels, screen.q8, screen.colsum, screen.columns, vocab_size, MAX_CANDIDATES
+        )
         tokens = screened.tolist()  # checked in Python: no tensor op when every row settles
         unsettled = [i for i, t in enumerate(tokens) if t < 0]
         if unsettled:

@@ -1,5 +1,5 @@
-"""The screened greedy head (cpu_ops greedy_head, engine.kernels.HalfHead): the
-same tokens as the float32 logits' argmax, from a float16 read of the head."""
+"""The screened greedy head (cpu_ops greedy_head, engine.kernels.Int8Head): the
+same tokens as the float32 logits' argmax, from an int8 read of the head."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ if shutil.which("c++") is None and shutil.which("g++") is None:
 def ops():
     ops = kernels.cpu_ops(required=True)
     if not hasattr(ops, "greedy_head"):
-        pytest.skip("this CPU has no F16C/FMA: the engine computes full logits")
+        pytest.skip("this CPU has no AVX2/FMA: the engine computes full logits")
     return ops
 
 
@@ -36,46 +36,73 @@ def _full(ops, x: torch.Tensor, head: kernels.PackedWeight, n: int) -> torch.Ten
 
 
 def _screened(ops, x, head, n, max_candidates=64):
-    half = kernels.HalfHead.of(head)
-    assert half is not None
-    return ops.greedy_head(x, head.panels, half.half, half.bound, n, max_candidates)
+    screen = kernels.Int8Head.of(head)
+    assert screen is not None
+    return ops.greedy_head(
+        x, head.panels, screen.q8, screen.colsum, screen.columns, n, max_candidates
+    )
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 13])
-@pytest.mark.parametrize("k,n,vocab,scale", [(256, 32000, 32000, 0.02), (64, 1000, 990, 1.0)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 13, 16])
+@pytest.mark.parametrize(
+    "k,n,vocab,scale",
+    [(256, 32000, 32000, 0.02), (64, 1000, 990, 1.0), (70, 333, 333, 0.3), (3, 40, 40, 1.0)],
+)
 def test_tokens_equal_the_full_logits_argmax(ops, rows, k, n, vocab, scale):
     head = kernels.PackedWeight.pack(_head(k, n, scale, seed=rows))
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(100 + rows)) * 3
     assert torch.equal(_screened(ops, x, head, vocab), _full(ops, x, head, vocab))
 
 
-def test_the_bound_holds(ops):
-    """|x . w~_i - x . w_i| <= ||x|| * bound_i, with both sums as computed."""
-    w = _head(96, 300, 0.5, seed=3)
+def _dequantized(screen: kernels.Int8Head, k: int, n: int) -> torch.Tensor:
+    """w~ as [k, n] float64, from the int8 panels and their scales."""
+    q = screen.q8.transpose(2, 3).reshape(screen.q8.shape[0], -1, kernels.PANEL_WIDTH)[:, :k]
+    w = q.double() * screen.columns[0].view(-1, 1, kernels.PANEL_WIDTH).double()
+    return w.transpose(0, 1).reshape(k, -1)[:, :n]
+
+
+def test_the_bounds_hold(ops):
+    """Both screens' bounds, with the exact logits as the linear kernel sums them:
+    x~ . w~ (quantized rows, the first pass) is within ||x|| E + ||x - x~|| W,
+    and x . w~ (the second) within ||x|| (E + gamma_K W)."""
+    k, n = 96, 300
+    w = _head(k, n, 0.5, seed=3)
     head = kernels.PackedWeight.pack(w)
-    half = kernels.HalfHead.of(head)
-    x = torch.randn(50, 96, generator=torch.Generator().manual_seed(4)) * 10
-    exact = ops.linear(x, head.panels, 300).double()
-    approx = ops.linear(x, kernels.PackedWeight.pack(w.half().float()).panels, 300).double()
-    slack = x.double().norm(dim=1, keepdim=True) * half.bound[:300]
-    assert bool(((approx - exact).abs() <= slack).all())
-    assert float((approx - exact).abs().max()) > 0  # the screen is approximate
+    screen = kernels.Int8Head.of(head)
+    x = torch.randn(50, k, generator=torch.Generator().manual_seed(4)) * 10
+    exact = ops.linear(x, head.panels, n).double()
+    w_q = _dequantized(screen, k, n)
+    assert float((w_q - w.double()).abs().max()) > 0  # the screen is approximate
+    error, norm = screen.columns[1, :n].double(), screen.columns[2, :n].double()
+    xd = x.double()
+    scale = x.abs().amax(dim=1, keepdim=True) / 31  # as the kernel quantizes rows (6 bits)
+    x_q = torch.round(x / scale).clamp(-31, 31).double() * scale.double()
+    first = x_q @ w_q
+    radius = xd.norm(dim=1, keepdim=True) * error + (xd - x_q).norm(dim=1, keepdim=True) * norm
+    assert bool(((first - exact).abs() <= radius).all())
+    gamma = k * 2.0**-24 / (1 - k * 2.0**-24)
+    second = xd @ w_q
+    assert bool(
+        ((second - exact).abs() <= xd.norm(dim=1, keepdim=True) * (error + gamma * norm)).all()
+    )
+    assert float((second - exact).abs().max()) > 0
 
 
-def test_columns_float16_cannot_tell_apart_are_settled_exactly(ops):
-    """Columns equal in float16 but not in float32: the exact sums decide, and an
+def test_columns_int8_cannot_tell_apart_are_settled_exactly(ops):
+    """Columns equal in int8 but not in float32: the exact sums decide, and an
     exact tie goes to the first column, as argmax does."""
     w = _head(64, 96, 0.05, seed=5)
     w[:, 7] += 0.5  # columns 7 and 8 lead for most rows
     w[:, 8] += 0.5
     w[:, 40] = w[:, 7]  # an exact tie: column 7 wins
     w[:, 41] = w[:, 8]
-    w[0, 41] += 1e-6  # below float16 resolution at this size: 41 beats 8 by a hair
+    w[0, 41] += 1e-6  # below int8 resolution: 41 beats 8 by a hair
     x = torch.randn(40, 64, generator=torch.Generator().manual_seed(6))
     x[:, 0] = 1.0
     head = kernels.PackedWeight.pack(w)
-    half = kernels.HalfHead.of(head).half
-    assert torch.equal(half[1, :, 41 - 32], half[0, :, 8])  # the same in float16
+    screen = kernels.Int8Head.of(head)
+    assert torch.equal(screen.q8[1, :, 41 - 32], screen.q8[0, :, 8])  # the same in int8
+    assert screen.columns[0, 41] == screen.columns[0, 8]
     full = _full(ops, x, head, 96)
     assert torch.equal(_screened(ops, x, head, 96), full)
     assert 7 in full.tolist() and 40 not in full.tolist()
@@ -92,12 +119,14 @@ def test_rows_it_cannot_settle_are_left_to_the_caller(ops):
     assert tokens[0] == _full(ops, x[:1], head, 64)[0]
 
 
-def test_a_head_float16_cannot_hold_gets_no_screen():
+def test_a_head_with_outliers_screens_and_one_not_finite_does_not(ops):
     w = _head(32, 40, 1.0, seed=9)
-    w[3, 5] = 1e5
-    assert kernels.HalfHead.of(kernels.PackedWeight.pack(w)) is None
+    w[3, 5] = 1e5  # one column's scale is huge: its other weights quantize to 0
+    head = kernels.PackedWeight.pack(w)
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(10))
+    assert torch.equal(_screened(ops, x, head, 40), _full(ops, x, head, 40))
     w[3, 5] = math.inf
-    assert kernels.HalfHead.of(kernels.PackedWeight.pack(w)) is None
+    assert kernels.Int8Head.of(kernels.PackedWeight.pack(w)) is None
 
 
 def test_the_engine_screens_plain_greedy_rows_only(llama_dir, ops, monkeypatch):
@@ -122,5 +151,5 @@ def test_the_engine_screens_plain_greedy_rows_only(llama_dir, ops, monkeypatch):
     monkeypatch.setattr(llama, "MAX_CANDIDATES", 0)
     assert [o.token_ids for o in llm.generate(prompts, greedy)] == screened
     full = LLM(str(llama_dir), num_kv_blocks=64, greedy_screen=False)
-    assert full.engine.model.half_head is None  # no float16 copy is kept
+    assert full.engine.model.screen_head is None  # no int8 copy is kept
     assert [o.token_ids for o in full.generate(prompts, greedy)] == screened

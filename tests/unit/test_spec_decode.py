@@ -74,7 +74,7 @@ def test_ngram_greedy_equals_plain_decoding(llama_dir, baseline):
 
 def test_draft_equal_to_target_accepts_everything(llama_dir, baseline):
     engine = _engine(llama_dir, SpeculativeConfig("draft", 4, draft_model=str(llama_dir)))
-    assert engine.speculator.proposer.model.half_head is None  # it only reads logits
+    assert engine.speculator.proposer.model.screen_head is None  # it only reads logits
     assert _run(engine, _prompts(), GREEDY) == baseline
     s = engine.speculator
     assert s.num_proposed > 0 and s.num_accepted == s.num_proposed
