@@ -11,6 +11,7 @@ output matches it token for token.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,11 +23,18 @@ from engine.config import ModelSpec
 from engine.kernels import Int8Head, PackedWeight
 from engine.kv_cache import KVCache
 
+log = logging.getLogger(__name__)
+
 Weight = torch.Tensor | PackedWeight  # PackedWeight on the fused CPU path
 # A row whose int8 screen leaves more columns that could hold its argmax for
 # the exact float32 sums gets its full logits (the default model's rows leave
 # 1 to 7).
 MAX_CANDIDATES = 64
+# A model whose rows the screen mostly cannot settle (hidden states with a few
+# huge components quantize coarsely) pays for the screen and then the full
+# logits: after SCREEN_TRIAL_ROWS rows, a miss rate above this drops the screen.
+SCREEN_TRIAL_ROWS = 512
+SCREEN_GIVE_UP_RATE = 0.5
 
 
 @dataclass
@@ -148,6 +156,7 @@ class LlamaModel:
         cos, sin = rope_tables(hf_config, spec, max_len)
         self.cos, self.sin = cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
         self.screen_head: Int8Head | None = None
+        self.screen_rows = self.screen_misses = 0  # rows screened, and left unsettled
         if kernels is not None:  # one copy of each matrix, in the linear kernel's layout
             self.lm_head = PackedWeight.pack(self.lm_head)
             if greedy_screen and hasattr(kernels, "greedy_head"):  # needs AVX2 and FMA
@@ -254,12 +263,26 @@ class LlamaModel:
         )
         tokens = screened.tolist()  # checked in Python: no tensor op when every row settles
         unsettled = [i for i, t in enumerate(tokens) if t < 0]
+        self._count_screen(len(tokens), len(unsettled))
         if unsettled:
             full = ops.linear(x[unsettled], head.panels, head.out_features)
             best = ops.argmax_rows(full[:, :vocab_size].contiguous()).tolist()
             for i, t in zip(unsettled, best, strict=True):
                 tokens[i] = t
         return tokens
+
+    def _count_screen(self, rows: int, misses: int) -> None:
+        self.screen_rows += rows
+        self.screen_misses += misses
+        if self.screen_rows < SCREEN_TRIAL_ROWS or self.screen_head is None:
+            return
+        if self.screen_misses > SCREEN_GIVE_UP_RATE * self.screen_rows:
+            log.warning(
+                "the greedy screen settled %d of %d rows: computing full logits from now on",
+                self.screen_rows - self.screen_misses,
+                self.screen_rows,
+            )
+            self.screen_head = None  # the engine checks it before each greedy step
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [M, hidden] -> [M, vocab]

@@ -153,3 +153,23 @@ def test_the_engine_screens_plain_greedy_rows_only(llama_dir, ops, monkeypatch):
     full = LLM(str(llama_dir), num_kv_blocks=64, greedy_screen=False)
     assert full.engine.model.screen_head is None  # no int8 copy is kept
     assert [o.token_ids for o in full.generate(prompts, greedy)] == screened
+
+
+def test_a_screen_that_mostly_misses_is_dropped(llama_dir, ops, monkeypatch, caplog):
+    """Rows the screen cannot settle cost the screen and then the full logits:
+    past the trial, a model that mostly misses goes back to full logits, and
+    its tokens do not change."""
+    prompts = [[5, 17, 300, 42], list(range(20, 60))]
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    expected = [
+        o.token_ids for o in LLM(str(llama_dir), num_kv_blocks=64).generate(prompts, greedy)
+    ]
+    monkeypatch.setattr(llama, "MAX_CANDIDATES", 0)  # every row misses
+    monkeypatch.setattr(llama, "SCREEN_TRIAL_ROWS", 8)
+    llm = LLM(str(llama_dir), num_kv_blocks=64)
+    model = llm.engine.model
+    with caplog.at_level("WARNING", logger="engine.models.llama"):
+        assert [o.token_ids for o in llm.generate(prompts, greedy)] == expected
+    assert model.screen_head is None
+    assert 8 <= model.screen_rows < 24  # dropped soon after the trial, not at the end
+    assert "computing full logits" in caplog.text
