@@ -158,10 +158,11 @@ class EngineConfig:
     them on first use (needs a C++ compiler; cached) and falls back to the PyTorch
     path when they cannot be built; on makes that an error; off never builds them."""
     greedy_screen: bool = True
-    """With the CPU kernels (on a CPU with AVX2 and FMA): keep an int8 copy of the
-    LM head and pick plain-greedy tokens by screening it, recomputing only the
-    candidate columns in float32; the tokens equal the full logits' argmax. Costs
-    1 byte per head weight of memory; False computes the full float32 logits."""
+    """With the CPU kernels (on a CPU with AVX2, F16C and FMA): keep a smaller copy
+    of the LM head (int8 up to a hidden size of 512, float16 above) and pick
+    plain-greedy tokens by screening it, recomputing only the candidate columns in
+    float32; the tokens equal the full logits' argmax. Costs 1 or 2 bytes per head
+    weight of memory; False computes the full float32 logits."""
     cuda_graphs: bool = False
     """Replay decode-only steps as CUDA graphs captured at fixed batch sizes (CUDA only;
     ignored on other devices). One KV block is set aside for padding rows."""

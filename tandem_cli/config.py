@@ -53,8 +53,9 @@ class ServeConfig(BaseModel):
     """Fused C++ kernels for float32 CPU workers: auto (fall back to PyTorch if they
     cannot be built), on (a failed build is an error), off."""
     greedy_screen: bool = True
-    """With the CPU kernels: an int8 copy of the LM head screens plain-greedy steps
-    (same tokens, less work); false saves its memory (1 byte per head weight)."""
+    """With the CPU kernels: an int8 (hidden size up to 512) or float16 copy of the LM
+    head screens plain-greedy steps (same tokens, less work); false saves its memory
+    (1 or 2 bytes per head weight)."""
     mode: Literal["disaggregated", "colocated"] = "disaggregated"
     """disaggregated: separate prefill and decode pools; colocated: one pool does both."""
     prefill: int = Field(1, ge=0)

@@ -179,3 +179,57 @@ class Int8Head:
             columns[2, part] = (approx.square().sum(1).sqrt() * (1 + 1e-6)).float()
         q8 = q8.view(count, groups, cls.GROUP, width).transpose(2, 3).contiguous()
         return cls(q8, colsum.reshape(-1), columns.reshape(3, -1).contiguous())
+
+    def tokens(self, ops: ModuleType, x: torch.Tensor, head: PackedWeight, n: int, limit: int):
+        """cpu_ops' greedy_head_i8 over this copy: [M] int64 tokens, -1 unsettled."""
+        return ops.greedy_head_i8(x, head.panels, self.q8, self.colsum, self.columns, n, limit)
+
+
+@dataclass(frozen=True)
+class HalfHead:
+    """A float16 copy of a packed head and, per column, how far a logit summed
+    over it can be from the float32 one: ``|approx - exact| <= ||x||_2 *
+    bound``. cpu_ops' greedy_head reads it instead of the float32 panels and
+    recomputes exactly only the columns that could hold the argmax."""
+
+    half: torch.Tensor  # float16, the packed panels' shape
+    bound: torch.Tensor  # float64 [columns]
+
+    @classmethod
+    def of(cls, head: PackedWeight, chunk: int = 256) -> HalfHead | None:
+        """None when float16 cannot hold the weights (too large, not finite)."""
+        panels = head.panels
+        if not bool(torch.isfinite(panels).all()) or float(panels.abs().max()) > 65504.0:
+            return None
+        half = panels.half()
+        k = panels.shape[1]
+        unit = 2.0**-24  # float32 rounding of each fused multiply-add
+        gamma = k * unit / (1 - k * unit)
+        parts = []
+        for start in range(0, panels.shape[0], chunk):  # float64 copies a chunk at a time
+            w = panels[start : start + chunk].double()
+            w_half = half[start : start + chunk].double()
+            error = (w - w_half).square().sum(1).sqrt()
+            rounding = gamma * (w.square().sum(1).sqrt() + w_half.square().sum(1).sqrt())
+            parts.append((error + rounding).reshape(-1))
+        # Slack for the float64 arithmetic of the bound and of the screen itself.
+        bound = torch.cat(parts) * (1 + 1e-6) + 1e-30
+        return cls(half, bound)
+
+    def tokens(self, ops: ModuleType, x: torch.Tensor, head: PackedWeight, n: int, limit: int):
+        """cpu_ops' greedy_head_f16 over this copy: [M] int64 tokens, -1 unsettled."""
+        return ops.greedy_head_f16(x, head.panels, self.half, self.bound, n, limit)
+
+
+INT8_MAX_HIDDEN = 512
+"""The widest head the int8 screen takes: its 6-bit rows' share of the bound
+grows with sqrt(hidden size) against the spread of the logits, and past
+this (random heads: 576 and up) it lets too many columns through."""
+
+
+def screen_for(head: PackedWeight) -> Int8Head | HalfHead | None:
+    """The greedy screen for a packed head: int8 up to INT8_MAX_HIDDEN inputs,
+    float16 above; None when neither can hold it."""
+    if head.panels.shape[1] <= INT8_MAX_HIDDEN:
+        return Int8Head.of(head)
+    return HalfHead.of(head)

@@ -10,7 +10,7 @@
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
 #include <immintrin.h>  // greedy_head only; other kernels use vector extensions
 #endif
 
@@ -581,32 +581,143 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& panels, int64_t n,
 //
 // At a small decode batch the head's matmul streams its weight (32k x 256
 // floats, 32 MB, for the default model) from memory; at a larger one it is
-// the step's largest block of arithmetic. This reads an int8 copy instead
-// (a quarter of the bytes; AVX2's vpmaddubsw does 32 multiply-adds an
-// instruction) for approximate logits, and bounds each one's distance from
-// the float32 logit y the linear kernel would give. With w~_i = s_i q_i the
+// the step's largest block of arithmetic. A screen reads a smaller copy of
+// the head for approximate logits and bounds each one's distance from the
+// float32 logit y_i the linear kernel would give. Every column whose
+// interval can reach the highest lower bound is a candidate; the argmax is
+// one of them. Candidates get the linear kernel's exact sum (the same
+// in-order FMAs, so the same bits), and the first largest wins, as
+// argmax_rows. A row whose candidates exceed ``max_candidates``, or with a
+// value that is not finite, gets -1: the caller computes its logits in full.
+//
+// greedy_head_f16 reads a float16 copy (half the bytes):
+//   |y~_i - y_i| <= ||x|| bound_i, bound_i (engine.kernels.HalfHead) being
+//   ||w_i - w~_i|| plus the float32 rounding of both sums.
+//
+// greedy_head_i8 reads an int8 copy (a quarter of the bytes; AVX2's
+// vpmaddubsw does 32 multiply-adds an instruction). With w~_i = s_i q_i the
 // column quantized (engine.kernels.Int8Head) and x~ = s_x q_x the row
 // quantized here (6 bits, |q_x| <= 31, so that four products sum in int16):
-//
 //   |x~ . w~_i - y_i| <= ||x|| E_i + ||x - x~|| W_i,
-//
 // E_i = ||w_i - w~_i|| plus the float32 rounding of y_i (gamma_K ||w_i||),
 // W_i = ||w~_i||. The integer sums are exact; the float arithmetic that
 // scales them and the bound gets a relative slack. Three passes per row:
-//   1. every column's x~ . w~_i; the candidates are the columns whose
-//      interval can reach the highest lower bound (tens of the default
-//      model's 32k, a few hundred at most in our runs);
+//   1. every column's x~ . w~_i, the test above (tens of the default model's
+//      32k columns pass, a few hundred at most in our runs);
 //   2. for those, x . w~_i from the int8 column and x itself, within
-//      ||x|| (E_i + gamma_K W_i): the x quantization's share is gone, and the
-//      same test leaves 1 to 7;
-//   3. for those, the linear kernel's exact sum (the same in-order FMAs, so
-//      the same bits); the first largest wins, as argmax_rows.
-// The argmax survives each pass. A row whose candidates exceed
-// ``max_candidates`` in pass 3 (or kMaxScreened in pass 2), or with a value
-// that is not finite, gets -1: the caller computes its logits in full.
+//      ||x|| (E_i + gamma_K W_i): the row quantization's share is gone, and
+//      the same test leaves 1 to 7 (more than kMaxScreened after pass 1: -1);
+//   3. for those, the exact sums.
+// The row quantization's share of the bound grows with sqrt(K) against the
+// spread of the logits, so the int8 screen suits narrow models only (the
+// engine takes it up to a hidden size of 512, engine.kernels.screen_for).
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
 namespace {
+
+// Column j of a packed weight times x, as the linear kernel sums it.
+float exact_column(const float* x, const float* panels, int64_t k, int64_t j) {
+  const float* w = panels + (j / kPanel) * k * kPanel + j % kPanel;
+  float acc = 0.f;
+  for (int64_t p = 0; p < k; ++p) acc = std::fma(x[p], w[p * kPanel], acc);
+  return acc;
+}
+
+// ---- the float16 screen ----
+
+// Approximate logits of R rows (R <= 2): 8 accumulators and 4 panel vectors,
+// named one by one (GCC keeps an array of them on the stack).
+template <int R>
+void half_panel_rows(const float* a, int64_t lda, const uint16_t* panel, int64_t k, float* out,
+                     int64_t ldo) {
+  static_assert(R == 1 || R == 2);
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  __m256 c0 = a0, c1 = a0, c2 = a0, c3 = a0;
+  for (int64_t p = 0; p < k; ++p) {
+    const auto* q = reinterpret_cast<const __m128i*>(panel + p * kPanel);
+    const __m256 b0 = _mm256_cvtph_ps(_mm_loadu_si128(q));
+    const __m256 b1 = _mm256_cvtph_ps(_mm_loadu_si128(q + 1));
+    const __m256 b2 = _mm256_cvtph_ps(_mm_loadu_si128(q + 2));
+    const __m256 b3 = _mm256_cvtph_ps(_mm_loadu_si128(q + 3));
+    const __m256 x = _mm256_broadcast_ss(a + p);
+    a0 = _mm256_fmadd_ps(x, b0, a0);
+    a1 = _mm256_fmadd_ps(x, b1, a1);
+    a2 = _mm256_fmadd_ps(x, b2, a2);
+    a3 = _mm256_fmadd_ps(x, b3, a3);
+    if constexpr (R == 2) {
+      const __m256 y = _mm256_broadcast_ss(a + lda + p);
+      c0 = _mm256_fmadd_ps(y, b0, c0);
+      c1 = _mm256_fmadd_ps(y, b1, c1);
+      c2 = _mm256_fmadd_ps(y, b2, c2);
+      c3 = _mm256_fmadd_ps(y, b3, c3);
+    }
+  }
+  _mm256_storeu_ps(out, a0);
+  _mm256_storeu_ps(out + 8, a1);
+  _mm256_storeu_ps(out + 16, a2);
+  _mm256_storeu_ps(out + 24, a3);
+  if constexpr (R == 2) {
+    _mm256_storeu_ps(out + ldo, c0);
+    _mm256_storeu_ps(out + ldo + 8, c1);
+    _mm256_storeu_ps(out + ldo + 16, c2);
+    _mm256_storeu_ps(out + ldo + 24, c3);
+  }
+}
+
+// Approximate logits of 6 rows x 16 columns (half a panel, from ``panel``):
+// 12 accumulators and 2 panel vectors, each converted once for 6 rows
+// instead of once for 2 (the head at 16 rows: 4.5 -> 4.2 ms here).
+void half_rows_6x16(const float* a, int64_t lda, const uint16_t* panel, int64_t k, float* out,
+                    int64_t ldo) {
+  __m256 acc[6][2];
+#pragma GCC unroll 6
+  for (int r = 0; r < 6; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t p = 0; p < k; ++p) {
+    const auto* q = reinterpret_cast<const __m128i*>(panel + p * kPanel);
+    const __m256 b0 = _mm256_cvtph_ps(_mm_loadu_si128(q));
+    const __m256 b1 = _mm256_cvtph_ps(_mm_loadu_si128(q + 1));
+#pragma GCC unroll 6
+    for (int r = 0; r < 6; ++r) {
+      const __m256 x = _mm256_broadcast_ss(a + r * lda + p);
+      acc[r][0] = _mm256_fmadd_ps(x, b0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(x, b1, acc[r][1]);
+    }
+  }
+#pragma GCC unroll 6
+  for (int r = 0; r < 6; ++r) {
+    _mm256_storeu_ps(out + r * ldo, acc[r][0]);
+    _mm256_storeu_ps(out + r * ldo + 8, acc[r][1]);
+  }
+}
+
+int64_t screened_argmax_f16(const float* x, int64_t k, const float* approx, const double* bound,
+                        const float* panels, int64_t n, int64_t max_candidates) {
+  double norm2 = 0.0;
+  for (int64_t p = 0; p < k; ++p) norm2 += static_cast<double>(x[p]) * x[p];
+  if (!std::isfinite(norm2)) return -1;
+  const double norm = std::sqrt(norm2) * (1.0 + 1e-12);  // sqrt and sum rounded up
+  double floor_ = -std::numeric_limits<double>::infinity();
+  int bad = 0;
+#pragma omp simd reduction(max : floor_) reduction(| : bad)
+  for (int64_t i = 0; i < n; ++i) {
+    floor_ = std::max(floor_, approx[i] - norm * bound[i]);
+    bad |= !std::isfinite(approx[i]);
+  }
+  if (bad) return -1;
+  int64_t best = -1, count = 0;
+  float top = 0.f;
+  for (int64_t i = 0; i < n; ++i) {
+    if (approx[i] + norm * bound[i] < floor_) continue;
+    if (++count > max_candidates) return -1;
+    const float y = exact_column(x, panels, k, i);
+    if (!std::isfinite(y)) return -1;
+    if (best < 0 || y > top) best = i, top = y;  // ascending i: the first of equals stays
+  }
+  return best;
+}
+
+// ---- the int8 screen ----
+
 
 constexpr int kGroup = 4;      // k values per int8 group (one int32 lane)
 constexpr int kQuantMax = 31;  // |q_x|: 4 products of u8 (q_x + 32) and s8 fit int16
@@ -697,13 +808,6 @@ bool quantize_row(const float* x, int64_t k, uint8_t* out, int64_t padded, RowQu
   return true;
 }
 
-// Column j of a packed weight times x, as the linear kernel sums it.
-float exact_column(const float* x, const float* panels, int64_t k, int64_t j) {
-  const float* w = panels + (j / kPanel) * k * kPanel + j % kPanel;
-  float acc = 0.f;
-  for (int64_t p = 0; p < k; ++p) acc = std::fma(x[p], w[p * kPanel], acc);
-  return acc;
-}
 
 // Column j of the int8 copy times x (unquantized) in float32: within
 // ||x|| (E_j + gamma_K W_j) of y_j, gamma_K covering this sum's own rounding.
@@ -735,7 +839,7 @@ constexpr int64_t kMaxScreened = 1024;
 // The screen in three passes: the int8 logits of quantized x (every column),
 // then the int8 logits of x itself (the columns the first pass could not rule
 // out), then the exact float32 sums (the columns the second could not).
-int64_t screened_argmax(const float* x, int64_t k, const float* approx, const RowQuant& q,
+int64_t screened_argmax_i8(const float* x, int64_t k, const float* approx, const RowQuant& q,
                         const float* col_scale, const float* err, const float* norm,
                         const int8_t* q8, int64_t groups, const float* panels, int64_t n,
                         int64_t max_candidates, std::vector<int64_t>& first,
@@ -818,16 +922,73 @@ int64_t screened_argmax(const float* x, int64_t k, const float* approx, const Ro
 
 }  // namespace
 
+//   x:      [M, K] float32 rows (unit inner stride)
+//   panels: the head packed for linear(), [ceil(N / 32), K, 32] float32
+//   half:   the same values as float16, same shape
+//   bound:  [>= n] float64, per column (see above)
+//   n:      columns that are tokens (the sampler's vocabulary size)
+//   returns [M] int64: the greedy token of each row, or -1
+at::Tensor greedy_head_f16(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& half,
+                           const at::Tensor& bound, int64_t n, int64_t max_candidates) {
+  check_rows(x, "x");
+  check_f32(panels, "panels");
+  const int64_t m = x.size(0), k = x.size(1);
+  TORCH_CHECK(panels.dim() == 3 && panels.is_contiguous() && panels.size(2) == kPanel &&
+                  panels.size(1) == k,
+              "panels must be contiguous [P, ", k, ", ", kPanel, "]");
+  TORCH_CHECK(half.scalar_type() == at::kHalf && half.is_contiguous() &&
+                  half.sizes() == panels.sizes(),
+              "half must be float16 panels of the same shape");
+  TORCH_CHECK(bound.scalar_type() == at::kDouble && bound.is_contiguous() && bound.dim() == 1,
+              "bound must be contiguous float64 [N]");
+  TORCH_CHECK(n >= 1 && n <= panels.size(0) * kPanel && n <= bound.numel(),
+              "n = ", n, " is out of range");
+  auto out = at::empty({m}, x.options().dtype(at::kLong));
+  if (m == 0) return out;
+  auto approx = at::empty({m, panels.size(0) * kPanel}, x.options());
+  const float* a = x.data_ptr<float>();
+  const int64_t lda = x.stride(0), ldo = approx.size(1);
+  const float* w = panels.data_ptr<float>();
+  const auto* h = reinterpret_cast<const uint16_t*>(half.data_ptr<at::Half>());
+  float* ap = approx.data_ptr<float>();
+  // Threads split the panels, then the rows, as linear() does.
+  const int64_t grain = m * k * n < (1 << 21) ? panels.size(0) : 1;
+  at::parallel_for(0, panels.size(0), grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const uint16_t* panel = h + t * k * kPanel;
+      // 6-row tiles over both halves of the panel, the rest 1-2 rows at a time.
+      const int64_t full = m / 6 * 6;
+      for (int64_t i = 0; i < full; i += 6)
+        for (int half_col = 0; half_col < kPanel; half_col += 16)
+          half_rows_6x16(a + i * lda, lda, panel + half_col, k,
+                         ap + i * ldo + t * kPanel + half_col, ldo);
+      for (int64_t i = full; i < m; i += 2) {
+        if (m - i >= 2)
+          half_panel_rows<2>(a + i * lda, lda, panel, k, ap + i * ldo + t * kPanel, ldo);
+        else
+          half_panel_rows<1>(a + i * lda, lda, panel, k, ap + i * ldo + t * kPanel, ldo);
+      }
+    }
+  });
+  int64_t* op = out.data_ptr<int64_t>();
+  const double* bp = bound.data_ptr<double>();
+  at::parallel_for(0, m, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      op[r] = screened_argmax_f16(a + r * lda, k, ap + r * ldo, bp, w, n, max_candidates);
+  });
+  return out;
+}
+
 //   x:       [M, K] float32 rows (unit inner stride)
 //   panels:  the head packed for linear(), [P, K, 32] float32
-//   q8:      int8 [P, ceil(K / 4), 32, 4]: column j's quantized weights
+//   q8:      int8 [P, 2 * ceil(K / 8), 32, 4]: column j's quantized weights
 //   colsum:  int32 [P * 32]: each column's sum of q8
 //   columns: float32 [3, P * 32]: scale s_j, E_j, W_j (see above)
 //   n:       columns that are tokens (the sampler's vocabulary size)
 //   returns [M] int64: the greedy token of each row, or -1
-at::Tensor greedy_head(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& q8,
-                       const at::Tensor& colsum, const at::Tensor& columns, int64_t n,
-                       int64_t max_candidates) {
+at::Tensor greedy_head_i8(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& q8,
+                          const at::Tensor& colsum, const at::Tensor& columns, int64_t n,
+                          int64_t max_candidates) {
   check_rows(x, "x");
   check_f32(panels, "panels");
   const int64_t m = x.size(0), k = x.size(1);
@@ -887,7 +1048,7 @@ at::Tensor greedy_head(const at::Tensor& x, const at::Tensor& panels, const at::
     std::vector<int64_t> first;
     std::vector<float> second;
     for (int64_t r = begin; r < end; ++r)
-      op[r] = settled[r] ? screened_argmax(a + r * lda, k, ap + r * ncols, quant[r], scale, err,
+      op[r] = settled[r] ? screened_argmax_i8(a + r * lda, k, ap + r * ncols, quant[r], scale, err,
                                            norm, w8, groups, w, n, max_candidates, first, second)
                          : -1;
   });
@@ -910,7 +1071,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "x @ W (+ bias), W packed in panels", py::arg("x"), py::arg("panels"),
         py::arg("n"), py::arg("bias") = py::none(), release());
 #ifdef TANDEM_GREEDY_HEAD
-  m.def("greedy_head", &greedy_head, "greedy tokens from an int8 screen of the head",
+  m.def("greedy_head_f16", &greedy_head_f16, "greedy tokens from a float16 screen of the head",
+        release());
+  m.def("greedy_head_i8", &greedy_head_i8, "greedy tokens from an int8 screen of the head",
         release());
 #endif
   m.attr("PANEL_WIDTH") = kPanel;

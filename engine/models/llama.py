@@ -20,15 +20,15 @@ import torch.nn.functional as F
 
 from engine.attention import AttentionMetadata, paged_attention
 from engine.config import ModelSpec
-from engine.kernels import Int8Head, PackedWeight
+from engine.kernels import HalfHead, Int8Head, PackedWeight, screen_for
 from engine.kv_cache import KVCache
 
 log = logging.getLogger(__name__)
 
 Weight = torch.Tensor | PackedWeight  # PackedWeight on the fused CPU path
-# A row whose int8 screen leaves more columns that could hold its argmax for
-# the exact float32 sums gets its full logits (the default model's rows leave
-# 1 to 7).
+# A row whose screen leaves more columns that could hold its argmax for the
+# exact float32 sums gets its full logits (the default model's rows leave 1 to
+# 7 with the int8 screen).
 MAX_CANDIDATES = 64
 # A model whose rows the screen mostly cannot settle (hidden states with a few
 # huge components quantize coarsely) pays for the screen and then the full
@@ -105,7 +105,8 @@ class LlamaModel:
         greedy_screen: bool = True,
     ) -> None:
         """``kernels``: engine.kernels.cpu_ops() to run the fused CPU path, or None.
-        ``greedy_screen``: with kernels, an int8 copy of the head screens greedy steps."""
+        ``greedy_screen``: with kernels, an int8 or float16 copy of the head screens
+        greedy steps (engine.kernels.screen_for)."""
         self.spec = spec
         self.kernels = kernels
         self.scale = spec.head_dim**-0.5
@@ -155,12 +156,12 @@ class LlamaModel:
             )
         cos, sin = rope_tables(hf_config, spec, max_len)
         self.cos, self.sin = cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
-        self.screen_head: Int8Head | None = None
+        self.screen_head: Int8Head | HalfHead | None = None
         self.screen_rows = self.screen_misses = 0  # rows screened, and left unsettled
         if kernels is not None:  # one copy of each matrix, in the linear kernel's layout
             self.lm_head = PackedWeight.pack(self.lm_head)
-            if greedy_screen and hasattr(kernels, "greedy_head"):  # needs AVX2 and FMA
-                self.screen_head = Int8Head.of(self.lm_head)
+            if greedy_screen and hasattr(kernels, "greedy_head_i8"):  # AVX2, F16C, FMA
+                self.screen_head = screen_for(self.lm_head)
             for w in self.layers:
                 w.qkv, w.o, w.gate_up, w.down = (
                     PackedWeight.pack(m) for m in (w.qkv, w.o, w.gate_up, w.down)
@@ -251,16 +252,14 @@ class LlamaModel:
     @torch.inference_mode()
     def greedy_tokens(self, hidden: torch.Tensor, vocab_size: int) -> list[int]:
         """The argmax of each row's logits over the first ``vocab_size`` columns,
-        the same token as ``logits`` then argmax, from an int8 screen of the
-        head (cpu_ops.cpp, greedy_head); needs ``screen_head``. Rows the screen
+        the same token as ``logits`` then argmax, from a screen of the head
+        (cpu_ops.cpp, greedy_head_*); needs ``screen_head``. Rows the screen
         cannot settle get their full logits."""
         head, screen = self.lm_head, self.screen_head
         assert isinstance(head, PackedWeight) and screen is not None, "no screened head"
         x = hidden.contiguous()
         ops = self.kernels
-        screened = ops.greedy_head(
-            x, head.panels, screen.q8, screen.colsum, screen.columns, vocab_size, MAX_CANDIDATES
-        )
+        screened = screen.tokens(ops, x, head, vocab_size, MAX_CANDIDATES)
         tokens = screened.tolist()  # checked in Python: no tensor op when every row settles
         unsettled = [i for i, t in enumerate(tokens) if t < 0]
         self._count_screen(len(tokens), len(unsettled))

@@ -1,5 +1,6 @@
-"""The screened greedy head (cpu_ops greedy_head, engine.kernels.Int8Head): the
-same tokens as the float32 logits' argmax, from an int8 read of the head."""
+"""The screened greedy head (cpu_ops greedy_head_i8 and greedy_head_f16,
+engine.kernels.Int8Head and HalfHead): the same tokens as the float32 logits'
+argmax, from an int8 or float16 read of the head."""
 
 from __future__ import annotations
 
@@ -22,8 +23,8 @@ if shutil.which("c++") is None and shutil.which("g++") is None:
 @pytest.fixture(scope="module")
 def ops():
     ops = kernels.cpu_ops(required=True)
-    if not hasattr(ops, "greedy_head"):
-        pytest.skip("this CPU has no AVX2/FMA: the engine computes full logits")
+    if not hasattr(ops, "greedy_head_i8"):
+        pytest.skip("this CPU has no AVX2/F16C/FMA: the engine computes full logits")
     return ops
 
 
@@ -35,23 +36,26 @@ def _full(ops, x: torch.Tensor, head: kernels.PackedWeight, n: int) -> torch.Ten
     return ops.argmax_rows(ops.linear(x, head.panels, head.out_features)[:, :n].contiguous())
 
 
-def _screened(ops, x, head, n, max_candidates=64):
-    screen = kernels.Int8Head.of(head)
+SCREENS = {"int8": kernels.Int8Head, "float16": kernels.HalfHead}
+
+
+def _screened(ops, x, head, n, max_candidates=64, kind="int8"):
+    screen = SCREENS[kind].of(head)
     assert screen is not None
-    return ops.greedy_head(
-        x, head.panels, screen.q8, screen.colsum, screen.columns, n, max_candidates
-    )
+    return screen.tokens(ops, x, head, n, max_candidates)
 
 
+@pytest.mark.parametrize("kind", SCREENS)
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 13, 16])
 @pytest.mark.parametrize(
     "k,n,vocab,scale",
     [(256, 32000, 32000, 0.02), (64, 1000, 990, 1.0), (70, 333, 333, 0.3), (3, 40, 40, 1.0)],
 )
-def test_tokens_equal_the_full_logits_argmax(ops, rows, k, n, vocab, scale):
+def test_tokens_equal_the_full_logits_argmax(ops, kind, rows, k, n, vocab, scale):
     head = kernels.PackedWeight.pack(_head(k, n, scale, seed=rows))
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(100 + rows)) * 3
-    assert torch.equal(_screened(ops, x, head, vocab), _full(ops, x, head, vocab))
+    tokens = _screened(ops, x, head, vocab, kind=kind)
+    assert torch.equal(tokens, _full(ops, x, head, vocab))
 
 
 def _dequantized(screen: kernels.Int8Head, k: int, n: int) -> torch.Tensor:
@@ -61,7 +65,7 @@ def _dequantized(screen: kernels.Int8Head, k: int, n: int) -> torch.Tensor:
     return w.transpose(0, 1).reshape(k, -1)[:, :n]
 
 
-def test_the_bounds_hold(ops):
+def test_the_int8_bounds_hold(ops):
     """Both screens' bounds, with the exact logits as the linear kernel sums them:
     x~ . w~ (quantized rows, the first pass) is within ||x|| E + ||x - x~|| W,
     and x . w~ (the second) within ||x|| (E + gamma_K W)."""
@@ -109,12 +113,46 @@ def test_columns_int8_cannot_tell_apart_are_settled_exactly(ops):
     assert 41 in full.tolist() and 8 not in full.tolist()
 
 
-def test_rows_it_cannot_settle_are_left_to_the_caller(ops):
+def test_the_float16_bound_holds(ops):
+    """|x . w~_i - x . w_i| <= ||x|| * bound_i, with both sums as computed."""
+    w = _head(96, 300, 0.5, seed=3)
+    head = kernels.PackedWeight.pack(w)
+    half = kernels.HalfHead.of(head)
+    x = torch.randn(50, 96, generator=torch.Generator().manual_seed(4)) * 10
+    exact = ops.linear(x, head.panels, 300).double()
+    approx = ops.linear(x, kernels.PackedWeight.pack(w.half().float()).panels, 300).double()
+    slack = x.double().norm(dim=1, keepdim=True) * half.bound[:300]
+    assert bool(((approx - exact).abs() <= slack).all())
+    assert float((approx - exact).abs().max()) > 0  # the screen is approximate
+
+
+def test_columns_float16_cannot_tell_apart_are_settled_exactly(ops):
+    """Columns equal in float16 but not in float32: the exact sums decide, and an
+    exact tie goes to the first column, as argmax does."""
+    w = _head(64, 96, 0.05, seed=5)
+    w[:, 7] += 0.5  # columns 7 and 8 lead for most rows
+    w[:, 8] += 0.5
+    w[:, 40] = w[:, 7]  # an exact tie: column 7 wins
+    w[:, 41] = w[:, 8]
+    w[0, 41] += 1e-6  # below float16 resolution at this size: 41 beats 8 by a hair
+    x = torch.randn(40, 64, generator=torch.Generator().manual_seed(6))
+    x[:, 0] = 1.0
+    head = kernels.PackedWeight.pack(w)
+    half = kernels.HalfHead.of(head).half
+    assert torch.equal(half[1, :, 41 - 32], half[0, :, 8])  # the same in float16
+    full = _full(ops, x, head, 96)
+    assert torch.equal(_screened(ops, x, head, 96, kind="float16"), full)
+    assert 7 in full.tolist() and 40 not in full.tolist()
+    assert 41 in full.tolist() and 8 not in full.tolist()
+
+
+@pytest.mark.parametrize("kind", SCREENS)
+def test_rows_it_cannot_settle_are_left_to_the_caller(ops, kind):
     head = kernels.PackedWeight.pack(_head(32, 64, 1.0, seed=7))
     x = torch.randn(3, 32, generator=torch.Generator().manual_seed(8))
     x[1] = 0.0  # every column ties: more candidates than allowed
     x[2, 5] = math.nan
-    tokens = _screened(ops, x, head, 64, max_candidates=8)
+    tokens = _screened(ops, x, head, 64, max_candidates=8, kind=kind)
     assert tokens[1:].tolist() == [-1, -1]
     assert tokens[0] == _full(ops, x[:1], head, 64)[0]
 
@@ -127,6 +165,22 @@ def test_a_head_with_outliers_screens_and_one_not_finite_does_not(ops):
     assert torch.equal(_screened(ops, x, head, 40), _full(ops, x, head, 40))
     w[3, 5] = math.inf
     assert kernels.Int8Head.of(kernels.PackedWeight.pack(w)) is None
+
+
+def test_a_head_float16_cannot_hold_gets_no_screen():
+    w = _head(32, 40, 1.0, seed=9)
+    w[3, 5] = 1e5
+    assert kernels.HalfHead.of(kernels.PackedWeight.pack(w)) is None
+    w[3, 5] = math.inf
+    assert kernels.HalfHead.of(kernels.PackedWeight.pack(w)) is None
+
+
+def test_narrow_heads_get_the_int8_screen_and_wide_ones_float16():
+    def screen(k):
+        return type(kernels.screen_for(kernels.PackedWeight.pack(_head(k, 40, 0.1, seed=k))))
+
+    assert screen(kernels.INT8_MAX_HIDDEN) is kernels.Int8Head
+    assert screen(kernels.INT8_MAX_HIDDEN + 8) is kernels.HalfHead
 
 
 def test_the_engine_screens_plain_greedy_rows_only(llama_dir, ops, monkeypatch):
@@ -148,10 +202,18 @@ def test_the_engine_screens_plain_greedy_rows_only(llama_dir, ops, monkeypatch):
     assert [o.token_ids for o in llm.generate(prompts, with_logprobs)] == screened
     assert calls == []
 
+    assert isinstance(llm.engine.model.screen_head, kernels.Int8Head)
+    assert llm.engine.model.screen_misses < llm.engine.model.screen_rows
+    monkeypatch.setattr(kernels, "INT8_MAX_HIDDEN", 64)  # narrower than this model's 128
+    wide = LLM(str(llama_dir), num_kv_blocks=64)
+    assert isinstance(wide.engine.model.screen_head, kernels.HalfHead)
+    assert [o.token_ids for o in wide.generate(prompts, greedy)] == screened
+    assert wide.engine.model.screen_misses < wide.engine.model.screen_rows  # it settles rows
+
     monkeypatch.setattr(llama, "MAX_CANDIDATES", 0)
     assert [o.token_ids for o in llm.generate(prompts, greedy)] == screened
     full = LLM(str(llama_dir), num_kv_blocks=64, greedy_screen=False)
-    assert full.engine.model.screen_head is None  # no int8 copy is kept
+    assert full.engine.model.screen_head is None  # no copy of the head is kept
     assert [o.token_ids for o in full.generate(prompts, greedy)] == screened
 
 
