@@ -278,6 +278,19 @@ inline Lanes16 dot16(const float* q, const float* k, int64_t stride) {
                                  31);
 }
 
+// Ask for a block's rows of kv heads [h0, h1) ahead of use: a sequence's
+// blocks lie anywhere in the pool, so the hardware prefetcher loses the
+// stream at every block edge (16 streams x 256 tokens: attention 2.3 ms a
+// step without this).
+inline void prefetch_rows(const float* base, int64_t count, int64_t row, int64_t h0, int64_t h1,
+                          int64_t d) {
+  for (int64_t j = 0; j < count; ++j) {
+    const char* p = reinterpret_cast<const char*>(base + j * row + h0 * d);
+    const char* end = reinterpret_cast<const char*>(base + j * row + h1 * d);
+    for (; p < end; p += 64) __builtin_prefetch(p, 0, 3);
+  }
+}
+
 // One sequence's kv heads [h0, h1): each kv head's group of query heads
 // over the context, block by block. A block's keys (or values) of all its kv
 // heads are one contiguous run of memory, read once while every head here
@@ -293,9 +306,13 @@ void attend(const DecodeAttention& a, int64_t b, int64_t h0, int64_t h1,
   const float* qs = a.q + b * a.q_stride + h0 * group * d;  // this task's query rows
   scores.resize(rows * n);
   acc.assign(rows * d, 0.f);
+  auto ahead = [&](const float* plane, int64_t t0) {  // the block from token t0
+    if (t0 < n) prefetch_rows(plane + table[t0 / a.bs] * block, std::min(a.bs, n - t0), row, h0, h1, d);
+  };
   for (int64_t t0 = 0; t0 < n; t0 += a.bs) {
     const int64_t count = std::min(a.bs, n - t0), bi = t0 / a.bs;
     const float* kb = a.keys + table[bi] * block;
+    ahead(a.keys, t0 + a.bs);
     for (int64_t h = h0; h < h1; ++h) {
       for (int64_t g = 0; g < group; ++g) {
         const int64_t r = (h - h0) * group + g;
@@ -313,6 +330,7 @@ void attend(const DecodeAttention& a, int64_t b, int64_t h0, int64_t h1,
       }
     }
   }
+  ahead(a.values, 0);
   std::vector<float> total(rows);
   for (int64_t r = 0; r < rows; ++r) {
     float* s = scores.data() + r * n;
@@ -330,6 +348,7 @@ void attend(const DecodeAttention& a, int64_t b, int64_t h0, int64_t h1,
   for (int64_t t0 = 0; t0 < n; t0 += a.bs) {
     const int64_t count = std::min(a.bs, n - t0), bi = t0 / a.bs;
     const float* vb = a.values + table[bi] * block;
+    ahead(a.values, t0 + a.bs);
     for (int64_t j = 0; j < count; ++j) {
       for (int64_t h = h0; h < h1; ++h) {
         const float* v = vb + j * row + h * d;
