@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine import hugepages
 from engine.hashing import BlockHash
 
 
@@ -206,7 +207,7 @@ class KVCache:
         dtype = getattr(torch, layout.dtype)
         shape = (2, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
         self.layers = [
-            torch.zeros(shape, dtype=dtype, device=device) for _ in range(layout.num_layers)
+            hugepages.empty(shape, dtype, device).zero_() for _ in range(layout.num_layers)
         ]
         self._flat = [t.view(2, num_blocks * layout.block_size, *shape[3:]) for t in self.layers]
 

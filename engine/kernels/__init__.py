@@ -28,6 +28,8 @@ from types import ModuleType
 
 import torch
 
+from engine import hugepages
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_ops.cpp")
@@ -130,7 +132,9 @@ class PackedWeight:
         count = -(-n // PANEL_WIDTH)
         padded = w.new_zeros(k, count * PANEL_WIDTH)
         padded[:, :n] = w
-        return cls(padded.view(k, count, PANEL_WIDTH).transpose(0, 1).contiguous(), n)
+        panels = hugepages.empty((count, k, PANEL_WIDTH), w.dtype, w.device)
+        panels.copy_(padded.view(k, count, PANEL_WIDTH).transpose(0, 1))
+        return cls(panels, n)
 
 
 @dataclass(frozen=True)
@@ -177,7 +181,8 @@ class Int8Head:
             error = (w - approx).square().sum(1).sqrt() + gamma * norm
             columns[1, part] = (error * (1 + 1e-6) + 1e-30).float()
             columns[2, part] = (approx.square().sum(1).sqrt() * (1 + 1e-6)).float()
-        q8 = q8.view(count, groups, cls.GROUP, width).transpose(2, 3).contiguous()
+        packed = hugepages.empty((count, groups, width, cls.GROUP), torch.int8, q8.device)
+        q8 = packed.copy_(q8.view(count, groups, cls.GROUP, width).transpose(2, 3))
         return cls(q8, colsum.reshape(-1), columns.reshape(3, -1).contiguous())
 
     def tokens(self, ops: ModuleType, x: torch.Tensor, head: PackedWeight, n: int, limit: int):
