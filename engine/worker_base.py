@@ -16,6 +16,7 @@ from engine.engine_loop import EngineLoop
 from engine.index import EventPublisher, KVEvent
 from engine.llm_engine import LLMEngine
 from engine.logfmt import LogFormat, configure_logging
+from engine.sched_policy import set_policy
 from engine.sequence import RequestOutput
 from engine.spec.decoder import spec_stats
 from engine.transfer import PoolBlockStore, TransferConfig
@@ -194,8 +195,12 @@ class WorkerActor:
         index: IndexSettings,
         host: str | None,
         log_format: LogFormat = "text",
+        batch_scheduling: bool = False,
     ) -> None:
+        """``batch_scheduling``: this process runs under SCHED_BATCH (prefill
+        workers, see engine/sched_policy.py); otherwise under the normal policy."""
         configure_logging(log_format)  # this actor's process: structured request events
+        set_policy(batch_scheduling)
         if host is None:  # the address Ray gives this node, so peers on other nodes reach it
             import ray
 

@@ -172,22 +172,19 @@ class WorkerPool:
         engine = engine_config(self.config, res, num_gpus, self.role)
         index = IndexSettings(redis_url=self.config.redis_url, deployment=self.config.deployment)
         transfer = self.config.transfer_config()
+        args = (name, engine, transfer, index, self.host, self.config.log_format)
         if self.role == "prefill":
             from prefill_pool.actor import PrefillActor
 
             actor = (
                 ray.remote(PrefillActor)
                 .options(**options)
-                .remote(name, engine, transfer, index, self.host, self.config.log_format)
+                .remote(*args, batch_scheduling=self.config.batch_scheduling)
             )
         else:
             from decode_pool.actor import DecodeActor
 
-            actor = (
-                ray.remote(DecodeActor)
-                .options(**options)
-                .remote(name, engine, transfer, index, self.host, self.config.log_format)
-            )
+            actor = ray.remote(DecodeActor).options(**options).remote(*args)
         return WorkerHandle(name, self.role, actor)
 
 

@@ -131,6 +131,10 @@ class ServeConfig(BaseModel):
     """File of accepted API keys, one per line (# starts a comment)."""
     log_format: Literal["text", "json"] = "text"
     """Router and worker logs: text (request events as key=value) or JSON lines."""
+    batch_scheduling: bool = True
+    """Linux: the router process (and a local Ray it starts) and the prefill workers run
+    under SCHED_BATCH, decode workers under the normal policy, so that on shared cores
+    the router woken by a decode worker's output never preempts its engine thread."""
     speculative_method: Literal["none", "ngram", "draft"] = "none"
     """Speculative decoding in the decode (or colocated) pool: ngram proposes by prompt
     lookup, draft by a smaller model sharing the tokenizer (draft_model); none: off."""

@@ -157,6 +157,10 @@ def init_ray(config: ServeConfig) -> bool:
 
 def run(config: ServeConfig) -> int:
     """Serve until SIGINT/SIGTERM; returns the exit code (1 when startup failed)."""
+    if config.batch_scheduling:  # before Ray and the server start their threads
+        from engine.sched_policy import set_policy
+
+        set_policy(batch=True)
     try:
         asyncio.run(serve(config))
     except Exception:

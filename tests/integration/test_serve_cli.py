@@ -58,6 +58,26 @@ def _wait_line(proc: subprocess.Popen, pattern: str) -> str:
     raise AssertionError(f"no line matching {pattern!r}; exit code {proc.poll()}")
 
 
+def _assert_scheduling(router: int, tree: set[int]) -> None:
+    """batch_scheduling (on by default): the router and the prefill worker run
+    under SCHED_BATCH, the decode worker under the normal policy."""
+    if not hasattr(os, "SCHED_BATCH"):
+        return
+    roles = {}
+    for pid in tree:
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_text()
+        except OSError:
+            continue
+        for role in ("PrefillActor", "DecodeActor"):
+            if f"ray::{role}" in cmdline:
+                roles[role] = pid
+    assert set(roles) == {"PrefillActor", "DecodeActor"}, roles
+    assert os.sched_getscheduler(router) == os.SCHED_BATCH
+    assert os.sched_getscheduler(roles["PrefillActor"]) == os.SCHED_BATCH
+    assert os.sched_getscheduler(roles["DecodeActor"]) == os.SCHED_OTHER
+
+
 def test_serve_generate_then_sigterm_leaves_nothing_behind():
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "tandem_cli.main", "serve", "--port", "0", "--grace-period", "10"]
@@ -77,6 +97,7 @@ def test_serve_generate_then_sigterm_leaves_nothing_behind():
         )
         assert gen.returncode == 0, gen.stderr
         assert "4 completion tokens" in gen.stderr
+        _assert_scheduling(proc.pid, tree)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=120) == 0
         deadline = time.monotonic() + 30

@@ -1,0 +1,46 @@
+"""engine.sched_policy: a process's threads, present and future, change policy."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [
+    pytest.mark.unit,
+    pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux scheduling policies"),
+]
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = """
+import os, threading
+from engine.sched_policy import set_policy, current_is_batch
+
+def policy_in_new_thread():
+    seen = []
+    t = threading.Thread(target=lambda: seen.append(os.sched_getscheduler(0)))
+    t.start(); t.join()
+    return seen[0]
+
+early = []
+gate = threading.Event()
+t = threading.Thread(target=lambda: (gate.wait(), early.append(os.sched_getscheduler(0))))
+t.start()  # started before the change: it changes too
+assert set_policy(batch=True) and current_is_batch()
+gate.set(); t.join()
+assert early == [os.SCHED_BATCH], early
+assert policy_in_new_thread() == os.SCHED_BATCH
+assert set_policy(batch=False) and not current_is_batch()
+assert policy_in_new_thread() == os.SCHED_OTHER
+print("ok")
+"""
+
+
+def test_every_thread_changes_and_new_ones_inherit():
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
