@@ -941,6 +941,19 @@ int64_t screened_argmax_i8(const float* x, int64_t k, const float* approx, const
 
 }  // namespace
 
+namespace {
+
+// Rows x [M, K] and a head packed for linear() over K inputs.
+void check_head(const at::Tensor& x, const at::Tensor& panels) {
+  check_rows(x, "x");
+  check_f32(panels, "panels");
+  TORCH_CHECK(panels.dim() == 3 && panels.is_contiguous() && panels.size(2) == kPanel &&
+                  panels.size(1) == x.size(1),
+              "panels must be contiguous [P, ", x.size(1), ", ", kPanel, "]");
+}
+
+}  // namespace
+
 //   x:      [M, K] float32 rows (unit inner stride)
 //   panels: the head packed for linear(), [ceil(N / 32), K, 32] float32
 //   half:   the same values as float16, same shape
@@ -949,12 +962,8 @@ int64_t screened_argmax_i8(const float* x, int64_t k, const float* approx, const
 //   returns [M] int64: the greedy token of each row, or -1
 at::Tensor greedy_head_f16(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& half,
                            const at::Tensor& bound, int64_t n, int64_t max_candidates) {
-  check_rows(x, "x");
-  check_f32(panels, "panels");
+  check_head(x, panels);
   const int64_t m = x.size(0), k = x.size(1);
-  TORCH_CHECK(panels.dim() == 3 && panels.is_contiguous() && panels.size(2) == kPanel &&
-                  panels.size(1) == k,
-              "panels must be contiguous [P, ", k, ", ", kPanel, "]");
   TORCH_CHECK(half.scalar_type() == at::kHalf && half.is_contiguous() &&
                   half.sizes() == panels.sizes(),
               "half must be float16 panels of the same shape");
@@ -1008,12 +1017,8 @@ at::Tensor greedy_head_f16(const at::Tensor& x, const at::Tensor& panels, const 
 at::Tensor greedy_head_i8(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& q8,
                           const at::Tensor& colsum, const at::Tensor& columns, int64_t n,
                           int64_t max_candidates) {
-  check_rows(x, "x");
-  check_f32(panels, "panels");
+  check_head(x, panels);
   const int64_t m = x.size(0), k = x.size(1);
-  TORCH_CHECK(panels.dim() == 3 && panels.is_contiguous() && panels.size(2) == kPanel &&
-                  panels.size(1) == k,
-              "panels must be contiguous [P, ", k, ", ", kPanel, "]");
   const int64_t num_panels = panels.size(0), ncols = num_panels * kPanel;
   const int64_t groups = (k + 2 * kGroup - 1) / (2 * kGroup) * 2, padded = groups * kGroup;
   TORCH_CHECK(q8.scalar_type() == at::kChar && q8.is_contiguous() &&

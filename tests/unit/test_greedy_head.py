@@ -92,25 +92,36 @@ def test_the_int8_bounds_hold(ops):
     assert float((second - exact).abs().max()) > 0
 
 
-def test_columns_int8_cannot_tell_apart_are_settled_exactly(ops):
-    """Columns equal in int8 but not in float32: the exact sums decide, and an
-    exact tie goes to the first column, as argmax does."""
+def _near_ties() -> tuple[torch.Tensor, torch.Tensor]:
+    """A head whose columns 7 and 40 tie exactly and 8 and 41 differ by a hair
+    (41 ahead), and rows for which those columns lead."""
     w = _head(64, 96, 0.05, seed=5)
     w[:, 7] += 0.5  # columns 7 and 8 lead for most rows
     w[:, 8] += 0.5
     w[:, 40] = w[:, 7]  # an exact tie: column 7 wins
     w[:, 41] = w[:, 8]
-    w[0, 41] += 1e-6  # below int8 resolution: 41 beats 8 by a hair
+    w[0, 41] += 1e-6  # below int8 and float16 resolution: 41 beats 8 by a hair
     x = torch.randn(40, 64, generator=torch.Generator().manual_seed(6))
     x[:, 0] = 1.0
+    return w, x
+
+
+def _assert_ties_settled_exactly(ops, x, head, kind):
+    full = _full(ops, x, head, 96)
+    assert torch.equal(_screened(ops, x, head, 96, kind=kind), full)
+    assert 7 in full.tolist() and 40 not in full.tolist()
+    assert 41 in full.tolist() and 8 not in full.tolist()
+
+
+def test_columns_int8_cannot_tell_apart_are_settled_exactly(ops):
+    """Columns equal in int8 but not in float32: the exact sums decide, and an
+    exact tie goes to the first column, as argmax does."""
+    w, x = _near_ties()
     head = kernels.PackedWeight.pack(w)
     screen = kernels.Int8Head.of(head)
     assert torch.equal(screen.q8[1, :, 41 - 32], screen.q8[0, :, 8])  # the same in int8
     assert screen.columns[0, 41] == screen.columns[0, 8]
-    full = _full(ops, x, head, 96)
-    assert torch.equal(_screened(ops, x, head, 96), full)
-    assert 7 in full.tolist() and 40 not in full.tolist()
-    assert 41 in full.tolist() and 8 not in full.tolist()
+    _assert_ties_settled_exactly(ops, x, head, "int8")
 
 
 def test_the_float16_bound_holds(ops):
@@ -127,23 +138,12 @@ def test_the_float16_bound_holds(ops):
 
 
 def test_columns_float16_cannot_tell_apart_are_settled_exactly(ops):
-    """Columns equal in float16 but not in float32: the exact sums decide, and an
-    exact tie goes to the first column, as argmax does."""
-    w = _head(64, 96, 0.05, seed=5)
-    w[:, 7] += 0.5  # columns 7 and 8 lead for most rows
-    w[:, 8] += 0.5
-    w[:, 40] = w[:, 7]  # an exact tie: column 7 wins
-    w[:, 41] = w[:, 8]
-    w[0, 41] += 1e-6  # below float16 resolution at this size: 41 beats 8 by a hair
-    x = torch.randn(40, 64, generator=torch.Generator().manual_seed(6))
-    x[:, 0] = 1.0
+    """The same with columns equal in float16."""
+    w, x = _near_ties()
     head = kernels.PackedWeight.pack(w)
     half = kernels.HalfHead.of(head).half
     assert torch.equal(half[1, :, 41 - 32], half[0, :, 8])  # the same in float16
-    full = _full(ops, x, head, 96)
-    assert torch.equal(_screened(ops, x, head, 96, kind="float16"), full)
-    assert 7 in full.tolist() and 40 not in full.tolist()
-    assert 41 in full.tolist() and 8 not in full.tolist()
+    _assert_ties_settled_exactly(ops, x, head, "float16")
 
 
 @pytest.mark.parametrize("kind", SCREENS)
