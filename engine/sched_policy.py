@@ -37,7 +37,3 @@ def set_policy(batch: bool) -> bool:
         except OSError as exc:  # a thread that just ended, or a refusal
             log.debug("scheduling policy of thread %d unchanged: %s", tid, exc)
     return done > 0
-
-
-def current_is_batch() -> bool:
-    return hasattr(os, "SCHED_BATCH") and os.sched_getscheduler(0) == os.SCHED_BATCH

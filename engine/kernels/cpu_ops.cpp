@@ -737,10 +737,18 @@ int64_t screened_argmax_f16(const float* x, int64_t k, const float* approx, cons
 
 // ---- the int8 screen ----
 
-
 constexpr int kGroup = 4;      // k values per int8 group (one int32 lane)
 constexpr int kQuantMax = 31;  // |q_x|: 4 products of u8 (q_x + 32) and s8 fit int16
 constexpr int kQuantOffset = 32;
+
+// One row quantized: (q_x + 32) bytes (zero padding quantizes to 32 and
+// meets zero weights), its scale, ||x|| and ||x - x~||. ``ok`` is false when
+// the row is zero or not finite (the screen cannot settle it).
+struct RowQuant {
+  float scale = 0.f;
+  double norm = 0.0, error = 0.0;
+  bool ok = false;
+};
 
 // Approximate logits of R rows x 16 columns (half a panel). ``xq``: the rows
 // quantized, (q_x + 32) as bytes, ``groups`` * 4 per row; ``panel``: int8
@@ -748,7 +756,7 @@ constexpr int kQuantOffset = 32;
 // the end, then the row and column scales.
 template <int R>
 void int8_rows_x16(const uint8_t* xq, int64_t ldx, const int8_t* panel, int64_t groups,
-                   const int32_t* colsum, const float* col_scale, const float* row_scale,
+                   const int32_t* colsum, const float* col_scale, const RowQuant* rows,
                    float* out, int64_t ldo) {
   __m256i acc[R][2];
   const __m256i ones = _mm256_set1_epi16(1);
@@ -780,36 +788,29 @@ void int8_rows_x16(const uint8_t* xq, int64_t ldx, const int8_t* panel, int64_t 
 #pragma GCC unroll 6
     for (int r = 0; r < R; ++r) {
       const __m256 dot = _mm256_cvtepi32_ps(_mm256_sub_epi32(acc[r][c], shift));
-      const __m256 s = _mm256_mul_ps(scale, _mm256_set1_ps(row_scale[r]));
+      const __m256 s = _mm256_mul_ps(scale, _mm256_set1_ps(rows[r].scale));
       _mm256_storeu_ps(out + r * ldo + 8 * c, _mm256_mul_ps(dot, s));
     }
   }
 }
 
 using Int8Tile = void (*)(const uint8_t*, int64_t, const int8_t*, int64_t, const int32_t*,
-                          const float*, const float*, float*, int64_t);
+                          const float*, const RowQuant*, float*, int64_t);
 constexpr int kInt8TileRows = 6;
 constexpr Int8Tile kInt8Tiles[kInt8TileRows] = {int8_rows_x16<1>, int8_rows_x16<2>,
                                                  int8_rows_x16<3>, int8_rows_x16<4>,
                                                  int8_rows_x16<5>, int8_rows_x16<6>};
 
-// One row quantized: (q_x + 32) bytes (zero padding quantizes to 32 and
-// meets zero weights), its scale, ||x|| and ||x - x~||. False when the row
-// is zero or not finite (the screen cannot settle it).
-struct RowQuant {
-  float scale = 0.f;
-  double norm = 0.0, error = 0.0;
-};
-
-bool quantize_row(const float* x, int64_t k, uint8_t* out, int64_t padded, RowQuant& q) {
+// Fills ``q`` and row ``out`` of the quantized rows.
+void quantize_row(const float* x, int64_t k, uint8_t* out, int64_t padded, RowQuant& q) {
   float top = 0.f;
   for (int64_t p = 0; p < k; ++p) {
-    if (!std::isfinite(x[p])) return false;
+    if (!std::isfinite(x[p])) return;
     top = std::max(top, std::fabs(x[p]));
   }
-  if (!(top > 0.f)) return false;
+  if (!(top > 0.f)) return;
   q.scale = top / kQuantMax;
-  if (!std::isnormal(q.scale)) return false;  // x / scale would overflow
+  if (!std::isnormal(q.scale)) return;  // x / scale would overflow
   double norm2 = 0.0, error2 = 0.0;
   for (int64_t p = 0; p < k; ++p) {
     const float level = std::nearbyint(x[p] / q.scale);
@@ -821,12 +822,11 @@ bool quantize_row(const float* x, int64_t k, uint8_t* out, int64_t padded, RowQu
     error2 += e * e;
   }
   for (int64_t p = k; p < padded; ++p) out[p] = kQuantOffset;
-  if (!std::isfinite(norm2)) return false;
+  if (!std::isfinite(norm2)) return;
   q.norm = std::sqrt(norm2);
   q.error = std::sqrt(error2);
-  return true;
+  q.ok = true;
 }
-
 
 // Column j of the int8 copy times x (unquantized) in float32: within
 // ||x|| (E_j + gamma_K W_j) of y_j, gamma_K covering this sum's own rounding.
@@ -915,9 +915,8 @@ int64_t screened_argmax_i8(const float* x, int64_t k, const float* approx, const
   // Second pass: radius ||x|| (E_j + gamma_K W_j), rounded up.
   const double unit = std::ldexp(1.0, -24);
   const float gamma = static_cast<float>(k * unit / (1 - k * unit) * 1.01);
-  const float nx2 = static_cast<float>(q.norm * (1.0 + 1e-9)) * kBoundSlack;
   auto radius2 = [&](int64_t i, float y) {
-    return nx2 * (err[i] + gamma * norm[i]) + kLogitSlack * std::fabs(y);
+    return nxs * (err[i] + gamma * norm[i]) + kLogitSlack * std::fabs(y);
   };
   second.resize(first.size());
   float floor2 = -std::numeric_limits<float>::infinity();
@@ -938,10 +937,6 @@ int64_t screened_argmax_i8(const float* x, int64_t k, const float* approx, const
   }
   return best;
 }
-
-}  // namespace
-
-namespace {
 
 // Rows x [M, K] and a head packed for linear() over K inputs.
 void check_head(const at::Tensor& x, const at::Tensor& panels) {
@@ -1038,12 +1033,8 @@ at::Tensor greedy_head_i8(const at::Tensor& x, const at::Tensor& panels, const a
   const int64_t lda = x.stride(0);
   std::vector<uint8_t> xq(static_cast<size_t>(m * padded));
   std::vector<RowQuant> quant(static_cast<size_t>(m));
-  std::vector<float> row_scale(static_cast<size_t>(m));
-  std::vector<char> settled(static_cast<size_t>(m));
-  for (int64_t r = 0; r < m; ++r) {
-    settled[r] = quantize_row(a + r * lda, k, xq.data() + r * padded, padded, quant[r]);
-    row_scale[r] = quant[r].scale;
-  }
+  for (int64_t r = 0; r < m; ++r)
+    quantize_row(a + r * lda, k, xq.data() + r * padded, padded, quant[r]);
   auto approx = at::empty({m, ncols}, x.options());
   float* ap = approx.data_ptr<float>();
   const auto* w8 = q8.data_ptr<int8_t>();
@@ -1059,7 +1050,7 @@ at::Tensor greedy_head_i8(const at::Tensor& x, const at::Tensor& panels, const a
         for (int64_t i = 0; i < m; i += kInt8TileRows) {
           const int rows = static_cast<int>(std::min<int64_t>(kInt8TileRows, m - i));
           kInt8Tiles[rows - 1](xq.data() + i * padded, padded, panel, groups, cs + col,
-                               scale + col, row_scale.data() + i, ap + i * ncols + col, ncols);
+                               scale + col, quant.data() + i, ap + i * ncols + col, ncols);
         }
       }
     }
@@ -1072,9 +1063,10 @@ at::Tensor greedy_head_i8(const at::Tensor& x, const at::Tensor& panels, const a
     std::vector<int64_t> first;
     std::vector<float> second;
     for (int64_t r = begin; r < end; ++r)
-      op[r] = settled[r] ? screened_argmax_i8(a + r * lda, k, ap + r * ncols, quant[r], scale, err,
-                                           norm, w8, groups, w, n, max_candidates, first, second)
-                         : -1;
+      op[r] = quant[r].ok ? screened_argmax_i8(a + r * lda, k, ap + r * ncols, quant[r], scale,
+                                               err, norm, w8, groups, w, n, max_candidates, first,
+                                               second)
+                          : -1;
   });
   return out;
 }

@@ -273,7 +273,7 @@ class LlamaModel:
     def _count_screen(self, rows: int, misses: int) -> None:
         self.screen_rows += rows
         self.screen_misses += misses
-        if self.screen_rows < SCREEN_TRIAL_ROWS or self.screen_head is None:
+        if self.screen_rows < SCREEN_TRIAL_ROWS:
             return
         if self.screen_misses > SCREEN_GIVE_UP_RATE * self.screen_rows:
             log.warning(

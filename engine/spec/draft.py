@@ -64,7 +64,7 @@ class DraftProposer:
         state = load_weights(draft_config, model_dir, spec, hf_config)
         kernels = select_kernels(config.cpu_kernels, device, dtype)
         # The draft proposes from its logits (argmax or probabilities) and never
-        # calls greedy_tokens: no float16 copy of its head.
+        # calls greedy_tokens: no screen copy of its head.
         self.model = LlamaModel(
             spec, state, hf_config, max_len, dtype, device, kernels, greedy_screen=False
         )

@@ -17,7 +17,7 @@ pytestmark = [
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = """
 import os, threading
-from engine.sched_policy import set_policy, current_is_batch
+from engine.sched_policy import set_policy
 
 def policy_in_new_thread():
     seen = []
@@ -29,11 +29,11 @@ early = []
 gate = threading.Event()
 t = threading.Thread(target=lambda: (gate.wait(), early.append(os.sched_getscheduler(0))))
 t.start()  # started before the change: it changes too
-assert set_policy(batch=True) and current_is_batch()
+assert set_policy(batch=True) and os.sched_getscheduler(0) == os.SCHED_BATCH
 gate.set(); t.join()
 assert early == [os.SCHED_BATCH], early
 assert policy_in_new_thread() == os.SCHED_BATCH
-assert set_policy(batch=False) and not current_is_batch()
+assert set_policy(batch=False) and os.sched_getscheduler(0) == os.SCHED_OTHER
 assert policy_in_new_thread() == os.SCHED_OTHER
 print("ok")
 """
