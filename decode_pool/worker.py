@@ -1,7 +1,9 @@
 """The decode worker (a plain class; the Ray actor wraps it).
 
 It receives KV blocks over gRPC (the KV receiver), attaches them to a
-request when the router starts its decode, and runs continuous batching.
+request as soon as they are committed (the router starts the decode while
+the prefill runs, and the push carries the prefill's token), and runs
+continuous batching.
 The engine thread writes every step's outputs to the routers' output
 streams itself (output_channel.py). In colocated mode the same worker also
 prefills.
@@ -31,8 +33,8 @@ class DecodeRequest:
     request_id: str
     router_id: str
     prompt_token_ids: list[int]
-    output_token_ids: list[int]  # tokens already sent (the prefill's first token, and
-    # after a failover every token streamed before it)
+    output_token_ids: list[int]  # tokens streamed before this try (after a failover);
+    # start_decode appends the token the prefill sampled, which comes with the KV
     params: SamplingParams
 
 
@@ -114,16 +116,26 @@ class DecodeWorker(EngineWorker):
         return len(blocks)
 
     async def start_decode(self, req: DecodeRequest) -> None:
-        """Continue a request whose blocks a prefill worker pushed here (after
-        the prefix blocks pinned for it by reserve_prefix, if any)."""
-        self._refuse_aborted(req.request_id)
+        """Continue a request whose blocks a prefill worker pushes here (after
+        the prefix blocks pinned for it by reserve_prefix, if any). The router
+        calls this while the prefill runs: the decode starts when the push
+        commits, from the token it carries. An abort ends the wait
+        (LookupError), as does a push that carries no token."""
+        rid = req.request_id
+        self._refuse_aborted(rid)
         self._own(req)  # first: a refusal here leaves the blocks to abort()
-        prefix = self._take_pins(req.request_id)
-        claimed = self.kv_server.claim(req.request_id)
-        if claimed is None:
-            self._disown(req.request_id)
-            await self.loop.acall(lambda e: e.block_pool.free(prefix))
-            raise LookupError(f"no KV blocks arrived for request {req.request_id!r}")
+        try:
+            next_tokens = await self.kv_server.committed(rid)
+        except BaseException:
+            self._disown(rid)
+            raise
+        prefix = self._take_pins(rid)
+        claimed = self.kv_server.claim(rid)
+        if claimed is None or not next_tokens:
+            self._disown(rid)
+            await self.loop.acall(lambda e: e.block_pool.free(prefix + (claimed or [])))
+            why = "was aborted" if claimed is None else "came with no sampled token"
+            raise LookupError(f"the KV push for request {rid!r} {why}")
         blocks = prefix + claimed
         log_event(
             log,
@@ -136,11 +148,7 @@ class DecodeWorker(EngineWorker):
         )
         added = self.loop.call(
             lambda e: e.add_prefilled_request(
-                req.request_id,
-                req.prompt_token_ids,
-                req.output_token_ids,
-                req.params,
-                blocks,
+                rid, req.prompt_token_ids, req.output_token_ids + next_tokens, req.params, blocks
             )
         )
         try:

@@ -2,8 +2,9 @@
 
 A request's prompt joins the engine's batch (chunked under the token
 budget), its first token is sampled, then its KV blocks are pushed to the
-decode worker the router named and released here. Full blocks stay in this
-worker's prefix cache.
+decode worker the router named, with that token, and released here. Full
+blocks stay in this worker's prefix cache. The decode starts when the push
+commits, before this call returns to the router.
 """
 
 from __future__ import annotations
@@ -150,9 +151,9 @@ class PrefillWorker(EngineWorker):
             n_hashed = len(export.block_hashes)
             hashes = export.block_hashes + [None] * (len(export.block_ids) - n_hashed)
             skip = min(req.skip_blocks, len(export.block_ids) - 1)
-            computed = (export.prompt_token_ids + export.output_token_ids)[:-1]
-            tokens = computed[skip * self.engine.config.block_size :]
-            blocks = KVBlocks(rid, export.block_ids[skip:], hashes[skip:], tokens)
+            known = export.prompt_token_ids + export.output_token_ids
+            tokens = known[skip * self.engine.config.block_size : -1]  # their KV is computed
+            blocks = KVBlocks(rid, export.block_ids[skip:], hashes[skip:], tokens, known[-1:])
             pushed = await self._push(req.decode_kv_address, blocks)
             self.kv_bytes_pushed += pushed.bytes_sent
         finally:

@@ -33,6 +33,9 @@ def gpus_per_worker(resources: WorkerResources) -> float:
     return 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
 
 
+ACTOR_MAX_CONCURRENCY = 1 << 16
+
+
 def actor_options(
     resources: WorkerResources, num_gpus: float, max_restarts: int = 0
 ) -> dict[str, Any]:
@@ -45,6 +48,10 @@ def actor_options(
         "resources": resources.resources or None,
         "max_restarts": max_restarts,
         "name": None,
+        # Calls wait inside a worker (a prefill for its turn, a decode's start
+        # for its KV): Ray's default of 1000 at once would let waiting calls
+        # hold back health checks and aborts under a long queue.
+        "max_concurrency": ACTOR_MAX_CONCURRENCY,
     }
     if resources.labels:
         options["label_selector"] = dict(resources.labels)

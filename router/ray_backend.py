@@ -1,8 +1,9 @@
 """The backend that serves requests on Ray pools.
 
 Disaggregated: the prefill worker computes the prompt, samples the first
-token and pushes the KV blocks to the chosen decode worker; the router
-then starts the decode there and reads its tokens from that worker's
+token and pushes the KV blocks, with that token, to the chosen decode
+worker. The router starts the decode there while the prefill runs (it
+begins when the push commits) and reads its tokens from that worker's
 output stream. Colocated: one worker does both.
 
 A request that meets a dead worker or a failed transfer is tried again
@@ -318,12 +319,13 @@ class RayBackend:
         if p is not None:
             p.in_flight += 1
         ok = False
+        started: asyncio.Future | None = None  # the decode's start, disaggregated
         try:
             if p is None:
                 req = DecodeRequest(rid, self.router_id, inp.prompt_token_ids, streamed, inp.params)
                 await self.watchdog.call(d, d.actor.start_full.remote(req))
             else:
-                prefilled = await self._prefill(rid, inp, plan, streamed)
+                prefilled, started = await self._prefill_and_start(rid, inp, plan, streamed)
                 first = prefilled.first
                 progress.transfer = (
                     None if first.finished else (prefilled.kv_bytes, prefilled.transfer_s)
@@ -334,13 +336,10 @@ class RayBackend:
                     raise WorkerLost(plan.prefill.name, "it dropped the request")
                 yield progress.first(first)
                 if first.finished:
-                    await asyncio.shield(self._abort(rid, None, d))  # drop the prefix pin
                     ok = True
                     yield progress.result(first.finish_reason)
                     return
-                outputs = streamed + first.new_token_ids
-                req = DecodeRequest(rid, self.router_id, inp.prompt_token_ids, outputs, inp.params)
-                await self.watchdog.call(d, d.actor.start_decode.remote(req))
+                await started
             while True:
                 delta = await self.watchdog.next_delta(queue, d)
                 if delta is not LOST:
@@ -358,6 +357,8 @@ class RayBackend:
             avoid.update(w for w in (plan.prefill, d) if w is not None)
             raise
         finally:
+            if started is not None:
+                _drop(started)
             self.streams.unregister(rid)
             d.in_flight -= 1
             if p is not None:
@@ -373,13 +374,42 @@ class RayBackend:
         prefill, decode = ([w for w in ws if w not in avoid] or ws for ws in pools)
         return self.routing.plan(tokens, prefill, decode, self.colocated)
 
-    async def _prefill(
+    async def _prefill_and_start(
         self, rid: str, inp: GenerateInput, plan: RoutePlan, streamed: list[int]
-    ) -> PrefillResult:
+    ) -> tuple[PrefillResult, asyncio.Future]:
         """Prefill on the plan's prefill worker, which pushes the KV blocks the
-        decode worker lacks; its result holds the first (next) token's output."""
-        d, p = plan.decode, plan.prefill
-        assert p is not None
+        decode worker lacks and the token it samples; the result holds that
+        first (next) token's output. The decode worker is told to start
+        meanwhile, and does when the push commits: by the time the result is
+        here, later tokens may be on their way. Returns the result and the
+        decode's start call (to await before reading the stream). A request
+        its first token ends is aborted on the decode worker here, which frees
+        its prefix pin and ends that call's wait."""
+        d = plan.decode
+        skip = await self._reserve(rid, inp, plan, streamed)
+        req = DecodeRequest(rid, self.router_id, inp.prompt_token_ids, streamed, inp.params)
+        started = asyncio.ensure_future(self.watchdog.call(d, d.actor.start_decode.remote(req)))
+        prefill = asyncio.ensure_future(self._prefill(rid, inp, plan, streamed, skip))
+        try:
+            await asyncio.wait([started, prefill], return_when=asyncio.FIRST_COMPLETED)
+            if started.done() and started.exception() is not None and not prefill.done():
+                await started  # it failed: no use waiting for the prefill
+            result = await prefill  # (a start waits for the push: done first only if it failed)
+        except BaseException:
+            _drop(started)
+            raise
+        finally:
+            _drop(prefill)
+        if result.first.finished:
+            await asyncio.shield(self._abort(rid, None, d))
+        return result, started
+
+    async def _reserve(
+        self, rid: str, inp: GenerateInput, plan: RoutePlan, streamed: list[int]
+    ) -> int:
+        """Pin on the decode worker the prefix blocks it holds already (they
+        are not pushed); how many."""
+        d = plan.decode
         skip = 0
         # Pin what the decode worker has: it is not pushed. The prefill pushes at
         # least the block of the last computed token, so at most the blocks
@@ -389,6 +419,14 @@ class RayBackend:
         if pinned:
             wanted = plan.hashes[:pinned]
             skip = await self.watchdog.call(d, d.actor.reserve_prefix.remote(rid, wanted))
+        return skip
+
+    async def _prefill(
+        self, rid: str, inp: GenerateInput, plan: RoutePlan, streamed: list[int], skip: int
+    ) -> PrefillResult:
+        """The prefill call itself; its cache events go to the index."""
+        d, p = plan.decode, plan.prefill
+        assert p is not None
         pull_from = plan.pull_from.info["kv"] if plan.pull_from is not None else None
         request = PrefillRequest(
             rid, inp.prompt_token_ids, inp.params, d.info["kv"], skip, pull_from,
@@ -408,3 +446,10 @@ class RayBackend:
         live = [c for w, c in zip(workers, calls, strict=True) if not self.recovery.is_down(w)]
         with contextlib.suppress(Exception):
             await asyncio.wait_for(asyncio.gather(*live), ABORT_TIMEOUT_S)
+
+
+def _drop(task: asyncio.Future) -> None:
+    """Cancel a task whose outcome is no longer wanted (or already read), and
+    read its exception when it ends so that asyncio does not log it."""
+    task.cancel()
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())

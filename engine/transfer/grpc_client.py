@@ -76,6 +76,7 @@ class GrpcKVClient(KVTransferClient):
             blocks.block_hashes,
             blocks.token_ids,
             self.config.chunk_bytes,
+            blocks.next_token_ids,
         )
         timeout = timeout_s or self.config.timeout_s
         token = secrets.token_bytes(TOKEN_BYTES) if self.config.data_channel else None

@@ -130,6 +130,9 @@ class GrpcKVServer(KVTransferServer):
     def claim(self, request_id: str) -> list[int] | None:
         return self.service.claim(request_id)
 
+    async def committed(self, request_id: str) -> list[int]:
+        return await self.service.committed(request_id)
+
     def discard(self, request_id: str) -> None:
         self.service.discard(request_id)
 

@@ -64,6 +64,9 @@ class InProcKVServer(KVTransferServer):
     def claim(self, request_id: str) -> list[int] | None:
         return self.service.claim(request_id)
 
+    async def committed(self, request_id: str) -> list[int]:
+        return await self.service.committed(request_id)
+
     def discard(self, request_id: str) -> None:
         self.service.discard(request_id)
 
@@ -104,6 +107,7 @@ class InProcKVClient(KVTransferClient):
             blocks.block_hashes,
             blocks.token_ids,
             self.config.chunk_bytes,
+            blocks.next_token_ids,
         )
         cancelled = _Cancelled()
         push = service.open_push(cancelled)

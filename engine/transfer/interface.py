@@ -104,6 +104,7 @@ class KVBlocks:
     block_ids: Sequence[int]
     block_hashes: Sequence[bytes | None]  # one per block; None for a partial block
     token_ids: Sequence[int]  # the tokens whose KV the blocks hold
+    next_token_ids: Sequence[int] = ()  # sampled after them, KV not computed (a prefill's)
 
 
 @dataclass(frozen=True)
@@ -214,6 +215,12 @@ class KVTransferServer(ABC):
     def claim(self, request_id: str) -> list[int] | None:
         """Take the blocks a push committed for ``request_id`` (the caller owns
         one reference each), or None if there is none (never came, expired)."""
+
+    @abstractmethod
+    async def committed(self, request_id: str) -> list[int]:
+        """Wait for a push for ``request_id`` to commit (it stays to be
+        claimed); the tokens it carries after its KV. LookupError if the
+        request is discarded first."""
 
     @abstractmethod
     def discard(self, request_id: str) -> None:

@@ -42,6 +42,7 @@ class KVReceiver:
         self.block_ids: list[int] = []
         self.block_hashes: list[bytes] = []
         self.token_ids: list[int] = []
+        self.next_token_ids: list[int] = []
         self.bytes_received = 0
         self._seen: np.ndarray | None = None  # [num_layers, num_blocks] chunks written
         self._block_layer_bytes = sink.layout.block_bytes_per_layer
@@ -90,6 +91,7 @@ class KVReceiver:
         self.request_id = header.request_id
         self.block_hashes = list(header.block_hashes) or [b""] * n
         self.token_ids = list(header.token_ids)
+        self.next_token_ids = list(header.next_token_ids)
         self._seen = np.zeros((self.sink.layout.num_layers, n), dtype=bool)
         self.state = TransferState.TRANSFERRING
 

@@ -24,6 +24,7 @@ class KVSender:
         block_hashes: Sequence[bytes | None],
         token_ids: Sequence[int],
         chunk_bytes: int,
+        next_token_ids: Sequence[int] = (),
     ) -> None:
         if len(block_hashes) != len(pinned_block_ids):
             raise ValueError(f"{len(block_hashes)} hashes for {len(pinned_block_ids)} blocks")
@@ -33,6 +34,7 @@ class KVSender:
         self.block_ids = list(pinned_block_ids)
         self.block_hashes = [h or b"" for h in block_hashes]
         self.token_ids = list(token_ids)
+        self.next_token_ids = list(next_token_ids)
         self.chunk_bytes = chunk_bytes
         self.bytes_sent = 0
 
@@ -47,6 +49,7 @@ class KVSender:
             num_blocks=len(self.block_ids),
             block_hashes=self.block_hashes,
             token_ids=self.token_ids,
+            next_token_ids=self.next_token_ids,
             total_bytes=self.total_bytes,
         )
 

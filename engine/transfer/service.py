@@ -4,7 +4,8 @@ A transport (gRPC, in-process) opens an ``IncomingPush`` per PushBlocks call
 and an ``OutgoingPull`` per PullBlocks call, feeds it messages, and closes it
 in a ``finally``. Each holds a lease; if the transport stalls (peer dead,
 client gone quiet) the lease expires, the blocks are released and
-``cancel`` stops the call. Committed pushes wait, leased, for ``claim``.
+``cancel`` stops the call. Committed pushes wait, leased, for ``claim``;
+``committed`` lets a decode wait for the commit instead of being told of it.
 
 Everything here runs on the server's event loop.
 """
@@ -39,7 +40,9 @@ class KVTransferService:
         self.store = store
         self.config = config or TransferConfig()
         self.leases = LeaseTable(clock)
-        self._committed: dict[str, tuple[list[int], Lease]] = {}
+        # request id -> (blocks, tokens sampled after them, lease until claimed)
+        self._committed: dict[str, tuple[list[int], list[int], Lease]] = {}
+        self._waiters: dict[str, asyncio.Future[list[int]]] = {}
         self._open_pushes: dict[str, IncomingPush] = {}
         self._refused: dict[str, float] = {}  # discarded request id -> until when
         self._reaper: asyncio.Task[None] | None = None
@@ -54,13 +57,43 @@ class KVTransferService:
         held = self._committed.pop(request_id, None)
         if held is None:
             return None
-        block_ids, lease = held
+        block_ids, _, lease = held
         lease.cancel()
         return block_ids
+
+    async def committed(self, request_id: str) -> list[int]:
+        """Wait until a push for ``request_id`` has committed; the tokens it
+        carries after its KV (``next_token_ids``). Raises LookupError if the
+        request is discarded first, or the service closes."""
+        held = self._committed.get(request_id)
+        if held is not None:
+            return list(held[1])
+        if request_id in self._refused:
+            raise LookupError(f"request {request_id!r} was discarded")
+        if request_id in self._waiters:
+            raise RuntimeError(f"the commit of {request_id!r} is awaited already")
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters[request_id] = waiter
+        try:
+            return list(await waiter)  # a cancelled caller cancels the waiter too
+        finally:
+            if self._waiters.get(request_id) is waiter:
+                del self._waiters[request_id]
+
+    def _wake(self, request_id: str, next_token_ids: list[int] | None) -> None:
+        """Tell a waiting ``committed`` call: the tokens, or None (discarded)."""
+        waiter = self._waiters.pop(request_id, None)
+        if waiter is None or waiter.done():
+            return
+        if next_token_ids is None:
+            waiter.set_exception(LookupError(f"request {request_id!r} was discarded"))
+        else:
+            waiter.set_result(next_token_ids)
 
     def discard(self, request_id: str) -> None:
         """The request is gone: free the blocks a push for it holds (committed
         or in flight), and refuse a push for it that has not begun yet."""
+        self._wake(request_id, None)
         blocks = self.claim(request_id)
         if blocks is not None:
             self.store.release(blocks)
@@ -86,6 +119,8 @@ class KVTransferService:
                 await self._reaper
             self._reaper = None
         self.leases.expire_all()
+        for request_id in list(self._waiters):
+            self._wake(request_id, None)
 
     async def _reap_forever(self) -> None:
         while True:
@@ -96,12 +131,14 @@ class KVTransferService:
                 if until <= now:
                     del self._refused[request_id]
 
-    def _hold(self, request_id: str, block_ids: list[int]) -> None:
+    def _hold(self, request_id: str, block_ids: list[int], next_token_ids: list[int]) -> None:
         def expire() -> None:
             if self._committed.pop(request_id, None) is not None:
                 self.store.release(block_ids)
 
-        self._committed[request_id] = (block_ids, self.leases.grant(self.config.lease_s, expire))
+        lease = self.leases.grant(self.config.lease_s, expire)
+        self._committed[request_id] = (block_ids, next_token_ids, lease)
+        self._wake(request_id, next_token_ids)
 
 
 class IncomingPush:
@@ -141,7 +178,7 @@ class IncomingPush:
         if not done:
             return None
         self._service._open_pushes.pop(request_id, None)
-        self._service._hold(request_id, self.receiver.block_ids)
+        self._service._hold(request_id, self.receiver.block_ids, self.receiver.next_token_ids)
         return pb.PushReply(
             request_id=request_id,
             block_ids=self.receiver.block_ids,

@@ -270,6 +270,53 @@ def test_discard_frees_a_committed_push_and_refuses_a_later_one():
     run(go())
 
 
+def test_committed_waits_for_the_commit_and_hands_over_the_next_tokens():
+    async def go():
+        pair = Pair(SMALL)
+        await pair.server.start()
+        waiting = asyncio.ensure_future(pair.server.committed("r"))
+        await asyncio.sleep(0)
+        assert not waiting.done()
+        blocks = dataclasses.replace(pair.blocks(3), next_token_ids=[42])
+        await pair.client.push(pair.server.address, pair.src, blocks)
+        assert await waiting == [42]
+        assert await pair.server.committed("r") == [42]  # committed already: no wait
+        held = pair.server.claim("r")  # the wait leaves the blocks to claim
+        assert held is not None and len(held) == 3
+        pair.dst.release(held)
+        pair.src.release(blocks.block_ids)
+        await pair.server.stop()
+        assert pair.settled()
+
+    run(go())
+
+
+def test_a_discard_or_a_stop_ends_the_wait_for_a_commit():
+    async def go():
+        pair = Pair(SMALL)
+        await pair.server.start()
+        discarded = asyncio.ensure_future(pair.server.committed("gone"))
+        stopped = asyncio.ensure_future(pair.server.committed("never"))
+        await asyncio.sleep(0)
+        pair.server.discard("gone")
+        with pytest.raises(LookupError, match="discarded"):
+            await discarded
+        with pytest.raises(LookupError, match="discarded"):  # refused: no wait at all
+            await pair.server.committed("gone")
+        cancelled = asyncio.ensure_future(pair.server.committed("cancelled"))
+        await asyncio.sleep(0)
+        cancelled.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await cancelled
+        assert "cancelled" not in pair.server.service._waiters  # the caller's wait is gone
+        await pair.server.stop()
+        with pytest.raises(LookupError):
+            await stopped
+        assert pair.settled()
+
+    run(go())
+
+
 def test_pull_pins_only_while_streaming_and_returns_the_held_prefix():
     async def go():
         holder, puller = make_store(seed=3), make_store(seed=4)

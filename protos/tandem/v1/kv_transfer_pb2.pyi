@@ -25,20 +25,22 @@ class KVLayout(_message.Message):
     def __init__(self, model_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., wire_dtype: _Optional[str] = ...) -> None: ...
 
 class TransferHeader(_message.Message):
-    __slots__ = ("layout", "request_id", "num_blocks", "block_hashes", "token_ids", "total_bytes")
+    __slots__ = ("layout", "request_id", "num_blocks", "block_hashes", "token_ids", "total_bytes", "next_token_ids")
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     layout: KVLayout
     request_id: str
     num_blocks: int
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     total_bytes: int
-    def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., request_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., token_ids: _Optional[_Iterable[int]] = ..., total_bytes: _Optional[int] = ...) -> None: ...
+    next_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., request_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., token_ids: _Optional[_Iterable[int]] = ..., total_bytes: _Optional[int] = ..., next_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KVChunk(_message.Message):
     __slots__ = ("layer_start", "layer_end", "block_start", "block_end", "block_hashes", "crc32", "data")
