@@ -339,6 +339,7 @@ class RayBackend:
                     ok = True
                     yield progress.result(first.finish_reason)
                     return
+                assert started is not None
                 await started
             while True:
                 delta = await self.watchdog.next_delta(queue, d)
@@ -376,19 +377,30 @@ class RayBackend:
 
     async def _prefill_and_start(
         self, rid: str, inp: GenerateInput, plan: RoutePlan, streamed: list[int]
-    ) -> tuple[PrefillResult, asyncio.Future]:
+    ) -> tuple[PrefillResult, asyncio.Future | None]:
         """Prefill on the plan's prefill worker, which pushes the KV blocks the
         decode worker lacks and the token it samples; the result holds that
-        first (next) token's output. The decode worker is told to start
-        meanwhile, and does when the push commits: by the time the result is
-        here, later tokens may be on their way. Returns the result and the
-        decode's start call (to await before reading the stream). A request
-        its first token ends is aborted on the decode worker here, which frees
-        its prefix pin and ends that call's wait."""
+        first (next) token's output. With ``early_decode_start`` the decode
+        worker is told to start meanwhile, and does when the push commits: by
+        the time the result is here, later tokens may be on their way.
+        Returns the result and the decode's start call (to await before
+        reading the stream; None if the first token ended the request). A
+        request its first token ends is aborted on the decode worker here,
+        which frees its prefix pin and ends that call's wait."""
         d = plan.decode
         skip = await self._reserve(rid, inp, plan, streamed)
         req = DecodeRequest(rid, self.router_id, inp.prompt_token_ids, streamed, inp.params)
-        started = asyncio.ensure_future(self.watchdog.call(d, d.actor.start_decode.remote(req)))
+
+        def start() -> asyncio.Future:
+            return asyncio.ensure_future(self.watchdog.call(d, d.actor.start_decode.remote(req)))
+
+        if not self.config.early_decode_start:  # start it once the first token is here
+            result = await self._prefill(rid, inp, plan, streamed, skip)
+            if result.first.finished:
+                await asyncio.shield(self._abort(rid, None, d))
+                return result, None
+            return result, start()
+        started = start()
         prefill = asyncio.ensure_future(self._prefill(rid, inp, plan, streamed, skip))
         try:
             await asyncio.wait([started, prefill], return_when=asyncio.FIRST_COMPLETED)

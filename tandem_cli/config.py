@@ -135,6 +135,11 @@ class ServeConfig(BaseModel):
     """Linux: the router process (and a local Ray it starts) and the prefill workers run
     under SCHED_BATCH, decode workers under the normal policy, so that on shared cores
     the router woken by a decode worker's output never preempts its engine thread."""
+    early_decode_start: bool = True
+    """Disaggregated: the router starts the decode while the prefill runs, and the decode
+    worker begins when the KV push commits (the push carries the first token); false: the
+    router starts it after the prefill returns, one actor call later. Early saves that
+    call on every second token; on CPUs shared by both pools it costs a little TTFT."""
     speculative_method: Literal["none", "ngram", "draft"] = "none"
     """Speculative decoding in the decode (or colocated) pool: ngram proposes by prompt
     lookup, draft by a smaller model sharing the tokenizer (draft_model); none: off."""

@@ -138,7 +138,6 @@ class KVTransferService:
 
         lease = self.leases.grant(self.config.lease_s, expire)
         self._committed[request_id] = (block_ids, next_token_ids, lease)
-        self._wake(request_id, next_token_ids)
 
 
 class IncomingPush:
@@ -186,10 +185,18 @@ class IncomingPush:
         )
 
     def close(self) -> None:
+        """The transport is done with the call (its reply handed over, or it
+        failed). A waiting decode starts only now: its first steps would
+        otherwise hold the CPU and the GIL that the reply to the prefill
+        worker needs, and that reply is on the way to the first token."""
         self._lease.cancel()
-        if self._service._open_pushes.get(self.receiver.request_id) is self:
-            del self._service._open_pushes[self.receiver.request_id]
+        request_id = self.receiver.request_id
+        if self._service._open_pushes.get(request_id) is self:
+            del self._service._open_pushes[request_id]
         self.receiver.fail()
+        held = self._service._committed.get(request_id) if request_id else None
+        if held is not None and self.state is TransferState.SUCCEEDED:
+            self._service._wake(request_id, held[1])
 
     def abandon(self) -> None:
         """Its request was cancelled: free the blocks and end the call."""

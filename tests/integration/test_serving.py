@@ -58,6 +58,17 @@ def disagg(ray_cluster):
 
 
 @pytest.fixture(scope="module")
+def disagg_late(ray_cluster):
+    # The decode started after the prefill returns (early_decode_start off).
+    deployment = Deployment(_config(prefill=1, decode=1, early_decode_start=False))
+    yield deployment
+    try:
+        assert deployment.wait_no_leaks() == {}
+    finally:
+        deployment.stop()
+
+
+@pytest.fixture(scope="module")
 def colocated(ray_cluster):
     deployment = Deployment(_config(mode="colocated", decode=1))
     yield deployment
@@ -75,10 +86,12 @@ async def _complete_all(address: str, prompts, **sampling):
 GREEDY = {"temperature": 0, "max_tokens": MAX_TOKENS, "ignore_eos": True}
 
 
-@pytest.mark.parametrize("mode", ["disagg", "colocated"])
+@pytest.mark.parametrize("mode", ["disagg", "disagg_late", "colocated"])
 def test_greedy_through_router_equals_engine(request, mode, reference):
     deployment = request.getfixturevalue(mode)
     outs = asyncio.run(_complete_all(deployment.address, TEXTS, **GREEDY))
+    one = asyncio.run(_complete_all(deployment.address, TEXTS[:1], temperature=0, max_tokens=1))
+    assert one[0].token_ids == reference[TEXTS[0]].token_ids[:1]  # ended by its first token
     for text, out in zip(TEXTS, outs, strict=True):
         assert out.token_ids == reference[text].token_ids
         assert out.text == reference[text].text
