@@ -45,37 +45,32 @@ def reference():
     return {t: out for t, out in zip(TEXTS, llm.generate(TEXTS, params), strict=True)}
 
 
-@pytest.fixture(scope="module")
-def disagg(ray_cluster):
-    # Plain disaggregation: every request prefilled on the prefill pool
-    # (KV-aware routing and local prefill have their own tests).
-    deployment = Deployment(_config(prefill=2, decode=2, prefix_routing=False))
+def _deployment(**overrides):
+    """A deployment for a module fixture; no leaks once its tests are done."""
+    deployment = Deployment(_config(**overrides))
     yield deployment
     try:
         assert deployment.wait_no_leaks() == {}
     finally:
         deployment.stop()
+
+
+@pytest.fixture(scope="module")
+def disagg(ray_cluster):
+    # Plain disaggregation: every request prefilled on the prefill pool
+    # (KV-aware routing and local prefill have their own tests).
+    yield from _deployment(prefill=2, decode=2, prefix_routing=False)
 
 
 @pytest.fixture(scope="module")
 def disagg_late(ray_cluster):
     # The decode started after the prefill returns (early_decode_start off).
-    deployment = Deployment(_config(prefill=1, decode=1, early_decode_start=False))
-    yield deployment
-    try:
-        assert deployment.wait_no_leaks() == {}
-    finally:
-        deployment.stop()
+    yield from _deployment(prefill=1, decode=1, early_decode_start=False)
 
 
 @pytest.fixture(scope="module")
 def colocated(ray_cluster):
-    deployment = Deployment(_config(mode="colocated", decode=1))
-    yield deployment
-    try:
-        assert deployment.wait_no_leaks() == {}
-    finally:
-        deployment.stop()
+    yield from _deployment(mode="colocated", decode=1)
 
 
 async def _complete_all(address: str, prompts, **sampling):
