@@ -3,8 +3,9 @@
 Disaggregated: the prefill worker computes the prompt, samples the first
 token and pushes the KV blocks, with that token, to the chosen decode
 worker. The router starts the decode there while the prefill runs (it
-begins when the push commits) and reads its tokens from that worker's
-output stream. Colocated: one worker does both.
+begins once the push is done; ``early_decode_start: false`` starts it after
+the prefill returns) and reads its tokens from that worker's output
+stream. Colocated: one worker does both.
 
 A request that meets a dead worker or a failed transfer is tried again
 (router/failover.py): a try that had streamed tokens already resumes after
