@@ -1,7 +1,7 @@
 """The decode worker (a plain class; the Ray actor wraps it).
 
 It receives KV blocks over gRPC (the KV receiver), attaches them to a
-request as soon as they are committed (the router starts the decode while
+request as soon as their push is done (the router starts the decode while
 the prefill runs, and the push carries the prefill's token), and runs
 continuous batching.
 The engine thread writes every step's outputs to the routers' output
@@ -118,8 +118,9 @@ class DecodeWorker(EngineWorker):
     async def start_decode(self, req: DecodeRequest) -> None:
         """Continue a request whose blocks a prefill worker pushes here (after
         the prefix blocks pinned for it by reserve_prefix, if any). The router
-        calls this while the prefill runs: the decode starts when the push
-        commits, from the token it carries. An abort ends the wait
+        calls this while the prefill runs (or after it, with
+        early_decode_start off): the decode starts once the push is done,
+        from the token it carries. An abort ends the wait
         (LookupError), as does a push that carries no token."""
         rid = req.request_id
         self._refuse_aborted(rid)

@@ -3,8 +3,8 @@
 A request's prompt joins the engine's batch (chunked under the token
 budget), its first token is sampled, then its KV blocks are pushed to the
 decode worker the router named, with that token, and released here. Full
-blocks stay in this worker's prefix cache. The decode starts when the push
-commits, before this call returns to the router.
+blocks stay in this worker's prefix cache. The decode may start once the
+push is done, before this call returns to the router.
 """
 
 from __future__ import annotations
