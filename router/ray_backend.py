@@ -382,12 +382,13 @@ class RayBackend:
         """Prefill on the plan's prefill worker, which pushes the KV blocks the
         decode worker lacks and the token it samples; the result holds that
         first (next) token's output. With ``early_decode_start`` the decode
-        worker is told to start meanwhile, and does when the push commits: by
+        worker is told to start meanwhile, and does once the push is done: by
         the time the result is here, later tokens may be on their way.
-        Returns the result and the decode's start call (to await before
-        reading the stream; None if the first token ended the request). A
-        request its first token ends is aborted on the decode worker here,
-        which frees its prefix pin and ends that call's wait."""
+        Returns the result and the decode's start call, to await before
+        reading the stream (None if the first token ended the request before
+        a late start). A request its first token ends is aborted on the
+        decode worker here, which frees its prefix pin and ends that call's
+        wait."""
         d = plan.decode
         skip = await self._reserve(rid, inp, plan, streamed)
         req = DecodeRequest(rid, self.router_id, inp.prompt_token_ids, streamed, inp.params)
@@ -395,26 +396,24 @@ class RayBackend:
         def start() -> asyncio.Future:
             return asyncio.ensure_future(self.watchdog.call(d, d.actor.start_decode.remote(req)))
 
-        if not self.config.early_decode_start:  # start it once the first token is here
-            result = await self._prefill(rid, inp, plan, streamed, skip)
-            if result.first.finished:
-                await asyncio.shield(self._abort(rid, None, d))
-                return result, None
-            return result, start()
-        started = start()
+        started = start() if self.config.early_decode_start else None
         prefill = asyncio.ensure_future(self._prefill(rid, inp, plan, streamed, skip))
         try:
-            await asyncio.wait([started, prefill], return_when=asyncio.FIRST_COMPLETED)
-            if started.done() and started.exception() is not None and not prefill.done():
-                await started  # it failed: no use waiting for the prefill
-            result = await prefill  # (a start waits for the push: done first only if it failed)
+            if started is not None:
+                await asyncio.wait([started, prefill], return_when=asyncio.FIRST_COMPLETED)
+                if started.done():  # a start waits for the push: done first if it failed
+                    started.result()  # raises then: no use waiting for the prefill
+            result = await prefill
         except BaseException:
-            _drop(started)
+            if started is not None:
+                _drop(started)
             raise
         finally:
             _drop(prefill)
         if result.first.finished:
             await asyncio.shield(self._abort(rid, None, d))
+        elif started is None:  # late start: once the first token is here
+            started = start()
         return result, started
 
     async def _reserve(

@@ -62,9 +62,10 @@ class KVTransferService:
         return block_ids
 
     async def committed(self, request_id: str) -> list[int]:
-        """Wait until a push for ``request_id`` has committed; the tokens it
-        carries after its KV (``next_token_ids``). Raises LookupError if the
-        request is discarded first, or the service closes."""
+        """Wait until a push for ``request_id`` has committed and its call has
+        ended (``IncomingPush.close``); the tokens it carries after its KV
+        (``next_token_ids``). A push committed already returns at once. Raises
+        LookupError if the request is discarded first, or the service closes."""
         held = self._committed.get(request_id)
         if held is not None:
             return list(held[1])
