@@ -3,7 +3,8 @@
 A decode step on CPU spends more time dispatching the ~35 small ATen ops
 of each layer than in their arithmetic. cpu_ops.cpp fuses them into four
 kernels per layer (RMSNorm with the residual add, rotary embedding with the
-KV store, paged decode attention, SiLU-and-multiply) plus a row argmax.
+KV store, paged decode attention, SiLU-and-multiply) plus a row argmax;
+prompts get a causal attention kernel over the paged cache as well.
 
 The extension is compiled with the machine's C++ compiler through
 torch.utils.cpp_extension and cached under ``TANDEM_KERNEL_CACHE`` (default

@@ -182,6 +182,91 @@ def test_paged_decode_attention_refuses_out_of_range_tables(ops):
         ops.paged_decode_attention(q, cache.layers[0], torch.tensor([[0]]), torch.tensor([17]), 1.0)
 
 
+def _slots(table: torch.Tensor, context: int, tokens: int, block_size: int) -> list[int]:
+    """The cache slots of a prompt's new tokens (the PyTorch path stores them there)."""
+    positions = range(context, context + tokens)
+    return [int(table[p // block_size]) * block_size + p % block_size for p in positions]
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim,block_size,context,tokens",
+    [
+        (8, 4, 32, 16, 0, 256),  # the default model's shape, a whole prompt
+        (8, 4, 32, 16, 37, 100),  # a chunk after a context (cached prefix, earlier chunk)
+        (9, 3, 64, 16, 0, 33),
+        (4, 4, 16, 7, 20, 50),  # blocks not a multiple of the key tiles
+        (8, 2, 128, 16, 5, 70),
+        (6, 3, 24, 16, 3, 40),  # a head size the kernel has no fixed-size path for
+        (8, 4, 32, 16, 0, 1),
+        (8, 4, 32, 16, 300, 17),
+    ],
+)
+def test_paged_prefill_attention_equals_sdpa(
+    ops, heads, kv_heads, head_dim, block_size, context, tokens
+):
+    """Causal attention of a prompt's rows over a scattered paged context
+    equals the PyTorch path (SDPA over the gathered blocks)."""
+    g = _gen(4)
+    used = math.ceil((context + tokens) / block_size)
+    num_blocks = used + 5
+    cache = KVCache(_layout(kv_heads, head_dim, block_size), num_blocks, torch.device("cpu"))
+    cache.layers[0].copy_(torch.randn(cache.layers[0].shape, generator=g))
+    table = torch.randperm(num_blocks, generator=g)[:used]
+    q = torch.randn(tokens, heads, head_dim, generator=g)
+    new = cache.layers[0].index_select(1, table).flatten(1, 2)[:, context : context + tokens]
+    meta = build_metadata(
+        block_size,
+        [],
+        [],
+        [PrefillSlice(0, tokens, context, table)],
+        _slots(table, context, tokens, block_size),
+        torch.device("cpu"),
+    )
+    expected = paged_attention(q, new[0], new[1], cache, 0, meta, head_dim**-0.5)
+    got = ops.paged_prefill_attention(q, cache.layers[0], table, context, head_dim**-0.5)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_paged_attention_sends_prompts_to_the_kernel_up_to_its_limit(ops, monkeypatch):
+    """With the kernels, a prompt of up to FUSED_PREFILL_MAX_KEYS keys goes to
+    paged_prefill_attention, a longer one to SDPA; both give the same rows."""
+    import engine.attention as attention
+
+    g = _gen(6)
+    cache = KVCache(_layout(2, 16), 8, torch.device("cpu"))
+    cache.layers[0].copy_(torch.randn(cache.layers[0].shape, generator=g))
+    table = torch.tensor([5, 1, 6])
+    q = torch.randn(40, 4, 16, generator=g)
+    new = cache.layers[0].index_select(1, table).flatten(1, 2)[:, :40]
+    slots = _slots(table, 0, 40, 16)
+    meta = build_metadata(16, [], [], [PrefillSlice(0, 40, 0, table)], slots, torch.device("cpu"))
+    calls = []
+
+    class Counting:
+        def paged_prefill_attention(self, *args):
+            calls.append(args[3])
+            return ops.paged_prefill_attention(*args)
+
+    def run():
+        return paged_attention(q, new[0], new[1], cache, 0, meta, 0.25, ops=Counting())
+
+    fused = run()
+    assert calls == [0]
+    monkeypatch.setattr(attention, "FUSED_PREFILL_MAX_KEYS", 39)
+    reference = run()
+    assert calls == [0]  # over the limit: SDPA
+    torch.testing.assert_close(fused, reference, rtol=1e-5, atol=1e-6)
+
+
+def test_paged_prefill_attention_refuses_bad_tables(ops):
+    cache = KVCache(_layout(1, 8), 2, torch.device("cpu"))
+    q = torch.zeros(3, 1, 8)
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        ops.paged_prefill_attention(q, cache.layers[0], torch.tensor([2]), 0, 1.0)
+    with pytest.raises(RuntimeError, match="2 needed"):
+        ops.paged_prefill_attention(q, cache.layers[0], torch.tensor([0]), 14, 1.0)
+
+
 def test_argmax_rows(ops):
     x = torch.randn(6, 32000, generator=_gen())
     x[1, 7] = x[1, 900] = 1e4  # a tie: the first index wins
