@@ -249,6 +249,44 @@ inline float max_of(const float* s, int64_t m) {
   return top;
 }
 
+// exp_approx for x <= 0 (x - max in a softmax): one clamp, no sign test,
+// and the polynomial in fused multiply-adds (std::fma vectorises to FMA
+// instructions): about half the instructions of exp_approx's loop.
+inline float exp_nonpositive(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  const float t = x * 1.44269504088896341f;
+  const int32_t ni = static_cast<int32_t>(t - 0.5f);  // t <= 0: rounds to nearest
+  const float n = static_cast<float>(ni);
+  const float r = std::fma(n, 2.12194440e-4f, std::fma(n, -0.693359375f, x));
+  float p = 1.9875691500e-4f;
+  p = std::fma(p, r, 1.3981999507e-3f);
+  p = std::fma(p, r, 8.3334519073e-3f);
+  p = std::fma(p, r, 4.1665795894e-2f);
+  p = std::fma(p, r, 1.6666665459e-1f);
+  p = std::fma(p, r, 5.0000001201e-1f);
+  const float y = std::fma(p * r, r, r) + 1.0f;
+  return y * std::bit_cast<float>((ni + 127) << 23);
+}
+
+// s[0, m) -> exp(s - max), s[m, ld) -> 0; returns the sum. The values up
+// to the next multiple of 16 (<= ld) go through whole vectors: -inf in,
+// exp(-87) out, lost in the sum, then zeroed. Kept outside the prefill
+// kernel's fp-contract region: GCC does not inline across different
+// optimize options, and a call per value is not vectorised.
+float softmax_row(float* s, int64_t m, int64_t ld) {
+  const int64_t m16 = (m + 15) / 16 * 16;
+  std::fill(s + m, s + m16, -std::numeric_limits<float>::infinity());
+  const float top = max_of(s, m16);
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t t = 0; t < m16; ++t) {
+    s[t] = exp_nonpositive(s[t] - top);
+    sum += s[t];
+  }
+  std::fill(s + m, s + ld, 0.f);  // past this row's position
+  return sum;
+}
+
 template <int D>
 inline float dot(const float* q, const float* k, int64_t d) {
   if constexpr (D > 0 && D % 16 == 0) {
@@ -330,7 +368,8 @@ void attend(const DecodeAttention& a, int64_t b, int64_t h0, int64_t h1,
   const int64_t row = a.kv_heads * d, block = a.bs * row;
   const int64_t* table = a.tables + b * a.width;
   const float* qs = a.q + b * a.q_stride + h0 * group * d;  // this task's query rows
-  scores.resize(rows * n);
+  const int64_t ld = (n + 15) / 16 * 16;  // score rows padded to whole vectors
+  scores.resize(rows * ld);
   acc.assign(rows * d, 0.f);
   auto ahead = [&](const float* plane, int64_t t0) {  // the block from token t0
     if (t0 < n) prefetch_rows(plane + table[t0 / a.bs] * block, std::min(a.bs, n - t0), row, h0, h1, d);
@@ -343,7 +382,7 @@ void attend(const DecodeAttention& a, int64_t b, int64_t h0, int64_t h1,
       for (int64_t g = 0; g < group; ++g) {
         const int64_t r = (h - h0) * group + g;
         const float* q = qs + r * d;
-        float* s = scores.data() + r * n + t0;
+        float* s = scores.data() + r * ld + t0;
         const float* k = kb + h * d;
         int64_t j = 0;
         if constexpr (D > 0 && D % 16 == 0) {
@@ -358,17 +397,7 @@ void attend(const DecodeAttention& a, int64_t b, int64_t h0, int64_t h1,
   }
   ahead(a.values, 0);
   std::vector<float> total(rows);
-  for (int64_t r = 0; r < rows; ++r) {
-    float* s = scores.data() + r * n;
-    const float top = max_of(s, n);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < n; ++t) {
-      s[t] = exp_approx(s[t] - top);
-      sum += s[t];
-    }
-    total[r] = sum;
-  }
+  for (int64_t r = 0; r < rows; ++r) total[r] = softmax_row(scores.data() + r * ld, n, ld);
   for (int64_t t0 = 0; t0 < n; t0 += a.bs) {
     const int64_t count = std::min(a.bs, n - t0), bi = t0 / a.bs;
     const float* vb = a.values + table[bi] * block;
@@ -378,7 +407,7 @@ void attend(const DecodeAttention& a, int64_t b, int64_t h0, int64_t h1,
         const float* v = vb + j * row + h * d;
         for (int64_t g = 0; g < group; ++g) {
           const int64_t r = (h - h0) * group + g;
-          const float p = scores[r * n + t0 + j];
+          const float p = scores[r * ld + t0 + j];
           float* out = acc.data() + r * d;
 #pragma omp simd
           for (int64_t i = 0; i < d; ++i) out[i] += p * v[i];
@@ -498,44 +527,6 @@ void transpose_tile(const PrefillAttention& a, int64_t h, int64_t i, int64_t n) 
     const float* k = a.key(std::min(16 * i + c, n - 1), h);
     for (int64_t p = 0; p < a.d; ++p) tile[p * 16 + c] = k[p];
   }
-}
-
-// s[0, m) -> exp(s - max), s[m, ld) -> 0; returns the sum. The values up
-// to the next multiple of 16 (<= ld) go through whole vectors: -inf in,
-// exp(-87) out, lost in the sum, then zeroed. Outside the fp-contract
-// region below: GCC does not inline exp_approx across different optimize
-// options, and a call per value is not vectorised.
-// exp_approx for x <= 0 (x - max in a softmax): one clamp, no sign test,
-// and the polynomial in fused multiply-adds (std::fma vectorises to FMA
-// instructions): about half the instructions of exp_approx's loop.
-inline float exp_nonpositive(float x) {
-  x = x < -87.0f ? -87.0f : x;
-  const float t = x * 1.44269504088896341f;
-  const int32_t ni = static_cast<int32_t>(t - 0.5f);  // t <= 0: rounds to nearest
-  const float n = static_cast<float>(ni);
-  const float r = std::fma(n, 2.12194440e-4f, std::fma(n, -0.693359375f, x));
-  float p = 1.9875691500e-4f;
-  p = std::fma(p, r, 1.3981999507e-3f);
-  p = std::fma(p, r, 8.3334519073e-3f);
-  p = std::fma(p, r, 4.1665795894e-2f);
-  p = std::fma(p, r, 1.6666665459e-1f);
-  p = std::fma(p, r, 5.0000001201e-1f);
-  const float y = std::fma(p * r, r, r) + 1.0f;
-  return y * std::bit_cast<float>((ni + 127) << 23);
-}
-
-float softmax_row(float* s, int64_t m, int64_t ld) {
-  const int64_t m16 = (m + 15) / 16 * 16;
-  std::fill(s + m, s + m16, -std::numeric_limits<float>::infinity());
-  const float top = max_of(s, m16);
-  float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t t = 0; t < m16; ++t) {
-    s[t] = exp_nonpositive(s[t] - top);
-    sum += s[t];
-  }
-  std::fill(s + m, s + ld, 0.f);  // past this row's position
-  return sum;
 }
 
 #pragma GCC push_options
