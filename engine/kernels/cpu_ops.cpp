@@ -22,6 +22,7 @@
 #include <cstring>
 #include <limits>
 #include <optional>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -249,6 +250,21 @@ inline float max_of(const float* s, int64_t m) {
   return top;
 }
 
+// Whether s[0, m) holds a NaN.
+bool has_nan(const float* s, int64_t m) {
+  typedef int32_t Ints16 __attribute__((vector_size(64)));
+  Ints16 any = {};
+  int64_t t = 0;
+  for (; t + 16 <= m; t += 16) {
+    const Lanes16 x = load16(s + t);
+    any |= x != x;
+  }
+  bool nan = false;
+  for (int i = 0; i < 16; ++i) nan |= any[i] != 0;
+  for (; t < m; ++t) nan |= s[t] != s[t];
+  return nan;
+}
+
 // exp_approx for x <= 0 (x - max in a softmax): one clamp, no sign test,
 // and the polynomial in fused multiply-adds (std::fma vectorises to FMA
 // instructions): about half the instructions of exp_approx's loop.
@@ -285,6 +301,20 @@ float softmax_row(float* s, int64_t m, int64_t ld) {
   }
   std::fill(s + m, s + ld, 0.f);  // past this row's position
   return sum;
+}
+
+// pick(std::integral_constant<int, D>) for the head size d: a size the
+// kernels are compiled for, else D = 0 (the size read at run time).
+template <typename Pick>
+auto for_head_size(int64_t d, Pick pick) {
+  switch (d) {
+    case 16: return pick(std::integral_constant<int, 16>{});
+    case 32: return pick(std::integral_constant<int, 32>{});
+    case 64: return pick(std::integral_constant<int, 64>{});
+    case 128: return pick(std::integral_constant<int, 128>{});
+    case 256: return pick(std::integral_constant<int, 256>{});
+    default: return pick(std::integral_constant<int, 0>{});
+  }
 }
 
 template <int D>
@@ -460,12 +490,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& cache,
   const DecodeAttention a{q.data_ptr<float>(), kbase, kbase + num_blocks * bs * kv_heads * d,
                           tp, lp, out.data_ptr<float>(), q.stride(0), width, bs, kv_heads,
                           heads / kv_heads, d, static_cast<float>(scale)};
-  auto run = d == 32    ? &attend<32>
-             : d == 64  ? &attend<64>
-             : d == 128 ? &attend<128>
-             : d == 16  ? &attend<16>
-             : d == 256 ? &attend<256>
-                        : &attend<0>;
+  const auto run = for_head_size(d, [](auto D) { return &attend<decltype(D)::value>; });
   // Waking a second thread costs more than a short context's whole attention.
   // A task is one sequence, all its kv heads (their keys are contiguous);
   // with fewer sequences than threads, one (sequence, kv head).
@@ -507,24 +532,22 @@ struct PrefillAttention {
   const float* q;       // [t, heads, d], row stride q_stride
   const float* keys;    // cache K plane: [num_blocks, bs, kv_heads, d]
   const float* values;  // cache V plane, same shape
-  const int64_t* table;
+  // Where token j's row (all kv heads) starts in a plane, for j < context + t:
+  // its block table read once per call.
+  const int64_t* token_at;
   float* out;  // [t, heads * d]
-  int64_t q_stride, context, bs, kv_heads, group, d;
+  int64_t q_stride, context, kv_heads, group, d;
   float scale;
   // Each kv head's keys in 16-key tiles, transposed: [kv_heads, tiles, d, 16].
   float* tiles;
   int64_t tiles_per_head;
-
-  const float* key(int64_t j, int64_t h) const {
-    return keys + ((table[j / bs] * bs + j % bs) * kv_heads + h) * d;
-  }
 };
 
 // Tile i of kv head h: keys 16i.. 16i + 15 (the last one repeated past n).
 void transpose_tile(const PrefillAttention& a, int64_t h, int64_t i, int64_t n) {
   float* tile = a.tiles + (h * a.tiles_per_head + i) * a.d * 16;
   for (int64_t c = 0; c < 16; ++c) {
-    const float* k = a.key(std::min(16 * i + c, n - 1), h);
+    const float* k = a.keys + a.token_at[std::min(16 * i + c, n - 1)] + h * a.d;
     for (int64_t p = 0; p < a.d; ++p) tile[p * 16 + c] = k[p];
   }
 }
@@ -533,18 +556,13 @@ void transpose_tile(const PrefillAttention& a, int64_t h, int64_t i, int64_t n) 
 #pragma GCC optimize("fp-contract=fast")
 template <int D>
 void prefill_task(const PrefillAttention& a, int64_t h, int64_t p0, int64_t p1,
-                  std::vector<float>& scores, std::vector<int64_t>& at) {
+                  std::vector<float>& scores) {
   const int64_t d = D > 0 ? D : a.d;
   const int64_t group = a.group, rows = (p1 - p0) * group, heads = a.kv_heads * group;
   const int64_t n = a.context + p1;  // keys the last position sees
   const int64_t ld = (n + 15) / 16 * 16;
-  const int64_t row = a.kv_heads * d;
+  const float* values = a.values + h * d;  // this kv head's value in each token's row
   scores.resize(rows * ld);
-  at.resize(n);
-  for (int64_t j0 = 0, b = 0; j0 < n; j0 += a.bs, ++b) {  // each key's offset, a block at a time
-    const int64_t first = (a.table[b] * a.bs * a.kv_heads + h) * d;
-    for (int64_t j = j0; j < std::min(n, j0 + a.bs); ++j) at[j] = first + (j - j0) * row;
-  }
   // Row r: position p0 + r / group, query head h * group + r % group.
   auto query = [&](int64_t r) {
     return a.q + (p0 + r / group) * a.q_stride + (h * group + r % group) * d;
@@ -587,7 +605,7 @@ void prefill_task(const PrefillAttention& a, int64_t h, int64_t p0, int64_t p1,
       for (int i = 0; i < R; ++i) ps[i] = scores.data() + std::min(r0 + i, rows - 1) * ld;
       Lanes16 acc[R][V] = {};
       for (int64_t j = 0; j < m; ++j) {
-        const float* v = a.values + at[j];
+        const float* v = values + a.token_at[j];
         Lanes16 vv[V];
 #pragma GCC unroll 8
         for (int u = 0; u < V; ++u) vv[u] = load16(v + 16 * u);
@@ -612,7 +630,7 @@ void prefill_task(const PrefillAttention& a, int64_t h, int64_t p0, int64_t p1,
       std::fill(acc.begin(), acc.end(), 0.f);
       const float* s = scores.data() + r * ld;
       for (int64_t j = 0, m = seen(r); j < m; ++j) {
-        const float* v = a.values + at[j];
+        const float* v = values + a.token_at[j];
 #pragma omp simd
         for (int64_t i = 0; i < d; ++i) acc[i] += s[j] * v[i];
       }
@@ -656,51 +674,32 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& cache,
   // Scratch kept by each thread across calls: fresh buffers of this size
   // come from mmap, and their page faults cost as much as the arithmetic.
   thread_local std::vector<float> tiles;
+  thread_local std::vector<int64_t> token_at;
   tiles.resize(kv_heads * per_head * d * 16);
+  token_at.resize(n);
+  for (int64_t j0 = 0, b = 0; j0 < n; j0 += bs, ++b)
+    for (int64_t j = j0; j < std::min(n, j0 + bs); ++j)
+      token_at[j] = (tp[b] * bs + j - j0) * kv_heads * d;
   const PrefillAttention a{q.data_ptr<float>(), kbase, kbase + num_blocks * bs * kv_heads * d,
-                           tp, out.data_ptr<float>(), q.stride(0), context, bs, kv_heads,
-                           heads / kv_heads, d, static_cast<float>(scale),
+                           token_at.data(), out.data_ptr<float>(), q.stride(0), context,
+                           kv_heads, heads / kv_heads, d, static_cast<float>(scale),
                            tiles.data(), per_head};
   at::parallel_for(0, kv_heads * per_head, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) transpose_tile(a, i / per_head, i % per_head, n);
   });
-  auto run = d == 32    ? &prefill_task<32>
-             : d == 64  ? &prefill_task<64>
-             : d == 128 ? &prefill_task<128>
-             : d == 16  ? &prefill_task<16>
-             : d == 256 ? &prefill_task<256>
-                        : &prefill_task<0>;
+  const auto run = for_head_size(d, [](auto D) { return &prefill_task<decltype(D)::value>; });
   const int64_t spans = (t + kPrefillPositions - 1) / kPrefillPositions;
   // Later spans see more keys: they go first, so threads end together.
   at::parallel_for(0, spans * kv_heads, 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> scores;
-    thread_local std::vector<int64_t> at;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t span = spans - 1 - task / kv_heads, h = task % kv_heads;
       const int64_t p0 = span * kPrefillPositions;
-      run(a, h, p0, std::min(t, p0 + kPrefillPositions), scores, at);
+      run(a, h, p0, std::min(t, p0 + kPrefillPositions), scores);
     }
   });
   return out;
 }
-
-namespace {
-
-bool has_nan(const float* s, int64_t m) {
-  typedef int32_t Ints16 __attribute__((vector_size(64)));
-  Ints16 any = {};
-  int64_t t = 0;
-  for (; t + 16 <= m; t += 16) {
-    const Lanes16 x = load16(s + t);
-    any |= x != x;
-  }
-  bool nan = false;
-  for (int i = 0; i < 16; ++i) nan |= any[i] != 0;
-  for (; t < m; ++t) nan |= s[t] != s[t];
-  return nan;
-}
-
-}  // namespace
 
 // Index of the largest value of each row (the first on ties; NaN counts as
 // largest, as torch.argmax): [B, V] -> [B] int64.
@@ -1091,7 +1090,6 @@ void int8_rows_x16(const uint8_t* xq, int64_t ldx, const int8_t* panel, int64_t 
     }
   }
 }
-
 #endif
 
 using Int8Tile = void (*)(const uint8_t*, int64_t, const int8_t*, int64_t, const int32_t*,
