@@ -152,7 +152,7 @@ class Int8Head:
     colsum: torch.Tensor  # int32 [columns]: sum of each column's q
     columns: torch.Tensor  # float32 [3, columns]: scale, error (||w - w~|| + rounding), ||w~||
 
-    GROUP = 4  # k values a vpmaddubsw lane multiplies
+    GROUP = 4  # k values a vpmaddubsw or vpdpbusd lane multiplies
 
     @classmethod
     def of(cls, head: PackedWeight, chunk: int = 256) -> Int8Head | None:
@@ -228,7 +228,7 @@ class HalfHead:
 
 
 INT8_MAX_HIDDEN = 512
-"""The widest head the int8 screen takes: its 6-bit rows' share of the bound
+"""The widest head the int8 screen takes: its quantized rows' share of the bound
 grows with sqrt(hidden size) against the spread of the logits, and past
 this (random heads: 576 and up) it lets too many columns through."""
 

@@ -12,6 +12,8 @@
 #include <ATen/Parallel.h>
 #if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
 #include <immintrin.h>  // greedy_head only; other kernels use vector extensions
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 #include <algorithm>
@@ -217,6 +219,7 @@ struct DecodeAttention {
 typedef float Lanes16 __attribute__((vector_size(64)));
 typedef float Lanes8 __attribute__((vector_size(32)));
 typedef float Lanes4 __attribute__((vector_size(16)));
+typedef int32_t Ints16 __attribute__((vector_size(64)));  // a Lanes16 comparison
 
 inline Lanes16 load16(const float* p) {
   Lanes16 v;
@@ -252,7 +255,6 @@ inline float max_of(const float* s, int64_t m) {
 
 // Whether s[0, m) holds a NaN.
 bool has_nan(const float* s, int64_t m) {
-  typedef int32_t Ints16 __attribute__((vector_size(64)));
   Ints16 any = {};
   int64_t t = 0;
   for (; t + 16 <= m; t += 16) {
@@ -879,9 +881,11 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& panels, int64_t n,
 //   ||w_i - w~_i|| plus the float32 rounding of both sums.
 //
 // greedy_head_i8 reads an int8 copy (a quarter of the bytes; AVX2's
-// vpmaddubsw does 32 multiply-adds an instruction). With w~_i = s_i q_i the
-// column quantized (engine.kernels.Int8Head) and x~ = s_x q_x the row
-// quantized here (6 bits, |q_x| <= 31, so that four products sum in int16):
+// vpmaddubsw does 32 multiply-adds an instruction, AVX512-VNNI's vpdpbusd
+// 64, an AMX tdpbusd 16K). With w~_i = s_i q_i the column quantized
+// (engine.kernels.Int8Head) and x~ = s_x q_x the row quantized here (8 bits
+// where the sums are int32, 6 bits for AVX2, |q_x| <= 31, so that four
+// products sum in int16):
 //   |x~ . w~_i - y_i| <= ||x|| E_i + ||x - x~|| W_i,
 // E_i = ||w_i - w~_i|| plus the float32 rounding of y_i (gamma_K ||w_i||),
 // W_i = ||w~_i||. The integer sums are exact; the float arithmetic that
@@ -1002,12 +1006,19 @@ int64_t screened_argmax_f16(const float* x, int64_t k, const float* approx, cons
 
 // ---- the int8 screen ----
 
-constexpr int kGroup = 4;      // k values per int8 group (one int32 lane)
+constexpr int kGroup = 4;  // k values per int8 group (one int32 lane)
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+// vpdpbusd and tdpbusd sum their products in int32: x takes 8 bits, and the
+// row quantization's share of the first pass's bound is a quarter of 6 bits'.
+constexpr int kQuantMax = 127;
+constexpr int kQuantOffset = 128;
+#else
 constexpr int kQuantMax = 31;  // |q_x|: 4 products of u8 (q_x + 32) and s8 fit int16
 constexpr int kQuantOffset = 32;
+#endif
 
-// One row quantized: (q_x + 32) bytes (zero padding quantizes to 32 and
-// meets zero weights), its scale, ||x|| and ||x - x~||. ``ok`` is false when
+// One row quantized: (q_x + kQuantOffset) bytes (zero padding quantizes to
+// the offset and meets zero weights), its scale, ||x|| and ||x - x~||. ``ok`` is false when
 // the row is zero or not finite (the screen cannot settle it).
 struct RowQuant {
   float scale = 0.f;
@@ -1016,14 +1027,14 @@ struct RowQuant {
 };
 
 // Approximate logits of R rows x 16 columns (half a panel). ``xq``: the rows
-// quantized, (q_x + 32) as bytes, ``groups`` * 4 per row; ``panel``: int8
-// [groups, 32 columns, 4]; the offset's share (32 * column sum) comes off at
+// quantized, (q_x + kQuantOffset) as bytes, ``groups`` * 4 per row; ``panel``:
+// int8 [groups, 32 columns, 4]; the offset's share (offset * column sum) comes off at
 // the end, then the row and column scales.
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
 // With AVX512-VNNI, one vpdpbusd sums a group (4 k values) of all 16
-// columns into their int32 lanes: 64 multiply-adds an instruction, the
-// same exact integer sums as the AVX2 path below (x's 6 bits keep that
-// path's int16 pair sums from saturating; here there is none to fear).
+// columns into their int32 lanes: 64 multiply-adds an instruction, exact
+// integer sums of 8-bit rows (the AVX2 path below takes 6 bits, to keep its
+// int16 pair sums from saturating; here there is none to fear).
 template <int R>
 void int8_rows_x16(const uint8_t* xq, int64_t ldx, const int8_t* panel, int64_t groups,
                    const int32_t* colsum, const float* col_scale, const RowQuant* rows,
@@ -1099,6 +1110,102 @@ constexpr Int8Tile kInt8Tiles[kInt8TileRows] = {int8_rows_x16<1>, int8_rows_x16<
                                                  int8_rows_x16<3>, int8_rows_x16<4>,
                                                  int8_rows_x16<5>, int8_rows_x16<6>};
 
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+// With AMX, one tdpbusd sums 64 k values of up to 16 rows x 16 columns into
+// an int32 tile: the same exact sums again, 16 rows at the cost of about one.
+// A process must ask Linux for the tile state first (arch_prctl); where it
+// is refused (an old kernel, a signal stack too small for it) the vector
+// path above runs instead.
+bool amx_usable() {
+  static const bool usable = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureTileData = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureTileData) == 0;
+  }();
+  return usable;
+}
+
+// The tile registers: C (2, one per half panel), A (x, 64 k values), B
+// (2, 16 groups of a half panel), and A and B again for the k tail.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+
+  TileConfig(int m, int tail_bytes) {
+    for (int t : {0, 1, 2}) rows[t] = static_cast<uint8_t>(m), colsb[t] = 64;
+    for (int t : {3, 4}) rows[t] = 16, colsb[t] = 64;
+    if (tail_bytes > 0) {
+      rows[5] = static_cast<uint8_t>(m), colsb[5] = static_cast<uint16_t>(tail_bytes);
+      for (int t : {6, 7}) rows[t] = static_cast<uint8_t>(tail_bytes / kGroup), colsb[t] = 64;
+    }
+  }
+};
+static_assert(sizeof(TileConfig) == 64);
+
+constexpr int kAmxRows = 16;
+
+// Approximate logits of m <= 16 rows x one panel (32 columns), the tiles
+// configured by TileConfig(m, padded % 64). As int8_rows_x16 for the rest.
+void int8_panel_amx(const uint8_t* xq, int64_t ldx, const int8_t* panel, int64_t padded, int m,
+                    const int32_t* colsum, const float* col_scale, const RowQuant* rows,
+                    float* out, int64_t ldo) {
+  constexpr int64_t kGroupBytes = kPanel * kGroup;  // one group of all 32 columns
+  constexpr int64_t kChunk = 64;                    // k values (bytes of x) a tile row holds
+  _tile_zero(0);
+  _tile_zero(1);
+  int64_t p = 0;
+  for (; p + kChunk <= padded; p += kChunk) {
+    const int8_t* b = panel + p / kGroup * kGroupBytes;
+    _tile_loadd(2, xq + p, ldx);
+    _tile_loadd(3, b, kGroupBytes);
+    _tile_loadd(4, b + kGroupBytes / 2, kGroupBytes);
+    _tile_dpbusd(0, 2, 3);
+    _tile_dpbusd(1, 2, 4);
+  }
+  if (p < padded) {
+    const int8_t* b = panel + p / kGroup * kGroupBytes;
+    _tile_loadd(5, xq + p, ldx);
+    _tile_loadd(6, b, kGroupBytes);
+    _tile_loadd(7, b + kGroupBytes / 2, kGroupBytes);
+    _tile_dpbusd(0, 5, 6);
+    _tile_dpbusd(1, 5, 7);
+  }
+  alignas(64) int32_t sums[kAmxRows][kPanel];
+  _tile_stored(0, &sums[0][0], sizeof sums[0]);
+  _tile_stored(1, &sums[0][16], sizeof sums[0]);
+  for (int half = 0; half < kPanel; half += 16) {
+    const __m512i shift = _mm512_mullo_epi32(_mm512_set1_epi32(kQuantOffset),
+                                             _mm512_loadu_si512(colsum + half));
+    const __m512 scale = _mm512_loadu_ps(col_scale + half);
+    for (int r = 0; r < m; ++r) {
+      const __m512 dot =
+          _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_load_si512(&sums[r][half]), shift));
+      const __m512 s = _mm512_mul_ps(scale, _mm512_set1_ps(rows[r].scale));
+      _mm512_storeu_ps(out + r * ldo + half, _mm512_mul_ps(dot, s));
+    }
+  }
+}
+
+// The screen's first pass over panels [begin, end) with AMX.
+void int8_screen_amx(const uint8_t* xq, int64_t padded, int64_t m, const int8_t* w8,
+                     const int32_t* colsum, const float* col_scale, const RowQuant* quant,
+                     float* approx, int64_t ncols, int64_t begin, int64_t end) {
+  const int tail = static_cast<int>(padded % 64);
+  for (int64_t i = 0; i < m; i += kAmxRows) {
+    const int rows = static_cast<int>(std::min<int64_t>(kAmxRows, m - i));
+    const TileConfig config(rows, tail);
+    _tile_loadconfig(&config);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t col = t * kPanel;
+      int8_panel_amx(xq + i * padded, padded, w8 + t * padded * kPanel, padded, rows, colsum + col,
+                     col_scale + col, quant + i, approx + i * ncols + col, ncols);
+    }
+    _tile_release();
+  }
+}
+#define TANDEM_AMX_SCREEN 1
+#endif
+
 // Fills ``q`` and row ``out`` of the quantized rows.
 void quantize_row(const float* x, int64_t k, uint8_t* out, int64_t padded, RowQuant& q) {
   float top = 0.f;
@@ -1152,6 +1259,8 @@ constexpr float kBoundSlack = 1.001f;
 constexpr float kLogitSlack = 1e-5f;
 // Columns the first screen may pass to the second (one int8 column each).
 constexpr int64_t kMaxScreened = 1024;
+// Columns of a head the first pass takes in one go (its spans on the stack).
+constexpr int64_t kMaxSpans = 4096;
 
 // The screen in three passes: the int8 logits of quantized x (every column),
 // then the int8 logits of x itself (the columns the first pass could not rule
@@ -1161,48 +1270,56 @@ int64_t screened_argmax_i8(const float* x, int64_t k, const float* approx, const
                         const int8_t* q8, int64_t groups, const float* panels, int64_t n,
                         int64_t max_candidates, std::vector<int64_t>& first,
                         std::vector<float>& second) {
-  // First pass, 8 columns at a time: the highest lower bound, then every
-  // column whose upper bound reaches it. radius_i = (||x|| E_i + ||x - x~|| W_i)
-  // * kBoundSlack + kLogitSlack * |approx_i|.
+  // First pass, 16 columns at a time: the highest lower bound (the floor)
+  // and, per span of kSpan columns, the highest upper bound; then, in the
+  // spans that reach the floor, every column whose upper bound does.
+  // radius_i = (||x|| E_i + ||x - x~|| W_i) * kBoundSlack + kLogitSlack * |approx_i|.
   const float nxs = static_cast<float>(q.norm * (1.0 + 1e-9)) * kBoundSlack;
   const float exs = static_cast<float>(q.error * (1.0 + 1e-9)) * kBoundSlack + 1e-30f;
-  const __m256 nx = _mm256_set1_ps(nxs), ex = _mm256_set1_ps(exs);
-  const __m256 logit_slack = _mm256_set1_ps(kLogitSlack);
-  const __m256 sign = _mm256_set1_ps(-0.0f);
-  auto radius = [&](int64_t i, __m256 y) {
-    const __m256 r = _mm256_add_ps(_mm256_mul_ps(nx, _mm256_loadu_ps(err + i)),
-                                   _mm256_mul_ps(ex, _mm256_loadu_ps(norm + i)));
-    return _mm256_add_ps(r, _mm256_mul_ps(logit_slack, _mm256_andnot_ps(sign, y)));
+  auto radius = [&](int64_t i, Lanes16 y) {
+    const Lanes16 abs_y = y < 0.f ? -y : y;
+    return (nxs * load16(err + i) + exs * load16(norm + i)) + kLogitSlack * abs_y;
   };
-  const int64_t whole = n / 8 * 8;
-  __m256 lower = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-  __m256 finite = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
-  const __m256 inf = _mm256_set1_ps(std::numeric_limits<float>::infinity());
-  for (int64_t i = 0; i < whole; i += 8) {
-    const __m256 y = _mm256_loadu_ps(approx + i);
-    lower = _mm256_max_ps(lower, _mm256_sub_ps(y, radius(i, y)));
-    finite = _mm256_and_ps(finite, _mm256_cmp_ps(_mm256_andnot_ps(sign, y), inf, _CMP_LT_OQ));
-  }
-  if (_mm256_movemask_ps(finite) != 0xff) return -1;
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, lower);
-  float floor_ = *std::max_element(lanes, lanes + 8);
   auto scalar_radius = [&](int64_t i) {
     return (nxs * err[i] + exs * norm[i]) + kLogitSlack * std::fabs(approx[i]);
   };
+  constexpr int64_t kSpan = 256;
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+  const int64_t whole = n / 16 * 16;
+  const int64_t spans = (whole + kSpan - 1) / kSpan;
+  float span_top[kMaxSpans];
+  if (spans > kMaxSpans) return -1;
+  Lanes16 lower = -kInf + Lanes16{};
+  Ints16 finite = ~Ints16{};
+  for (int64_t s = 0; s < spans; ++s) {
+    Lanes16 upper = -kInf + Lanes16{};
+    for (int64_t i = s * kSpan; i < std::min(whole, (s + 1) * kSpan); i += 16) {
+      const Lanes16 y = load16(approx + i), r = radius(i, y);
+      const Lanes16 low = y - r, up = y + r;
+      lower = low > lower ? low : lower;
+      upper = up > upper ? up : upper;
+      finite &= (y < 0.f ? -y : y) < kInf;
+    }
+    span_top[s] = max_of(reinterpret_cast<const float*>(&upper), 16);
+  }
+  for (int i = 0; i < 16; ++i)
+    if (finite[i] == 0) return -1;
+  float floor_ = max_of(reinterpret_cast<const float*>(&lower), 16);
   for (int64_t i = whole; i < n; ++i) {
     if (!std::isfinite(approx[i])) return -1;
     floor_ = std::max(floor_, approx[i] - scalar_radius(i));
   }
   first.clear();
-  const __m256 floor_v = _mm256_set1_ps(floor_);
-  for (int64_t i = 0; i < whole; i += 8) {
-    const __m256 y = _mm256_loadu_ps(approx + i);
-    unsigned mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_add_ps(y, radius(i, y)), floor_v, _CMP_GE_OQ));
-    while (mask != 0) {
-      if (static_cast<int64_t>(first.size()) >= kMaxScreened) return -1;
-      first.push_back(i + std::countr_zero(mask));
-      mask &= mask - 1;
+  for (int64_t s = 0; s < spans; ++s) {
+    if (span_top[s] < floor_) continue;
+    for (int64_t i = s * kSpan; i < std::min(whole, (s + 1) * kSpan); i += 16) {
+      const Lanes16 y = load16(approx + i);
+      const Ints16 reach = (y + radius(i, y)) >= floor_;
+      for (int lane = 0; lane < 16; ++lane) {
+        if (reach[lane] == 0) continue;
+        if (static_cast<int64_t>(first.size()) >= kMaxScreened) return -1;
+        first.push_back(i + lane);
+      }
     }
   }
   for (int64_t i = whole; i < n; ++i) {
@@ -1309,7 +1426,7 @@ at::Tensor greedy_head_f16(const at::Tensor& x, const at::Tensor& panels, const 
 //   returns [M] int64: the greedy token of each row, or -1
 at::Tensor greedy_head_i8(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& q8,
                           const at::Tensor& colsum, const at::Tensor& columns, int64_t n,
-                          int64_t max_candidates) {
+                          int64_t max_candidates, bool amx_screen) {
   check_head(x, panels);
   const int64_t m = x.size(0), k = x.size(1);
   const int64_t num_panels = panels.size(0), ncols = num_panels * kPanel;
@@ -1340,7 +1457,16 @@ at::Tensor greedy_head_i8(const at::Tensor& x, const at::Tensor& panels, const a
   const float* scale = columns.data_ptr<float>();
   // Threads split the panels, then the rows, as linear() does.
   const int64_t grain = m * k * n < (1 << 21) ? num_panels : 1;
+#ifdef TANDEM_AMX_SCREEN
+  const bool use_amx = amx_screen && amx_usable();
+#endif
   at::parallel_for(0, num_panels, grain, [&](int64_t begin, int64_t end) {
+#ifdef TANDEM_AMX_SCREEN
+    if (use_amx) {
+      int8_screen_amx(xq.data(), padded, m, w8, cs, scale, quant.data(), ap, ncols, begin, end);
+      return;
+    }
+#endif
     for (int64_t t = begin; t < end; ++t) {
       for (int half_col = 0; half_col < kPanel; half_col += 16) {
         const int8_t* panel = w8 + t * groups * kPanel * kGroup + half_col * kGroup;
@@ -1390,7 +1516,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("greedy_head_f16", &greedy_head_f16, "greedy tokens from a float16 screen of the head",
         release());
   m.def("greedy_head_i8", &greedy_head_i8, "greedy tokens from an int8 screen of the head",
-        release());
+        py::arg("x"), py::arg("panels"), py::arg("q8"), py::arg("colsum"), py::arg("columns"),
+        py::arg("n"), py::arg("max_candidates"), py::arg("amx") = true, release());
+#endif
+#ifdef TANDEM_AMX_SCREEN
+  m.def("amx_screen", &amx_usable, "whether greedy_head_i8's screen runs on AMX tiles");
+#else
+  m.def("amx_screen", [] { return false; }, "whether greedy_head_i8's screen runs on AMX tiles");
 #endif
   m.attr("PANEL_WIDTH") = kPanel;
+#ifdef TANDEM_GREEDY_HEAD
+  m.attr("INT8_ROW_LEVELS") = kQuantMax;  // |q_x| of greedy_head_i8's quantized rows
+#endif
 }

@@ -58,6 +58,22 @@ def test_tokens_equal_the_full_logits_argmax(ops, kind, rows, k, n, vocab, scale
     assert torch.equal(tokens, _full(ops, x, head, vocab))
 
 
+@pytest.mark.parametrize("rows", [1, 7, 16, 17, 40])
+@pytest.mark.parametrize("k,n", [(256, 32000), (70, 995), (200, 4000), (512, 700)])
+def test_the_amx_screen_gives_the_vector_screens_tokens(ops, rows, k, n):
+    """AMX tiles (16 rows a tile, a k tail of fewer than 64 values when k is not
+    a multiple of 64) sum the same integers as the vector path."""
+    if not ops.amx_screen():
+        pytest.skip("no AMX here (or Linux refused the tile state): the vector path runs")
+    head = kernels.PackedWeight.pack(_head(k, n, 0.05, seed=k + rows))
+    screen = kernels.Int8Head.of(head)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    args = (x, head.panels, screen.q8, screen.colsum, screen.columns, n - 3, 64)
+    tiles, vectors = ops.greedy_head_i8(*args, amx=True), ops.greedy_head_i8(*args, amx=False)
+    assert torch.equal(tiles, vectors)
+    assert torch.equal(tiles, _full(ops, x, head, n - 3))
+
+
 def _dequantized(screen: kernels.Int8Head, k: int, n: int) -> torch.Tensor:
     """w~ as [k, n] float64, from the int8 panels and their scales."""
     q = screen.q8.transpose(2, 3).reshape(screen.q8.shape[0], -1, kernels.PANEL_WIDTH)[:, :k]
@@ -79,8 +95,9 @@ def test_the_int8_bounds_hold(ops):
     assert float((w_q - w.double()).abs().max()) > 0  # the screen is approximate
     error, norm = screen.columns[1, :n].double(), screen.columns[2, :n].double()
     xd = x.double()
-    scale = x.abs().amax(dim=1, keepdim=True) / 31  # as the kernel quantizes rows (6 bits)
-    x_q = torch.round(x / scale).clamp(-31, 31).double() * scale.double()
+    levels = ops.INT8_ROW_LEVELS  # as the kernel quantizes rows: 8 bits, or 6 for AVX2
+    scale = x.abs().amax(dim=1, keepdim=True) / levels
+    x_q = torch.round(x / scale).clamp(-levels, levels).double() * scale.double()
     first = x_q @ w_q
     radius = xd.norm(dim=1, keepdim=True) * error + (xd - x_q).norm(dim=1, keepdim=True) * norm
     assert bool(((first - exact).abs() <= radius).all())
