@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from engine.engine_loop import EngineLoop
+from engine.heap import freeze_startup_heap
 from engine.index import EventPublisher, KVEvent
 from engine.llm_engine import LLMEngine
 from engine.logfmt import LogFormat, configure_logging
@@ -206,6 +207,7 @@ class WorkerActor:
 
             host = ray.util.get_node_ip_address()
         self.worker = self.worker_class(name, config, transfer, index, host)
+        freeze_startup_heap()  # this process serves this one worker until it exits
 
     async def abort(self, request_id: str) -> bool:
         return await self.worker.abort(request_id)

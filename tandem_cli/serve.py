@@ -17,6 +17,7 @@ from collections.abc import Callable
 import yaml
 from pydantic import ValidationError
 
+from engine.heap import freeze_startup_heap
 from engine.logfmt import configure_logging
 from router.auth import ApiKeys
 from router.backend import Backend
@@ -184,7 +185,8 @@ async def serve(
         if server is not None:
             server.cut_grace()
 
-    started_ray = backend is None and init_ray(config)
+    own_backend = backend is None
+    started_ray = own_backend and init_ray(config)
     # Installed after ray.init (Ray's core worker sets a SIGTERM handler that
     # must not wrap ours) and kept through ray.shutdown(), so that a second
     # signal never lands as a KeyboardInterrupt in the middle of it.
@@ -196,6 +198,8 @@ async def serve(
                 backend = RayBackend(config)
             server = server_for(config, backend)
             await server.start()
+            if own_backend:  # this process is `tandem serve` itself, not a test's
+                freeze_startup_heap()
             http = f", HTTP on {server.http.url}" if server.http is not None else ""
             auth = f", {len(server.api_keys)} API keys" if server.api_keys.enabled else ""
             print(
