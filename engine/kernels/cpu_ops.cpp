@@ -1143,33 +1143,34 @@ struct alignas(64) TileConfig {
 static_assert(sizeof(TileConfig) == 64);
 
 constexpr int kAmxRows = 16;
+constexpr int64_t kGroupBytes = kPanel * kGroup;  // one group of all 32 columns
+
+// C tiles 0 and 1 += x's k values from p (tile A) times both half panels'
+// (tiles B0, B1): the shapes TileConfig gave those tiles decide how many.
+// A macro: GCC's tile intrinsics spell their register numbers into inline
+// assembly, so they take literals, not template parameters.
+#define TANDEM_DPBUSD_CHUNK(A, B0, B1)                   \
+  do {                                                   \
+    const int8_t* b = panel + p / kGroup * kGroupBytes;  \
+    _tile_loadd(A, xq + p, ldx);                         \
+    _tile_loadd(B0, b, kGroupBytes);                     \
+    _tile_loadd(B1, b + kGroupBytes / 2, kGroupBytes);   \
+    _tile_dpbusd(0, A, B0);                              \
+    _tile_dpbusd(1, A, B1);                              \
+  } while (0)
 
 // Approximate logits of m <= 16 rows x one panel (32 columns), the tiles
 // configured by TileConfig(m, padded % 64). As int8_rows_x16 for the rest.
 void int8_panel_amx(const uint8_t* xq, int64_t ldx, const int8_t* panel, int64_t padded, int m,
                     const int32_t* colsum, const float* col_scale, const RowQuant* rows,
                     float* out, int64_t ldo) {
-  constexpr int64_t kGroupBytes = kPanel * kGroup;  // one group of all 32 columns
-  constexpr int64_t kChunk = 64;                    // k values (bytes of x) a tile row holds
+  constexpr int64_t kChunk = 64;  // k values (bytes of x) a tile row holds
   _tile_zero(0);
   _tile_zero(1);
   int64_t p = 0;
-  for (; p + kChunk <= padded; p += kChunk) {
-    const int8_t* b = panel + p / kGroup * kGroupBytes;
-    _tile_loadd(2, xq + p, ldx);
-    _tile_loadd(3, b, kGroupBytes);
-    _tile_loadd(4, b + kGroupBytes / 2, kGroupBytes);
-    _tile_dpbusd(0, 2, 3);
-    _tile_dpbusd(1, 2, 4);
-  }
-  if (p < padded) {
-    const int8_t* b = panel + p / kGroup * kGroupBytes;
-    _tile_loadd(5, xq + p, ldx);
-    _tile_loadd(6, b, kGroupBytes);
-    _tile_loadd(7, b + kGroupBytes / 2, kGroupBytes);
-    _tile_dpbusd(0, 5, 6);
-    _tile_dpbusd(1, 5, 7);
-  }
+  for (; p + kChunk <= padded; p += kChunk) TANDEM_DPBUSD_CHUNK(2, 3, 4);
+  if (p < padded) TANDEM_DPBUSD_CHUNK(5, 6, 7);
+#undef TANDEM_DPBUSD_CHUNK
   alignas(64) int32_t sums[kAmxRows][kPanel];
   _tile_stored(0, &sums[0][0], sizeof sums[0]);
   _tile_stored(1, &sums[0][16], sizeof sums[0]);
