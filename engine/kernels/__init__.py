@@ -227,15 +227,20 @@ class HalfHead:
         return ops.greedy_head_f16(x, head.panels, self.half, self.bound, n, limit)
 
 
-INT8_MAX_HIDDEN = 512
-"""The widest head the int8 screen takes: its quantized rows' share of the bound
-grows with sqrt(hidden size) against the spread of the logits, and past
-this (random heads: 576 and up) it lets too many columns through."""
+INT8_MAX_HIDDEN = {31: 512, 127: 2048}
+"""The widest head the int8 screen takes, by how finely the kernel quantizes
+rows (cpu_ops.INT8_ROW_LEVELS): the rows' share of the bound grows with
+sqrt(hidden size) against the spread of the logits. 6-bit rows (AVX2): past
+512 (random heads: 576 and up) too many columns get through. 8-bit rows
+(AVX512-VNNI, AMX), random heads, 64 rows: none unsettled at 768 x 50304 and
+1024 x 32000, one at 2048 x 32000; at 16 rows the int8 screen took 3.7, 3.7
+and 17.9 ms there, float16 25.5, 24.6 and 45.3, the full logits 14.5, 14.5
+and 25.0."""
 
 
-def screen_for(head: PackedWeight) -> Int8Head | HalfHead | None:
-    """The greedy screen for a packed head: int8 up to INT8_MAX_HIDDEN inputs,
-    float16 above; None when neither can hold it."""
-    if head.panels.shape[1] <= INT8_MAX_HIDDEN:
+def screen_for(head: PackedWeight, row_levels: int = 31) -> Int8Head | HalfHead | None:
+    """The greedy screen for a packed head: int8 up to INT8_MAX_HIDDEN[row_levels]
+    inputs, float16 above; None when neither can hold it."""
+    if head.panels.shape[1] <= INT8_MAX_HIDDEN.get(row_levels, INT8_MAX_HIDDEN[31]):
         return Int8Head.of(head)
     return HalfHead.of(head)

@@ -913,7 +913,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& panels, int64_t n,
 //   3. for those, the exact sums.
 // The row quantization's share of the bound grows with sqrt(K) against the
 // spread of the logits, so the int8 screen suits narrow models only (the
-// engine takes it up to a hidden size of 512, engine.kernels.screen_for).
+// engine takes it up to a hidden size of 512 with 6-bit rows, 2048 with 8,
+// engine.kernels.INT8_MAX_HIDDEN).
 
 #if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
 namespace {

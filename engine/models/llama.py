@@ -161,7 +161,7 @@ class LlamaModel:
         if kernels is not None:  # one copy of each matrix, in the linear kernel's layout
             self.lm_head = PackedWeight.pack(self.lm_head)
             if greedy_screen and hasattr(kernels, "greedy_head_i8"):  # AVX2, F16C, FMA
-                self.screen_head = screen_for(self.lm_head)
+                self.screen_head = screen_for(self.lm_head, kernels.INT8_ROW_LEVELS)
             for w in self.layers:
                 w.qkv, w.o, w.gate_up, w.down = (
                     PackedWeight.pack(m) for m in (w.qkv, w.o, w.gate_up, w.down)

@@ -192,12 +192,31 @@ def test_a_head_float16_cannot_hold_gets_no_screen():
     assert kernels.HalfHead.of(kernels.PackedWeight.pack(w)) is None
 
 
-def test_narrow_heads_get_the_int8_screen_and_wide_ones_float16():
-    def screen(k):
-        return type(kernels.screen_for(kernels.PackedWeight.pack(_head(k, 40, 0.1, seed=k))))
+@pytest.mark.parametrize("levels", [31, 127])
+def test_narrow_heads_get_the_int8_screen_and_wide_ones_float16(levels):
+    """The limit follows the kernel's row quantization: 6 bits (AVX2) or 8."""
 
-    assert screen(kernels.INT8_MAX_HIDDEN) is kernels.Int8Head
-    assert screen(kernels.INT8_MAX_HIDDEN + 8) is kernels.HalfHead
+    def screen(k):
+        head = kernels.PackedWeight.pack(_head(k, 40, 0.1, seed=k))
+        return type(kernels.screen_for(head, levels))
+
+    widest = kernels.INT8_MAX_HIDDEN[levels]
+    assert screen(widest) is kernels.Int8Head
+    assert screen(widest + 8) is kernels.HalfHead
+    assert kernels.INT8_MAX_HIDDEN[127] > kernels.INT8_MAX_HIDDEN[31]
+
+
+def test_a_wide_head_screens_with_8_bit_rows(ops):
+    """Where the kernel quantizes rows to 8 bits, a head of hidden size 1024
+    (past the 6-bit limit) settles its rows with the int8 screen."""
+    if ops.INT8_ROW_LEVELS != 127:
+        pytest.skip("6-bit rows here (AVX2): such heads get the float16 screen")
+    k, n = 1024, 4000
+    head = kernels.PackedWeight.pack(_head(k, n, 0.02, seed=11))
+    assert isinstance(kernels.screen_for(head, ops.INT8_ROW_LEVELS), kernels.Int8Head)
+    x = torch.randn(32, k, generator=torch.Generator().manual_seed(12)) * 3
+    tokens = _screened(ops, x, head, n)
+    assert torch.equal(tokens, _full(ops, x, head, n))  # every row settled, and right
 
 
 def test_the_engine_screens_plain_greedy_rows_only(llama_dir, ops, monkeypatch):
@@ -221,7 +240,8 @@ def test_the_engine_screens_plain_greedy_rows_only(llama_dir, ops, monkeypatch):
 
     assert isinstance(llm.engine.model.screen_head, kernels.Int8Head)
     assert llm.engine.model.screen_misses < llm.engine.model.screen_rows
-    monkeypatch.setattr(kernels, "INT8_MAX_HIDDEN", 64)  # narrower than this model's 128
+    # Narrower than this model's 128, whichever rows the kernel quantizes.
+    monkeypatch.setattr(kernels, "INT8_MAX_HIDDEN", {31: 64, 127: 64})
     wide = LLM(str(llama_dir), num_kv_blocks=64)
     assert isinstance(wide.engine.model.screen_head, kernels.HalfHead)
     assert [o.token_ids for o in wide.generate(prompts, greedy)] == screened
