@@ -238,9 +238,10 @@ and 17.9 ms there, float16 25.5, 24.6 and 45.3, the full logits 14.5, 14.5
 and 25.0."""
 
 
-def screen_for(head: PackedWeight, row_levels: int = 31) -> Int8Head | HalfHead | None:
-    """The greedy screen for a packed head: int8 up to INT8_MAX_HIDDEN[row_levels]
-    inputs, float16 above; None when neither can hold it."""
-    if head.panels.shape[1] <= INT8_MAX_HIDDEN.get(row_levels, INT8_MAX_HIDDEN[31]):
+def screen_for(head: PackedWeight, row_levels: int) -> Int8Head | HalfHead | None:
+    """The greedy screen for a packed head, given cpu_ops.INT8_ROW_LEVELS: int8
+    up to INT8_MAX_HIDDEN[row_levels] inputs, float16 above; None when neither
+    can hold it."""
+    if head.panels.shape[1] <= INT8_MAX_HIDDEN[row_levels]:
         return Int8Head.of(head)
     return HalfHead.of(head)

@@ -768,9 +768,9 @@ typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
 // the accumulator array on the stack (an AVX2 build ran 15x slower so).
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=fast")
-// ``Stream``: the panel comes from L3 or memory, read by this tile only
-// (few rows of x), so it is prefetched kPrefetchSteps k values ahead: at 8
-// and 16 rows the layers' weights streamed at 21 and 15 GB/s without, 24
+// ``Stream``: the first tile over a panel reads it from L3 or memory (later
+// ones find it in L1/L2), so it prefetches kPrefetchSteps k values ahead: at
+// 8 and 16 rows the layers' weights streamed at 21 and 15 GB/s without, 24
 // and 17 with. With fewer than 4 rows the hardware keeps up unaided.
 template <int R, int V, bool Stream>
 void tile(const float* __restrict a, int64_t lda, const float* __restrict panel, int64_t k,
@@ -814,8 +814,7 @@ constexpr std::array<Tile, sizeof...(Rs)> rest_tiles(std::integer_sequence<int, 
   return {&tile<Rs + 1, kRestVecs, Stream>...};
 }
 
-// [stream]: see tile(); x with fewer than kStreamRows rows streams the weight.
-constexpr int64_t kStreamRows = 32;
+// [stream]: see tile().
 constexpr Tile kMainTile[2] = {&tile<kTileRows, kTileVecs, false>,
                                &tile<kTileRows, kTileVecs, true>};
 constexpr int kMainCols = kTileVecs * kLanes;
@@ -853,7 +852,6 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& panels, int64_t n,
   float* c = out.data_ptr<float>();
   const int64_t lda = x.stride(0);
   const int64_t full = m / kTileRows * kTileRows;
-  const bool stream = m < kStreamRows;
   // Threads split the panels; a small product stays on one thread.
   const int64_t grain = m * k * n < (1 << 21) ? panels.size(0) : 1;
   at::parallel_for(0, panels.size(0), grain, [&](int64_t begin, int64_t end) {
@@ -864,13 +862,13 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& panels, int64_t n,
       float* ct = c + t * kPanel;
       for (int h = 0; h < cols; h += kMainCols) {
         const int part = std::min(kMainCols, cols - h);
-        for (int64_t i = 0; i < full; i += kTileRows)
-          kMainTile[stream](a + i * lda, lda, panel + h, k, bt == nullptr ? nullptr : bt + h,
-                            ct + i * n + h, n, part);
+        for (int64_t i = 0; i < full; i += kTileRows)  // the first reads the panel in
+          kMainTile[i == 0 && h == 0](a + i * lda, lda, panel + h, k,
+                                      bt == nullptr ? nullptr : bt + h, ct + i * n + h, n, part);
       }
       for (int64_t i = full; i < m; i += kRestRows) {
         const int rows = static_cast<int>(std::min<int64_t>(kRestRows, m - i));
-        kRestTiles[stream][rows - 1](a + i * lda, lda, panel, k, bt, ct + i * n, n, cols);
+        kRestTiles[i == 0][rows - 1](a + i * lda, lda, panel, k, bt, ct + i * n, n, cols);
       }
     }
   });
@@ -1047,6 +1045,17 @@ struct RowQuant {
 // int8 [groups, 32 columns, 4]; the offset's share (offset * column sum) comes off at
 // the end, then the row and column scales.
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
+// 16 columns' int32 sums of a row -> its approximate logits at ``out``: the
+// offset's share off, then the column and row scales.
+inline void store_logits16(__m512i sums, const int32_t* colsum, const float* col_scale,
+                           float row_scale, float* out) {
+  const __m512i shift = _mm512_mullo_epi32(_mm512_set1_epi32(kQuantOffset),
+                                           _mm512_loadu_si512(colsum));
+  const __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(sums, shift));
+  const __m512 s = _mm512_mul_ps(_mm512_loadu_ps(col_scale), _mm512_set1_ps(row_scale));
+  _mm512_storeu_ps(out, _mm512_mul_ps(dot, s));
+}
+
 // With AVX512-VNNI, one vpdpbusd sums a group (4 k values) of all 16
 // columns into their int32 lanes: 64 multiply-adds an instruction, exact
 // integer sums of 8-bit rows (the AVX2 path below takes 6 bits, to keep its
@@ -1067,15 +1076,8 @@ void int8_rows_x16(const uint8_t* xq, int64_t ldx, const int8_t* panel, int64_t 
       acc[r] = _mm512_dpbusd_epi32(acc[r], _mm512_set1_epi32(four), b);
     }
   }
-  const __m512i shift = _mm512_mullo_epi32(_mm512_set1_epi32(kQuantOffset),
-                                           _mm512_loadu_si512(colsum));
-  const __m512 scale = _mm512_loadu_ps(col_scale);
 #pragma GCC unroll 6
-  for (int r = 0; r < R; ++r) {
-    const __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r], shift));
-    const __m512 s = _mm512_mul_ps(scale, _mm512_set1_ps(rows[r].scale));
-    _mm512_storeu_ps(out + r * ldo, _mm512_mul_ps(dot, s));
-  }
+  for (int r = 0; r < R; ++r) store_logits16(acc[r], colsum, col_scale, rows[r].scale, out + r * ldo);
 }
 #else
 template <int R>
@@ -1126,8 +1128,8 @@ constexpr Int8Tile kInt8Tiles[kInt8TileRows] = {int8_rows_x16<1>, int8_rows_x16<
                                                  int8_rows_x16<3>, int8_rows_x16<4>,
                                                  int8_rows_x16<5>, int8_rows_x16<6>};
 
-#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
-// With AMX, one tdpbusd sums 64 k values of up to 16 rows x 16 columns into
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512VNNI__)
+// With AMX (its sums stored through store_logits16), one tdpbusd sums 64 k values of up to 16 rows x 16 columns into
 // an int32 tile: the same exact sums again, 16 rows at the cost of about one.
 // A process must ask Linux for the tile state first (arch_prctl); where it
 // is refused (an old kernel, a signal stack too small for it) the vector
@@ -1190,17 +1192,10 @@ void int8_panel_amx(const uint8_t* xq, int64_t ldx, const int8_t* panel, int64_t
   alignas(64) int32_t sums[kAmxRows][kPanel];
   _tile_stored(0, &sums[0][0], sizeof sums[0]);
   _tile_stored(1, &sums[0][16], sizeof sums[0]);
-  for (int half = 0; half < kPanel; half += 16) {
-    const __m512i shift = _mm512_mullo_epi32(_mm512_set1_epi32(kQuantOffset),
-                                             _mm512_loadu_si512(colsum + half));
-    const __m512 scale = _mm512_loadu_ps(col_scale + half);
-    for (int r = 0; r < m; ++r) {
-      const __m512 dot =
-          _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_load_si512(&sums[r][half]), shift));
-      const __m512 s = _mm512_mul_ps(scale, _mm512_set1_ps(rows[r].scale));
-      _mm512_storeu_ps(out + r * ldo + half, _mm512_mul_ps(dot, s));
-    }
-  }
+  for (int r = 0; r < m; ++r)
+    for (int half = 0; half < kPanel; half += 16)
+      store_logits16(_mm512_load_si512(&sums[r][half]), colsum + half, col_scale + half,
+                     rows[r].scale, out + r * ldo + half);
 }
 
 // The screen's first pass over panels [begin, end) with AMX.
@@ -1276,8 +1271,6 @@ constexpr float kBoundSlack = 1.001f;
 constexpr float kLogitSlack = 1e-5f;
 // Columns the first screen may pass to the second (one int8 column each).
 constexpr int64_t kMaxScreened = 1024;
-// Columns of a head the first pass takes in one go (its spans on the stack).
-constexpr int64_t kMaxSpans = 4096;
 
 // The screen in three passes: the int8 logits of quantized x (every column),
 // then the int8 logits of x itself (the columns the first pass could not rule
@@ -1285,8 +1278,8 @@ constexpr int64_t kMaxSpans = 4096;
 int64_t screened_argmax_i8(const float* x, int64_t k, const float* approx, const RowQuant& q,
                         const float* col_scale, const float* err, const float* norm,
                         const int8_t* q8, int64_t groups, const float* panels, int64_t n,
-                        int64_t max_candidates, std::vector<int64_t>& first,
-                        std::vector<float>& second) {
+                        int64_t max_candidates, std::vector<float>& span_top,
+                        std::vector<int64_t>& first, std::vector<float>& second) {
   // First pass, 16 columns at a time: the highest lower bound (the floor)
   // and, per span of kSpan columns, the highest upper bound; then, in the
   // spans that reach the floor, every column whose upper bound does.
@@ -1304,8 +1297,7 @@ int64_t screened_argmax_i8(const float* x, int64_t k, const float* approx, const
   constexpr float kInf = std::numeric_limits<float>::infinity();
   const int64_t whole = n / 16 * 16;
   const int64_t spans = (whole + kSpan - 1) / kSpan;
-  float span_top[kMaxSpans];
-  if (spans > kMaxSpans) return -1;
+  span_top.resize(spans);
   Lanes16 lower = -kInf + Lanes16{};
   Ints16 finite = ~Ints16{};
   for (int64_t s = 0; s < spans; ++s) {
@@ -1501,12 +1493,13 @@ at::Tensor greedy_head_i8(const at::Tensor& x, const at::Tensor& panels, const a
   const float* norm = scale + 2 * ncols;
   const float* w = panels.data_ptr<float>();
   at::parallel_for(0, m, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> span_top;
     std::vector<int64_t> first;
     std::vector<float> second;
     for (int64_t r = begin; r < end; ++r)
       op[r] = quant[r].ok ? screened_argmax_i8(a + r * lda, k, ap + r * ncols, quant[r], scale,
-                                               err, norm, w8, groups, w, n, max_candidates, first,
-                                               second)
+                                               err, norm, w8, groups, w, n, max_candidates,
+                                               span_top, first, second)
                           : -1;
   });
   return out;
