@@ -2,19 +2,26 @@
 same run, default tiny model.
 
   1. TPOT through the router (disaggregated, 1 prefill + 1 decode) vs the
-     bare engine's decode step, at 1 and at 64 streams (target <= 1.10x);
-     medians of ROUNDS router runs alternating with ROUNDS bare-engine runs.
-     Reported both as the mean TPOT of the final messages (it includes the
-     steps slowed by other requests' prefill and KV arrival) and as the
-     median inter-token latency seen by the client;
+     bare engine's decode step, at 1 and at 64 streams of 64 prompt and
+     TPOT_OUT_TOKENS output tokens (target <= 1.10x); medians of ROUNDS
+     router runs alternating with ROUNDS bare-engine runs. The ratio is of
+     the client's time per token while all the streams decode together
+     (tpot_ratio); also reported: the mean TPOT of the final messages (it
+     mixes in the steps before every stream's KV has arrived, with fewer
+     streams in the batch) and the median inter-token gap the client saw;
   2. output tokens/s for 16 concurrent greedy requests of 256 prompt tokens
      and 64 output tokens: disaggregated (1 + 1), colocated (1 worker), and
      Hugging Face generate in static batches (target: disaggregated >= 1.5x HF);
      tandem's figures are medians of three runs.
 The router runs as `tandem serve` in its own process, as in production; the
-client runs here. The last line is one JSON object with the figures.
+client runs here. With cpu_binding (the default) the server binds its decode
+worker to a core of its own (engine/cpu_binding.py); the bare engine is then
+measured bound to that same core, and the client here runs on the shared
+cores, as a client on another machine would not touch the decode core.
+``--no-cpu-binding`` measures everything unbound. The last line is one JSON
+object with the figures.
 
-  python bench/serving.py
+  python bench/serving.py [--no-cpu-binding]
 """
 
 from __future__ import annotations
@@ -26,21 +33,26 @@ from pathlib import Path
 # `engine` is the package and not bench/engine.py.
 sys.path[0] = str(Path(__file__).resolve().parents[1])
 
+import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 
 from benchkit.local_serve import tandem_serve
 from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.cpu_binding import CoreLayout, available_cores, bind_process, plan_layout
 from engine.default_model import default_model_path
 from router.client import TandemClient
 
 OUT_TOKENS = 64
 PROMPT_TOKENS = 256
+TPOT_OUT_TOKENS = 256  # long enough that all 64 streams decode together for a while
 ROUNDS = 3  # runs of each measurement; medians are reported
 
 
@@ -50,33 +62,76 @@ def prompts(n: int, length: int, seed: int) -> list[list[int]]:
 
 
 @contextlib.contextmanager
-def serve(*flags: str):
+def serve(binding: bool, *flags: str):
     """`tandem serve` in a subprocess; yields its address."""
-    with tandem_serve("kv_cache_memory_mb: 256\nport: 0\n", flags) as (address,):
+    config = f"kv_cache_memory_mb: 256\nport: 0\ncpu_binding: {str(binding).lower()}\n"
+    with tandem_serve(config, flags) as (address,):
         yield address
 
 
-async def run_streams(address: str, batch: list[list[int]]) -> tuple[float, list, list[float]]:
-    """Wall time, final messages, and every inter-token gap seen by the client."""
-    gaps: list[float] = []
+@contextlib.contextmanager
+def bound(cores: tuple[int, ...] | None):
+    """This process on ``cores`` (None: unchanged) for the block."""
+    before = available_cores()
+    if cores is not None:
+        bind_process(cores)
+    try:
+        yield
+    finally:
+        if cores is not None:
+            bind_process(before)
 
+
+@dataclass
+class StreamsRun:
+    elapsed_s: float
+    finals: list  # each stream's final message
+    arrivals: list[list[tuple[float, int]]]  # each stream's chunks: (time, tokens)
+
+    def gaps(self) -> list[float]:
+        """Every inter-token gap the client saw (a chunk of k tokens: k gaps of 1/k)."""
+        out = []
+        for chunks in self.arrivals:
+            for (t0, _), (t1, n) in itertools.pairwise(chunks):
+                out += [(t1 - t0) / n] * n
+        return out
+
+    def full_batch_tpot_s(self) -> float:
+        """Mean time per token while every stream was decoding: from the last
+        stream's first token to the first stream's last token. Streams join the
+        decode batch as their prefills finish, so the mean TPOT of the final
+        messages mixes in steps with fewer streams; this is the step time at
+        the full batch, the one the bare engine's is compared with."""
+        start = max(chunks[0][0] for chunks in self.arrivals)
+        end = min(chunks[-1][0] for chunks in self.arrivals)
+        per_stream = []
+        for chunks in self.arrivals:
+            tokens = sum(n for t, n in chunks if start < t <= end)
+            if tokens:
+                per_stream.append((end - start) / tokens)
+        if not per_stream:
+            raise RuntimeError("no stretch with every stream decoding: raise TPOT_OUT_TOKENS")
+        return statistics.mean(per_stream)
+
+
+async def run_streams(
+    address: str, batch: list[list[int]], out_tokens: int = OUT_TOKENS
+) -> StreamsRun:
     async def one(client: TandemClient, prompt: list[int]):
-        last, final = None, None
-        sampling = {"temperature": 0, "max_tokens": OUT_TOKENS, "ignore_eos": True}
+        chunks, final = [], None
+        sampling = {"temperature": 0, "max_tokens": out_tokens, "ignore_eos": True}
         async for r in client.generate(prompt, **sampling):
-            now = time.perf_counter()
             if r.HasField("chunk"):
-                if last is not None:
-                    gaps.extend([(now - last) / len(r.chunk.token_ids)] * len(r.chunk.token_ids))
-                last = now
+                chunks.append((time.perf_counter(), len(r.chunk.token_ids)))
             else:
                 final = r.final
-        return final
+        return final, chunks
 
     async with TandemClient(address) as client:
         start = time.perf_counter()
-        finals = await asyncio.gather(*(one(client, p) for p in batch))
-        return time.perf_counter() - start, finals, gaps
+        results = await asyncio.gather(*(one(client, p) for p in batch))
+        elapsed = time.perf_counter() - start
+    return StreamsRun(elapsed, [f for f, _ in results], [c for _, c in results])
 
 
 def throughput(address: str, batch: list[list[int]]) -> float:
@@ -85,16 +140,16 @@ def throughput(address: str, batch: list[list[int]]) -> float:
     rates, cached = [], []
     for r in range(ROUNDS):
         prompts_r = batch if r == 0 else prompts(len(batch), PROMPT_TOKENS, seed=1000 + r)
-        elapsed, finals, _ = asyncio.run(run_streams(address, prompts_r))
-        rates.append(len(batch) * OUT_TOKENS / elapsed)
-        cached.append(sum(f.usage.cached_tokens for f in finals))
+        run = asyncio.run(run_streams(address, prompts_r))
+        rates.append(len(batch) * OUT_TOKENS / run.elapsed_s)
+        cached.append(sum(f.usage.cached_tokens for f in run.finals))
     print("tok/s per round", [round(x) for x in rates], "cached tokens", cached, flush=True)
     return round(statistics.median(rates), 1)
 
 
 def engine_step_ms(engine: LLMEngine, streams: int, seed: int) -> float:
     """Median decode step of the bare engine with ``streams`` sequences decoding."""
-    params = SamplingParams(temperature=0, max_tokens=OUT_TOKENS, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=TPOT_OUT_TOKENS, ignore_eos=True)
     for i, p in enumerate(prompts(streams, 64, seed=seed)):
         engine.add_request(f"{seed}-{i}", p, params)
     steps = []
@@ -122,32 +177,49 @@ def hf_static_tok_s(batch: list[list[int]], size: int, threads: int) -> float:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--no-cpu-binding", action="store_true", help="bind nothing")
+    binding = not parser.parse_args().no_cpu_binding
+    # What `tandem serve --decode 1` plans on this machine (one thread a worker).
+    layout: CoreLayout | None = None
+    if binding:
+        layout = plan_layout(available_cores(), decode_workers=1, threads=1)
+    decode_cores = layout.decode[0] if layout else None
+    client_cores = layout.shared if layout else None
+    print("cpu binding:", layout.describe() if layout else "none", flush=True)
     batch = prompts(16, PROMPT_TOKENS, seed=7)
-    results: dict = {}
+    results: dict = {"cpu_binding": layout is not None}
     engine = LLMEngine(EngineConfig(num_threads=1, kv_cache_memory_bytes=256 << 20))
-    with serve("--prefill", "1", "--decode", "1") as address:
-        asyncio.run(run_streams(address, prompts(2, 64, seed=99)))  # warm up
+    with serve(binding, "--prefill", "1", "--decode", "1") as address:
+        with bound(client_cores):
+            asyncio.run(run_streams(address, prompts(2, 64, seed=99)))  # warm up
         for streams in (1, 64):
             # Router runs and bare-engine runs alternate, ROUNDS of each, so a
             # burst of load on the shared machine does not land on one side only.
-            tpots, itls, bares = [], [], []
+            means, tpots, itls, bares = [], [], [], []
             for r in range(ROUNDS):
                 seed = streams + 100 * r
-                _, finals, gaps = asyncio.run(run_streams(address, prompts(streams, 64, seed)))
-                tpots.append(statistics.mean(f.timings.mean_tpot_s for f in finals) * 1e3)
-                itls.append(statistics.median(gaps) * 1e3)
-                bares.append(engine_step_ms(engine, streams, seed))
-            tpot, itl, bare = (statistics.median(x) for x in (tpots, itls, bares))
+                batch_r = prompts(streams, 64, seed)
+                with bound(client_cores):
+                    run = asyncio.run(run_streams(address, batch_r, TPOT_OUT_TOKENS))
+                means.append(statistics.mean(f.timings.mean_tpot_s for f in run.finals) * 1e3)
+                tpots.append(run.full_batch_tpot_s() * 1e3)
+                itls.append(statistics.median(run.gaps()) * 1e3)
+                with bound(decode_cores):  # the decode worker's core, the server idle
+                    bares.append(engine_step_ms(engine, streams, seed))
+            mean, tpot, itl, bare = (statistics.median(x) for x in (means, tpots, itls, bares))
             results[f"tpot_{streams}"] = {
-                "router_mean_tpot_ms": round(tpot, 3),
+                "router_mean_tpot_ms": round(mean, 3),
+                "full_batch_tpot_ms": round(tpot, 3),
                 "client_median_itl_ms": round(itl, 3),
                 "engine_step_ms": round(bare, 3),
                 "tpot_ratio": round(tpot / bare, 3),
                 "itl_ratio": round(itl / bare, 3),
             }
             print(streams, results[f"tpot_{streams}"], flush=True)
-        results["disaggregated_tok_s"] = throughput(address, batch)
-    with serve("--mode", "colocated", "--decode", "1") as address:
+        with bound(client_cores):
+            results["disaggregated_tok_s"] = throughput(address, batch)
+    with serve(binding, "--mode", "colocated", "--decode", "1") as address, bound(client_cores):
         asyncio.run(run_streams(address, prompts(2, 64, seed=99)))
         results["colocated_tok_s"] = throughput(address, batch)
     print(results, flush=True)

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
+from engine.cpu_binding import bind_process
 from engine.engine_loop import EngineLoop
 from engine.heap import freeze_startup_heap
 from engine.index import EventPublisher, KVEvent
@@ -197,11 +198,16 @@ class WorkerActor:
         host: str | None,
         log_format: LogFormat = "text",
         batch_scheduling: bool = False,
+        cpu_cores: tuple[int, ...] | None = None,
     ) -> None:
         """``batch_scheduling``: this process runs under SCHED_BATCH (prefill
-        workers, see engine/sched_policy.py); otherwise under the normal policy."""
+        workers, see engine/sched_policy.py); otherwise under the normal policy.
+        ``cpu_cores``: the cores this process is bound to (engine/cpu_binding.py),
+        before the engine starts its threads; None: as inherited."""
         configure_logging(log_format)  # this actor's process: structured request events
         set_policy(batch_scheduling)
+        if cpu_cores is not None:
+            bind_process(cpu_cores)
         if host is None:  # the address Ray gives this node, so peers on other nodes reach it
             import ray
 

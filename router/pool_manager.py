@@ -11,6 +11,7 @@ from typing import Any
 import ray
 
 from engine.config import EngineConfig, SpeculativeConfig
+from engine.cpu_binding import CoreAssignment, CoreLayout, Cores
 from engine.worker_base import IndexSettings
 from tandem_cli.config import ServeConfig, WorkerResources
 
@@ -24,6 +25,7 @@ class WorkerHandle:
     actor: Any
     info: dict = field(default_factory=dict)  # what the worker's start() returned
     in_flight: int = 0
+    cores: Cores | None = None  # what its process is bound to; None: not bound
 
 
 def gpus_per_worker(resources: WorkerResources) -> float:
@@ -97,10 +99,19 @@ class WorkerPool:
 
     _ids = itertools.count()
 
-    def __init__(self, role: str, config: ServeConfig, host: str | None = None) -> None:
+    def __init__(
+        self,
+        role: str,
+        config: ServeConfig,
+        host: str | None = None,
+        cores: CoreLayout | None = None,
+    ) -> None:
+        """``cores``: this machine's core layout, which the workers bind to
+        (engine/cpu_binding.py, CoreAssignment); None binds nothing."""
         self.role = role
         self.config = config
         self.host = host
+        self.cores = None if cores is None else CoreAssignment(cores, role)
         self.workers: list[WorkerHandle] = []
         self.resources = config.prefill_resources if role == "prefill" else config.decode_resources
 
@@ -116,6 +127,7 @@ class WorkerPool:
         except BaseException:
             for worker in new:
                 ray.kill(worker.actor)
+            self.release_cores(new)
             raise
         for worker, info in zip(new, infos, strict=True):
             worker.info = info
@@ -130,6 +142,7 @@ class WorkerPool:
         order = sorted(reversed(self.workers), key=lambda w: w.in_flight)
         gone = order[:n]
         self.workers = [w for w in self.workers if w not in gone]
+        self.release_cores(gone)
         return gone
 
     async def find_dead(self, timeout_s: float) -> list[WorkerHandle]:
@@ -152,6 +165,13 @@ class WorkerPool:
     def remove(self, workers: list[WorkerHandle]) -> None:
         """Take ``workers`` out of routing (they are gone already)."""
         self.workers = [w for w in self.workers if w not in workers]
+        self.release_cores(workers)
+
+    def release_cores(self, workers: list[WorkerHandle]) -> None:
+        """The dedicated cores of ``workers`` (gone, or going) are free again."""
+        if self.cores is not None:
+            for worker in workers:
+                self.cores.release(worker.name)
 
     async def stop(self) -> None:
         workers, self.workers = self.workers, []
@@ -180,19 +200,20 @@ class WorkerPool:
         index = IndexSettings(redis_url=self.config.redis_url, deployment=self.config.deployment)
         transfer = self.config.transfer_config()
         args = (name, engine, transfer, index, self.host, self.config.log_format)
+        cores = None if self.cores is None else self.cores.claim(name)
         if self.role == "prefill":
             from prefill_pool.actor import PrefillActor
 
             actor = (
                 ray.remote(PrefillActor)
                 .options(**options)
-                .remote(*args, batch_scheduling=self.config.batch_scheduling)
+                .remote(*args, batch_scheduling=self.config.batch_scheduling, cpu_cores=cores)
             )
         else:
             from decode_pool.actor import DecodeActor
 
-            actor = ray.remote(DecodeActor).options(**options).remote(*args)
-        return WorkerHandle(name, self.role, actor)
+            actor = ray.remote(DecodeActor).options(**options).remote(*args, cpu_cores=cores)
+        return WorkerHandle(name, self.role, actor, cores=cores)
 
 
 async def _stop(worker: WorkerHandle) -> None:

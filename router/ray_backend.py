@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from decode_pool.worker import DecodeRequest
+from engine.cpu_binding import CoreLayout
 from engine.hashing import root_hash
 from engine.index import BlockIndex, InMemoryIndex, KVEvent
 from engine.loader import resolve_model_dir
@@ -47,12 +48,14 @@ ABORT_TIMEOUT_S = 10.0
 
 
 class RayBackend:
-    def __init__(self, config: ServeConfig) -> None:
+    def __init__(self, config: ServeConfig, cores: CoreLayout | None = None) -> None:
+        """``cores``: the local machine's core layout (engine/cpu_binding.py) that
+        the workers bind to; None binds nothing."""
         self.config = config
         self.router_id = f"router-{uuid.uuid4().hex[:8]}"
         self.colocated = config.mode == "colocated"
-        self.prefill = WorkerPool("prefill", config)
-        self.decode = WorkerPool("colocated" if self.colocated else "decode", config)
+        self.prefill = WorkerPool("prefill", config, cores=cores)
+        self.decode = WorkerPool("colocated" if self.colocated else "decode", config, cores=cores)
         self.policy = make_policy(config.routing_policy)
         self.tokenizer = None
         self.max_model_len = 0
@@ -248,6 +251,7 @@ class RayBackend:
     def _worker_lost(self, worker: WorkerHandle, pool: WorkerPool) -> None:
         """Recovery gave a worker up: the next check (worker_check_interval_s)
         starts a replacement where the pool's resources remain."""
+        pool.release_cores([worker])
         self._missing[pool.role] = self._missing.get(pool.role, 0) + 1
 
     async def _worker_back(self, worker: WorkerHandle) -> None:

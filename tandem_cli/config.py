@@ -135,6 +135,13 @@ class ServeConfig(BaseModel):
     """Linux: the router process (and a local Ray it starts) and the prefill workers run
     under SCHED_BATCH, decode workers under the normal policy, so that on shared cores
     the router woken by a decode worker's output never preempts its engine thread."""
+    cpu_binding: bool = True
+    """Where `tandem serve` starts the local Ray cluster for CPU workers: each decode
+    (or colocated) worker's process runs on num_threads cores of its own (the
+    highest-numbered) and the router, Ray's daemons and the prefill workers on the
+    cores left over, so that nothing woken by a step's output runs on a decode core.
+    Nothing is bound when that would leave no core over, on a Ray cluster joined with
+    ray_address, with GPU workers, or when false."""
     early_decode_start: bool = True
     """Disaggregated: the router starts the decode while the prefill runs, and the decode
     worker begins when the KV push commits (the push carries the first token); false: the

@@ -17,6 +17,7 @@ from collections.abc import Callable
 import yaml
 from pydantic import ValidationError
 
+from engine.cpu_binding import CoreLayout, available_cores, bind_process, plan_layout
 from engine.heap import freeze_startup_heap
 from engine.logfmt import configure_logging
 from router.auth import ApiKeys
@@ -125,6 +126,12 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def ray_is_up() -> bool:
+    import ray
+
+    return ray.is_initialized()
+
+
 def init_ray(config: ServeConfig) -> bool:
     """Connect to ``config.ray_address``, or start a local Ray cluster sized for
     the pools (on loopback when the router binds a loopback host).
@@ -133,7 +140,7 @@ def init_ray(config: ServeConfig) -> bool:
     """
     import ray
 
-    if ray.is_initialized():
+    if ray_is_up():
         return False
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if config.ray_address:
@@ -154,6 +161,22 @@ def init_ray(config: ServeConfig) -> bool:
         _node_ip_address=LOCAL_RAY_NODE_IP if is_loopback(config.host) else None,
     )
     return True
+
+
+def plan_cores(config: ServeConfig) -> CoreLayout | None:
+    """The cores of the local cluster's decode workers and of everything else
+    (engine/cpu_binding.py); None when nothing is to be bound."""
+    if not config.cpu_binding or config.ray_address:
+        return None
+    resources = config.decode_resources
+    if resources.num_gpus is None:
+        import torch
+
+        if torch.cuda.is_available():  # Ray gives each worker a GPU
+            return None
+    elif resources.num_gpus > 0:
+        return None
+    return plan_layout(available_cores(), config.decode, resources.num_threads)
 
 
 def run(config: ServeConfig) -> int:
@@ -186,6 +209,13 @@ async def serve(
             server.cut_grace()
 
     own_backend = backend is None
+    cores = None
+    if own_backend and not ray_is_up():
+        cores = plan_cores(config)
+        if cores is not None and bind_process(cores.shared):  # Ray's processes inherit it
+            log.info("cpu binding: %s", cores.describe())
+        else:
+            cores = None
     started_ray = own_backend and init_ray(config)
     # Installed after ray.init (Ray's core worker sets a SIGTERM handler that
     # must not wrap ours) and kept through ray.shutdown(), so that a second
@@ -195,7 +225,7 @@ async def serve(
             if backend is None:
                 from router.ray_backend import RayBackend
 
-                backend = RayBackend(config)
+                backend = RayBackend(config, cores)
             server = server_for(config, backend)
             await server.start()
             if own_backend:  # this process is `tandem serve` itself, not a test's

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from engine.cpu_binding import available_cores, plan_layout
+
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
@@ -58,11 +60,7 @@ def _wait_line(proc: subprocess.Popen, pattern: str) -> str:
     raise AssertionError(f"no line matching {pattern!r}; exit code {proc.poll()}")
 
 
-def _assert_scheduling(router: int, tree: set[int]) -> None:
-    """batch_scheduling (on by default): the router and the prefill worker run
-    under SCHED_BATCH, the decode worker under the normal policy."""
-    if not hasattr(os, "SCHED_BATCH"):
-        return
+def _worker_pids(tree: set[int]) -> dict[str, int]:
     roles = {}
     for pid in tree:
         try:
@@ -73,9 +71,31 @@ def _assert_scheduling(router: int, tree: set[int]) -> None:
             if f"ray::{role}" in cmdline:
                 roles[role] = pid
     assert set(roles) == {"PrefillActor", "DecodeActor"}, roles
+    return roles
+
+
+def _assert_scheduling(router: int, roles: dict[str, int]) -> None:
+    """batch_scheduling (on by default): the router and the prefill worker run
+    under SCHED_BATCH, the decode worker under the normal policy."""
+    if not hasattr(os, "SCHED_BATCH"):
+        return
     assert os.sched_getscheduler(router) == os.SCHED_BATCH
     assert os.sched_getscheduler(roles["PrefillActor"]) == os.SCHED_BATCH
     assert os.sched_getscheduler(roles["DecodeActor"]) == os.SCHED_OTHER
+
+
+def _assert_binding(router: int, roles: dict[str, int]) -> None:
+    """cpu_binding (auto by default): where this machine has a core to spare,
+    the decode worker runs on a core of its own and the router and the
+    prefill worker on the others; otherwise nothing is bound."""
+    if not hasattr(os, "sched_getaffinity"):
+        return
+    layout = plan_layout(available_cores(), decode_workers=1, threads=1)
+    decode = set(layout.decode[0]) if layout else set(available_cores())
+    shared = set(layout.shared) if layout else set(available_cores())
+    assert os.sched_getaffinity(roles["DecodeActor"]) == decode
+    assert os.sched_getaffinity(roles["PrefillActor"]) == shared
+    assert os.sched_getaffinity(router) == shared
 
 
 def test_serve_generate_then_sigterm_leaves_nothing_behind():
@@ -97,7 +117,9 @@ def test_serve_generate_then_sigterm_leaves_nothing_behind():
         )
         assert gen.returncode == 0, gen.stderr
         assert "4 completion tokens" in gen.stderr
-        _assert_scheduling(proc.pid, tree)
+        roles = _worker_pids(tree)
+        _assert_scheduling(proc.pid, roles)
+        _assert_binding(proc.pid, roles)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=120) == 0
         deadline = time.monotonic() + 30

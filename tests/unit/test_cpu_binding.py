@@ -1,0 +1,94 @@
+"""engine.cpu_binding: the core layout of one machine, how pools share it out,
+and binding every thread of a process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine.cpu_binding import CoreAssignment, CoreLayout, available_cores, plan_layout
+from tandem_cli.config import ServeConfig, WorkerResources
+from tandem_cli.serve import plan_cores
+
+pytestmark = pytest.mark.unit
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_decode_workers_get_the_highest_cores_and_the_rest_is_shared():
+    assert plan_layout([0, 1], decode_workers=1, threads=1) == CoreLayout((0,), ((1,),), (0, 1))
+    layout = plan_layout(range(8), decode_workers=2, threads=2)
+    assert layout == CoreLayout((0, 1, 2, 3), ((4, 5), (6, 7)), tuple(range(8)))
+    # A container's or taskset's cores need not be contiguous.
+    layout = plan_layout({7, 2, 5, 0}, decode_workers=1, threads=2)
+    assert layout == CoreLayout((0, 2), ((5, 7),), (0, 2, 5, 7))
+    assert "cores 4-5, cores 6-7" in plan_layout(range(8), 2, 2).describe()
+
+
+@pytest.mark.parametrize(
+    ("cores", "workers", "threads"), [(1, 1, 1), (2, 2, 1), (4, 2, 2), (4, 0, 1)]
+)
+def test_no_layout_when_no_core_would_be_left_shared(cores, workers, threads):
+    assert plan_layout(range(cores), workers, threads) is None
+
+
+def test_decode_sets_are_handed_out_once_and_come_back():
+    layout = plan_layout(range(4), decode_workers=2, threads=1)
+    decode = CoreAssignment(layout, "decode")
+    assert decode.claim("d0") == (2,)
+    assert decode.claim("d1") == (3,)
+    # Beyond the plan: every core, not the shared ones the router crowds.
+    assert decode.claim("d2") == (0, 1, 2, 3)
+    decode.release("d0")
+    decode.release("d2")  # held no set of its own: nothing changes
+    assert decode.claim("d3") == (2,)
+    assert decode.claim("d4") == (0, 1, 2, 3)
+    prefill = CoreAssignment(layout, "prefill")
+    assert prefill.claim("p0") == prefill.claim("p1") == (0, 1)
+
+
+def test_serve_plans_only_for_a_local_cpu_cluster():
+    cpu = WorkerResources(num_gpus=0)
+    expected = plan_layout(available_cores(), 1, 1)
+    assert plan_cores(ServeConfig(decode_resources=cpu)) == expected
+    assert plan_cores(ServeConfig(decode_resources=cpu, cpu_binding=False)) is None
+    joined = ServeConfig(decode_resources=cpu, ray_address="127.0.0.1:6380")
+    assert plan_cores(joined) is None
+    gpu = ServeConfig(decode_resources=WorkerResources(num_gpus=1))
+    assert plan_cores(gpu) is None
+
+
+SCRIPT = """
+import os, threading
+from engine.cpu_binding import available_cores, bind_process
+
+def cores_of_new_thread():
+    seen = []
+    t = threading.Thread(target=lambda: seen.append(os.sched_getaffinity(0)))
+    t.start(); t.join()
+    return seen[0]
+
+before = set(available_cores())
+target = {min(before)}
+early, gate = [], threading.Event()
+t = threading.Thread(target=lambda: (gate.wait(), early.append(os.sched_getaffinity(0))))
+t.start()  # started before the binding: it is bound too
+assert bind_process(target)
+gate.set(); t.join()
+assert early == [target], early
+assert os.sched_getaffinity(0) == target and cores_of_new_thread() == target
+assert bind_process(before) and cores_of_new_thread() == before
+print("ok")
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux CPU affinity")
+def test_every_thread_is_bound_and_new_ones_inherit():
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
