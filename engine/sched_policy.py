@@ -1,4 +1,5 @@
-"""CPU scheduling policy for the processes that share cores with a decode worker.
+"""CPU scheduling policy and priority for the processes that share cores with
+a decode worker.
 
 Every frame a decode worker's engine thread writes to a router's socket wakes
 the router, and Linux treats a socket wakeup as synchronous: it tends to run
@@ -8,6 +9,10 @@ SCHED_BATCH they still get their share of the CPU but never preempt on
 wakeup. Decode workers keep the normal policy (and set it explicitly, since
 a policy is inherited from the process that started them). Serving config:
 ``batch_scheduling``.
+
+A share of the CPU is weighted by the nice value, and Ray starts its
+workers at 15: the router at 0 outweighed a decode worker on a shared core
+28 to 1. Workers set their own (``worker_niceness``, 0 by default).
 """
 
 from __future__ import annotations
@@ -16,6 +21,35 @@ import logging
 import os
 
 log = logging.getLogger(__name__)
+
+
+def set_niceness(value: int) -> bool:
+    """Give every thread of this process the nice value ``value`` (threads
+    started later inherit it). Ray starts its workers at 15, under the router
+    and every other process on the machine, so that on a shared core the
+    router's wake-ups took the decode worker's CPU; workers set their own.
+    Lowering a nice value needs privilege (CAP_SYS_NICE or RLIMIT_NICE):
+    False where it is refused for every thread (a warning says so)."""
+    if not hasattr(os, "setpriority"):
+        return False
+    try:
+        threads = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        threads = [0]
+    done, refused = 0, None
+    for tid in threads:
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, value)
+            done += 1
+        except OSError as exc:  # a thread that just ended, or no privilege
+            refused = exc
+    if not done and refused is not None:
+        log.warning("nice value %d refused (%s): the worker keeps %d", value, refused, _nice())
+    return done > 0
+
+
+def _nice() -> int:
+    return os.getpriority(os.PRIO_PROCESS, 0)
 
 
 def set_policy(batch: bool) -> bool:

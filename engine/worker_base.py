@@ -18,7 +18,7 @@ from engine.heap import freeze_startup_heap
 from engine.index import EventPublisher, KVEvent
 from engine.llm_engine import LLMEngine
 from engine.logfmt import LogFormat, configure_logging
-from engine.sched_policy import set_policy
+from engine.sched_policy import set_niceness, set_policy
 from engine.sequence import RequestOutput
 from engine.spec.decoder import spec_stats
 from engine.transfer import PoolBlockStore, TransferConfig
@@ -199,13 +199,17 @@ class WorkerActor:
         log_format: LogFormat = "text",
         batch_scheduling: bool = False,
         cpu_cores: tuple[int, ...] | None = None,
+        niceness: int | None = None,
     ) -> None:
         """``batch_scheduling``: this process runs under SCHED_BATCH (prefill
         workers, see engine/sched_policy.py); otherwise under the normal policy.
         ``cpu_cores``: the cores this process is bound to (engine/cpu_binding.py),
-        before the engine starts its threads; None: as inherited."""
+        before the engine starts its threads; None: as inherited. ``niceness``:
+        this process's nice value (sched_policy.set_niceness); None: Ray's."""
         configure_logging(log_format)  # this actor's process: structured request events
         set_policy(batch_scheduling)
+        if niceness is not None:
+            set_niceness(niceness)
         if cpu_cores is not None:
             bind_process(cpu_cores)
         if host is None:  # the address Ray gives this node, so peers on other nodes reach it

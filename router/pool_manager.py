@@ -201,18 +201,19 @@ class WorkerPool:
         transfer = self.config.transfer_config()
         args = (name, engine, transfer, index, self.host, self.config.log_format)
         cores = None if self.cores is None else self.cores.claim(name)
+        process = {"cpu_cores": cores, "niceness": self.config.worker_niceness}
         if self.role == "prefill":
             from prefill_pool.actor import PrefillActor
 
             actor = (
                 ray.remote(PrefillActor)
                 .options(**options)
-                .remote(*args, batch_scheduling=self.config.batch_scheduling, cpu_cores=cores)
+                .remote(*args, batch_scheduling=self.config.batch_scheduling, **process)
             )
         else:
             from decode_pool.actor import DecodeActor
 
-            actor = ray.remote(DecodeActor).options(**options).remote(*args, cpu_cores=cores)
+            actor = ray.remote(DecodeActor).options(**options).remote(*args, **process)
         return WorkerHandle(name, self.role, actor, cores=cores)
 
 

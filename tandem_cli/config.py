@@ -135,6 +135,10 @@ class ServeConfig(BaseModel):
     """Linux: the router process (and a local Ray it starts) and the prefill workers run
     under SCHED_BATCH, decode workers under the normal policy, so that on shared cores
     the router woken by a decode worker's output never preempts its engine thread."""
+    worker_niceness: int | None = Field(0, ge=-20, le=19)
+    """Nice value of every worker process (all its threads); None keeps Ray's, 15.
+    Lowering it needs privilege (root, CAP_SYS_NICE or RLIMIT_NICE) on a cluster
+    joined with ray_address; a local cluster starts its workers with it."""
     cpu_binding: bool = True
     """Where `tandem serve` starts the local Ray cluster for CPU workers: each decode
     (or colocated) worker's process runs on num_threads cores of its own (the

@@ -143,6 +143,10 @@ def init_ray(config: ServeConfig) -> bool:
     if ray_is_up():
         return False
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if config.worker_niceness is not None and not config.ray_address:
+        # A local cluster starts its workers there; they need no privilege to
+        # keep it (each worker also sets it itself: sched_policy.set_niceness).
+        os.environ.setdefault("RAY_worker_niceness", str(max(config.worker_niceness, 0)))
     if config.ray_address:
         ray.init(address=config.ray_address)
         return True

@@ -82,6 +82,9 @@ def _assert_scheduling(router: int, roles: dict[str, int]) -> None:
     assert os.sched_getscheduler(router) == os.SCHED_BATCH
     assert os.sched_getscheduler(roles["PrefillActor"]) == os.SCHED_BATCH
     assert os.sched_getscheduler(roles["DecodeActor"]) == os.SCHED_OTHER
+    # worker_niceness (0 by default), not Ray's 15 under the router's 0.
+    assert os.getpriority(os.PRIO_PROCESS, roles["DecodeActor"]) == 0
+    assert os.getpriority(os.PRIO_PROCESS, roles["PrefillActor"]) == 0
 
 
 def _assert_binding(router: int, roles: dict[str, int]) -> None:

@@ -44,3 +44,34 @@ def test_every_thread_changes_and_new_ones_inherit():
         [sys.executable, "-c", SCRIPT], cwd=REPO, capture_output=True, text=True, timeout=60
     )
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+NICE_SCRIPT = """
+import os, threading
+from engine.sched_policy import set_niceness
+
+def nice_of_new_thread():
+    seen = []
+    t = threading.Thread(target=lambda: seen.append(os.getpriority(os.PRIO_PROCESS, 0)))
+    t.start(); t.join()
+    return seen[0]
+
+target = os.getpriority(os.PRIO_PROCESS, 0) + 3  # raising it needs no privilege
+early, gate = [], threading.Event()
+t = threading.Thread(
+    target=lambda: (gate.wait(), early.append(os.getpriority(os.PRIO_PROCESS, 0)))
+)
+t.start()  # started before the change: it changes too
+assert set_niceness(target)
+gate.set(); t.join()
+assert early == [target], early
+assert os.getpriority(os.PRIO_PROCESS, 0) == target and nice_of_new_thread() == target
+print("ok")
+"""
+
+
+def test_every_thread_takes_the_nice_value_and_new_ones_inherit():
+    out = subprocess.run(
+        [sys.executable, "-c", NICE_SCRIPT], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
