@@ -158,10 +158,13 @@ class LlamaModel:
         self.cos, self.sin = cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
         self.screen_head: Int8Head | HalfHead | None = None
         self.screen_rows = self.screen_misses = 0  # rows screened, and left unsettled
+        self.screen_max_rows = 1 << 30  # more rows at once get the full logits
         if kernels is not None:  # one copy of each matrix, in the linear kernel's layout
             self.lm_head = PackedWeight.pack(self.lm_head)
             if greedy_screen and hasattr(kernels, "greedy_head_i8"):  # AVX2, F16C, FMA
                 self.screen_head = screen_for(self.lm_head, kernels.INT8_ROW_LEVELS)
+                if isinstance(self.screen_head, HalfHead):
+                    self.screen_max_rows = kernels.HALF_SCREEN_MAX_ROWS
             for w in self.layers:
                 w.qkv, w.o, w.gate_up, w.down = (
                     PackedWeight.pack(m) for m in (w.qkv, w.o, w.gate_up, w.down)
@@ -254,11 +257,16 @@ class LlamaModel:
         """The argmax of each row's logits over the first ``vocab_size`` columns,
         the same token as ``logits`` then argmax, from a screen of the head
         (cpu_ops.cpp, greedy_head_*); needs ``screen_head``. Rows the screen
-        cannot settle get their full logits."""
+        cannot settle get their full logits, and so do batches of more than
+        ``screen_max_rows`` rows (cpu_ops.HALF_SCREEN_MAX_ROWS for a float16
+        screen)."""
         head, screen = self.lm_head, self.screen_head
         assert isinstance(head, PackedWeight) and screen is not None, "no screened head"
         x = hidden.contiguous()
         ops = self.kernels
+        if len(x) > self.screen_max_rows:  # the screen would cost more than it saves
+            full = ops.linear(x, head.panels, head.out_features)
+            return ops.argmax_rows(full[:, :vocab_size].contiguous()).tolist()
         screened = screen.tokens(ops, x, head, vocab_size, MAX_CANDIDATES)
         tokens = screened.tolist()  # checked in Python: no tensor op when every row settles
         unsettled = [i for i, t in enumerate(tokens) if t < 0]

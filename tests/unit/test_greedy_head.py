@@ -246,6 +246,16 @@ def test_the_engine_screens_plain_greedy_rows_only(llama_dir, ops, monkeypatch):
     assert isinstance(wide.engine.model.screen_head, kernels.HalfHead)
     assert [o.token_ids for o in wide.generate(prompts, greedy)] == screened
     assert wide.engine.model.screen_misses < wide.engine.model.screen_rows  # it settles rows
+    # Past HALF_SCREEN_MAX_ROWS rows (4 on AVX-512) the float16 screen costs more
+    # than it saves: such batches take the full logits, with the same tokens.
+    assert wide.engine.model.screen_max_rows == ops.HALF_SCREEN_MAX_ROWS
+    wide.engine.model.screen_max_rows = 1
+    sizes, tokens = [], kernels.HalfHead.tokens
+    monkeypatch.setattr(
+        kernels.HalfHead, "tokens", lambda self, *a: sizes.append(len(a[1])) or tokens(self, *a)
+    )
+    assert [o.token_ids for o in wide.generate(prompts, greedy)] == screened
+    assert max(sizes, default=1) == 1
 
     monkeypatch.setattr(llama, "MAX_CANDIDATES", 0)
     assert [o.token_ids for o in llm.generate(prompts, greedy)] == screened
