@@ -143,10 +143,6 @@ def init_ray(config: ServeConfig) -> bool:
     if ray_is_up():
         return False
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    if config.worker_niceness is not None and not config.ray_address:
-        # A local cluster starts its workers there; they need no privilege to
-        # keep it (each worker also sets it itself: sched_policy.set_niceness).
-        os.environ.setdefault("RAY_worker_niceness", str(max(config.worker_niceness, 0)))
     if config.ray_address:
         ray.init(address=config.ray_address)
         return True
@@ -158,11 +154,17 @@ def init_ray(config: ServeConfig) -> bool:
     for n, r in pools:
         for name, amount in r.resources.items():
             custom[name] = custom.get(name, 0.0) + n * amount
+    system: dict = {}
+    if config.worker_niceness is not None:
+        # Workers start at it and need no privilege to keep it (each one also
+        # sets it itself: sched_policy.set_niceness); below 0 only they can try.
+        system["worker_niceness"] = max(config.worker_niceness, 0)
     ray.init(
         num_cpus=max(os.cpu_count() or 1, math.ceil(needed_cpus)),
         resources=custom or None,
         include_dashboard=False,
         _node_ip_address=LOCAL_RAY_NODE_IP if is_loopback(config.host) else None,
+        _system_config=system or None,
     )
     return True
 
@@ -180,7 +182,16 @@ def plan_cores(config: ServeConfig) -> CoreLayout | None:
             return None
     elif resources.num_gpus > 0:
         return None
-    return plan_layout(available_cores(), config.decode, resources.num_threads)
+    cores, threads = available_cores(), resources.num_threads
+    layout = plan_layout(cores, config.decode, threads)
+    if layout is None:
+        log.info(
+            "cpu binding: off (%d cores cannot give %d decode workers %d each and keep one)",
+            len(cores),
+            config.decode,
+            threads,
+        )
+    return layout
 
 
 def run(config: ServeConfig) -> int:

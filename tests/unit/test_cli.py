@@ -152,6 +152,7 @@ def test_init_ray_sizes_a_loopback_cluster(monkeypatch):
     assert kw["num_cpus"] == max(os.cpu_count() or 1, 8)
     assert kw["resources"] == {"decode": 3.0}
     assert kw["include_dashboard"] is False
+    assert kw["_system_config"] == {"worker_niceness": 0}  # not Ray's 15 (worker_niceness)
     serve.init_ray(config.model_copy(update={"ray_address": "10.0.0.1:6379"}))
     assert calls[-1] == {"address": "10.0.0.1:6379"}
 
