@@ -18,12 +18,11 @@ worker binds itself to its set when its actor starts. Serving config:
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Collection
 from dataclasses import dataclass
 
-log = logging.getLogger(__name__)
+from engine.sched_policy import each_thread
 
 Cores = tuple[int, ...]
 
@@ -67,21 +66,11 @@ def plan_layout(cores: Collection[int], decode_workers: int, threads: int) -> Co
 def bind_process(cores: Collection[int]) -> bool:
     """Bind every thread of this process to ``cores``; threads started later
     inherit it from their creator. False where the platform cannot (nothing
-    changes) or refuses for every thread."""
+    changes) or refuses."""
     if not hasattr(os, "sched_setaffinity"):
         return False
-    try:
-        threads = [int(t) for t in os.listdir("/proc/self/task")]
-    except OSError:
-        threads = [0]
-    done = 0
-    for tid in threads:
-        try:
-            os.sched_setaffinity(tid, set(cores))
-            done += 1
-        except OSError as exc:  # a thread that just ended, or a core we may not use
-            log.debug("affinity of thread %d unchanged: %s", tid, exc)
-    return done > 0
+    wanted = set(cores)
+    return each_thread(lambda tid: os.sched_setaffinity(tid, wanted), "affinity") is None
 
 
 class CoreAssignment:

@@ -19,19 +19,16 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 
 
-def set_niceness(value: int) -> bool:
-    """Give every thread of this process the nice value ``value`` (threads
-    started later inherit it). Ray starts its workers at 15, under the router
-    and every other process on the machine, so that on a shared core the
-    router's wake-ups took the decode worker's CPU; workers set their own.
-    Lowering a nice value needs privilege (CAP_SYS_NICE or RLIMIT_NICE):
-    False where it is refused for every thread (a warning says so)."""
-    if not hasattr(os, "setpriority"):
-        return False
+def each_thread(apply: Callable[[int], object], what: str) -> OSError | None:
+    """Call ``apply(tid)`` for every thread of this process (a thread's
+    scheduling settings are its own; threads started later inherit their
+    creator's). None when it took for at least one thread, else the last
+    refusal."""
     try:
         threads = [int(t) for t in os.listdir("/proc/self/task")]
     except OSError:
@@ -39,35 +36,36 @@ def set_niceness(value: int) -> bool:
     done, refused = 0, None
     for tid in threads:
         try:
-            os.setpriority(os.PRIO_PROCESS, tid, value)
+            apply(tid)
             done += 1
-        except OSError as exc:  # a thread that just ended, or no privilege
+        except OSError as exc:  # a thread that just ended, or a refusal
+            log.debug("%s of thread %d unchanged: %s", what, tid, exc)
             refused = exc
-    if not done and refused is not None:
-        log.warning("nice value %d refused (%s): the worker keeps %d", value, refused, _nice())
-    return done > 0
+    return None if done else refused or OSError(f"{what}: no thread")
 
 
-def _nice() -> int:
-    return os.getpriority(os.PRIO_PROCESS, 0)
+def set_niceness(value: int) -> bool:
+    """Give every thread of this process the nice value ``value``. Ray starts
+    its workers at 15, under the router and every other process on the
+    machine, so that on a shared core the router's wake-ups took the decode
+    worker's CPU; workers set their own. Lowering a nice value needs
+    privilege (CAP_SYS_NICE or RLIMIT_NICE): False where it is refused (a
+    warning says so)."""
+    if not hasattr(os, "setpriority"):
+        return False
+    refused = each_thread(lambda tid: os.setpriority(os.PRIO_PROCESS, tid, value), "nice value")
+    if refused is not None:
+        kept = os.getpriority(os.PRIO_PROCESS, 0)
+        log.warning("nice value %d refused (%s): the worker keeps %d", value, refused, kept)
+    return refused is None
 
 
 def set_policy(batch: bool) -> bool:
     """Put every thread of this process under SCHED_BATCH (``batch``) or the
-    normal policy; threads started later inherit it from their creator. False
-    where the platform has no such policy or refuses it (nothing changes)."""
+    normal policy. False where the platform has no such policy or refuses it
+    (nothing changes)."""
     policy = getattr(os, "SCHED_BATCH" if batch else "SCHED_OTHER", None)
     if policy is None or not hasattr(os, "sched_setscheduler"):
         return False
-    try:
-        threads = [int(t) for t in os.listdir("/proc/self/task")]
-    except OSError:
-        threads = [0]
-    done = 0
-    for tid in threads:
-        try:
-            os.sched_setscheduler(tid, policy, os.sched_param(0))
-            done += 1
-        except OSError as exc:  # a thread that just ended, or a refusal
-            log.debug("scheduling policy of thread %d unchanged: %s", tid, exc)
-    return done > 0
+    param = os.sched_param(0)
+    return each_thread(lambda tid: os.sched_setscheduler(tid, policy, param), "policy") is None

@@ -1,12 +1,7 @@
-"""engine.cpu_binding: the core layout of one machine, how pools share it out,
-and binding every thread of a process."""
+"""engine.cpu_binding: the core layout of one machine and how pools share it
+out (binding a process's threads: test_sched_policy.py)."""
 
 from __future__ import annotations
-
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -15,8 +10,6 @@ from tandem_cli.config import ServeConfig, WorkerResources
 from tandem_cli.serve import plan_cores
 
 pytestmark = pytest.mark.unit
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def test_decode_workers_get_the_highest_cores_and_the_rest_is_shared():
@@ -60,35 +53,3 @@ def test_serve_plans_only_for_a_local_cpu_cluster():
     assert plan_cores(joined) is None
     gpu = ServeConfig(decode_resources=WorkerResources(num_gpus=1))
     assert plan_cores(gpu) is None
-
-
-SCRIPT = """
-import os, threading
-from engine.cpu_binding import available_cores, bind_process
-
-def cores_of_new_thread():
-    seen = []
-    t = threading.Thread(target=lambda: seen.append(os.sched_getaffinity(0)))
-    t.start(); t.join()
-    return seen[0]
-
-before = set(available_cores())
-target = {min(before)}
-early, gate = [], threading.Event()
-t = threading.Thread(target=lambda: (gate.wait(), early.append(os.sched_getaffinity(0))))
-t.start()  # started before the binding: it is bound too
-assert bind_process(target)
-gate.set(); t.join()
-assert early == [target], early
-assert os.sched_getaffinity(0) == target and cores_of_new_thread() == target
-assert bind_process(before) and cores_of_new_thread() == before
-print("ok")
-"""
-
-
-@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux CPU affinity")
-def test_every_thread_is_bound_and_new_ones_inherit():
-    out = subprocess.run(
-        [sys.executable, "-c", SCRIPT], cwd=REPO, capture_output=True, text=True, timeout=60
-    )
-    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

@@ -1,4 +1,5 @@
-"""engine.sched_policy: a process's threads, present and future, change policy."""
+"""engine.sched_policy and engine.cpu_binding: a process's threads, present
+and future, change scheduling policy, nice value and cores."""
 
 from __future__ import annotations
 
@@ -9,69 +10,65 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [
-    pytest.mark.unit,
-    pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux scheduling policies"),
-]
+pytestmark = pytest.mark.unit
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = """
 import os, threading
-from engine.sched_policy import set_policy
+from engine.cpu_binding import bind_process
+from engine.sched_policy import set_niceness, set_policy
 
-def policy_in_new_thread():
+def get():
+    return {get}
+
+def in_new_thread():
     seen = []
-    t = threading.Thread(target=lambda: seen.append(os.sched_getscheduler(0)))
+    t = threading.Thread(target=lambda: seen.append(get()))
     t.start(); t.join()
     return seen[0]
 
-early = []
-gate = threading.Event()
-t = threading.Thread(target=lambda: (gate.wait(), early.append(os.sched_getscheduler(0))))
+target = {target}
+early, gate = [], threading.Event()
+t = threading.Thread(target=lambda: (gate.wait(), early.append(get())))
 t.start()  # started before the change: it changes too
-assert set_policy(batch=True) and os.sched_getscheduler(0) == os.SCHED_BATCH
+assert {change}
 gate.set(); t.join()
-assert early == [os.SCHED_BATCH], early
-assert policy_in_new_thread() == os.SCHED_BATCH
-assert set_policy(batch=False) and os.sched_getscheduler(0) == os.SCHED_OTHER
-assert policy_in_new_thread() == os.SCHED_OTHER
+assert early == [target], early
+assert get() == target and in_new_thread() == target
 print("ok")
 """
+CASES = {
+    "policy": ("os.sched_getscheduler(0)", "os.SCHED_BATCH", "set_policy(batch=True)"),
+    # Raising a nice value needs no privilege.
+    "niceness": ("os.getpriority(os.PRIO_PROCESS, 0)", "get() + 3", "set_niceness(target)"),
+    "cores": ("os.sched_getaffinity(0)", "{min(get())}", "bind_process(target)"),
+}
+NEEDS = {"policy": "SCHED_BATCH", "niceness": "setpriority", "cores": "sched_setaffinity"}
 
 
-def test_every_thread_changes_and_new_ones_inherit():
+@pytest.mark.parametrize("setting", CASES)
+def test_every_thread_changes_and_new_ones_inherit(setting):
+    if not hasattr(os, NEEDS[setting]):
+        pytest.skip(f"no os.{NEEDS[setting]} here")
+    get, target, change = CASES[setting]
+    script = SCRIPT.format(get=get, target=target, change=change)
     out = subprocess.run(
-        [sys.executable, "-c", SCRIPT], cwd=REPO, capture_output=True, text=True, timeout=60
+        [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60
     )
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 
 
-NICE_SCRIPT = """
-import os, threading
-from engine.sched_policy import set_niceness
-
-def nice_of_new_thread():
-    seen = []
-    t = threading.Thread(target=lambda: seen.append(os.getpriority(os.PRIO_PROCESS, 0)))
-    t.start(); t.join()
-    return seen[0]
-
-target = os.getpriority(os.PRIO_PROCESS, 0) + 3  # raising it needs no privilege
-early, gate = [], threading.Event()
-t = threading.Thread(
-    target=lambda: (gate.wait(), early.append(os.getpriority(os.PRIO_PROCESS, 0)))
-)
-t.start()  # started before the change: it changes too
-assert set_niceness(target)
-gate.set(); t.join()
-assert early == [target], early
-assert os.getpriority(os.PRIO_PROCESS, 0) == target and nice_of_new_thread() == target
-print("ok")
-"""
-
-
-def test_every_thread_takes_the_nice_value_and_new_ones_inherit():
+def test_the_normal_policy_comes_back():
+    """Decode workers set it: a policy is inherited from whoever started them."""
+    if not hasattr(os, "SCHED_BATCH"):
+        pytest.skip("no SCHED_BATCH here")
+    script = (
+        "import os\nfrom engine.sched_policy import set_policy\n"
+        "assert set_policy(batch=True) and os.sched_getscheduler(0) == os.SCHED_BATCH\n"
+        "assert set_policy(batch=False) and os.sched_getscheduler(0) == os.SCHED_OTHER\n"
+        "print('ok')\n"
+    )
     out = subprocess.run(
-        [sys.executable, "-c", NICE_SCRIPT], cwd=REPO, capture_output=True, text=True, timeout=60
+        [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60
     )
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
