@@ -22,6 +22,20 @@ def _prompt(i: int) -> list[int]:
     return [10 + (i * 7919 + j * 104729) % 30000 for j in range(20 + i % 40)]
 
 
+MAX_REQUESTS = 3000  # the load's bound, should the test go wrong
+
+
+def _served_by(results: list) -> set[str]:
+    return {r.timings.decode_worker for r in results} | {r.timings.prefill_worker for r in results}
+
+
+def _wait_for(condition, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
 def test_resize_under_load_fails_no_request(ray_cluster, capsys):
     d = Deployment(ServeConfig(prefill=1, decode=1, kv_cache_memory_mb=32, kv_lease_s=120))
     try:
@@ -29,12 +43,12 @@ def test_resize_under_load_fails_no_request(ray_cluster, capsys):
         sent: list[list[int]] = []
         results: list = []
 
-        async def load():  # 4 streams at a time until told to stop (at most 400 requests)
+        async def load():  # 4 streams at a time until told to stop
             async with TandemClient(d.address) as client:
 
                 async def stream(k: int):
                     i = k
-                    while not stop.is_set() and i < 400:
+                    while not stop.is_set() and i < MAX_REQUESTS:
                         prompt = _prompt(i)
                         out = await client.complete(
                             prompt, temperature=0, max_tokens=24, ignore_eos=True
@@ -48,10 +62,13 @@ def test_resize_under_load_fails_no_request(ray_cluster, capsys):
         first_workers = {w.name for w in d.backend.prefill.workers + d.backend.decode.workers}
         loader = threading.Thread(target=lambda: asyncio.run(load()))
         loader.start()
-        time.sleep(1.0)
+        _wait_for(lambda: len(results) >= 8)
         assert main(["scale", "--target", d.address, "--prefill", "2", "--decode", "2"]) == 0
         assert "prefill 2, decode 2" in capsys.readouterr().out
-        time.sleep(2.0)  # the load reaches the new workers
+        # The load reaches the new workers (a fixed wait was too short or too
+        # long, depending on how fast the workers ran).
+        _wait_for(lambda: _served_by(results) - first_workers)
+        assert loader.is_alive(), "the load ended before it reached the new workers"
         assert main(["scale", "--target", d.address, "--prefill", "1", "--decode", "1"]) == 0
         time.sleep(1.0)
         stop.set()
@@ -62,10 +79,7 @@ def test_resize_under_load_fails_no_request(ray_cluster, capsys):
             sent, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
         )
         assert [r.token_ids for r in results] == [r.token_ids for r in reference]
-        served_by = {r.timings.decode_worker for r in results} | {
-            r.timings.prefill_worker for r in results
-        }
-        assert served_by - first_workers  # the added workers took part
+        assert _served_by(results) - first_workers  # the added workers took part
         assert len(d.backend.prefill.workers) == 1 and len(d.backend.decode.workers) == 1
         assert d.wait_no_leaks() == {}
     finally:
