@@ -11,7 +11,7 @@ from typing import Any
 import ray
 
 from engine.config import EngineConfig, SpeculativeConfig
-from engine.cpu_binding import CoreAssignment, CoreLayout, Cores
+from engine.cpu_binding import CoreAssignment, CoreLayout
 from engine.worker_base import IndexSettings
 from tandem_cli.config import ServeConfig, WorkerResources
 
@@ -25,7 +25,6 @@ class WorkerHandle:
     actor: Any
     info: dict = field(default_factory=dict)  # what the worker's start() returned
     in_flight: int = 0
-    cores: Cores | None = None  # what its process is bound to; None: not bound
 
 
 def gpus_per_worker(resources: WorkerResources) -> float:
@@ -214,7 +213,7 @@ class WorkerPool:
             from decode_pool.actor import DecodeActor
 
             actor = ray.remote(DecodeActor).options(**options).remote(*args, **process)
-        return WorkerHandle(name, self.role, actor, cores=cores)
+        return WorkerHandle(name, self.role, actor)
 
 
 async def _stop(worker: WorkerHandle) -> None:

@@ -263,20 +263,23 @@ class LlamaModel:
         head, screen = self.lm_head, self.screen_head
         assert isinstance(head, PackedWeight) and screen is not None, "no screened head"
         x = hidden.contiguous()
-        ops = self.kernels
         if len(x) > self.screen_max_rows:  # the screen would cost more than it saves
-            full = ops.linear(x, head.panels, head.out_features)
-            return ops.argmax_rows(full[:, :vocab_size].contiguous()).tolist()
-        screened = screen.tokens(ops, x, head, vocab_size, MAX_CANDIDATES)
+            return self._full_argmax(x, vocab_size)
+        screened = screen.tokens(self.kernels, x, head, vocab_size, MAX_CANDIDATES)
         tokens = screened.tolist()  # checked in Python: no tensor op when every row settles
         unsettled = [i for i, t in enumerate(tokens) if t < 0]
         self._count_screen(len(tokens), len(unsettled))
         if unsettled:
-            full = ops.linear(x[unsettled], head.panels, head.out_features)
-            best = ops.argmax_rows(full[:, :vocab_size].contiguous()).tolist()
+            best = self._full_argmax(x[unsettled], vocab_size)
             for i, t in zip(unsettled, best, strict=True):
                 tokens[i] = t
         return tokens
+
+    def _full_argmax(self, x: torch.Tensor, vocab_size: int) -> list[int]:
+        """Each row's argmax over its full float32 logits (the packed head)."""
+        ops, head = self.kernels, self.lm_head
+        full = ops.linear(x, head.panels, head.out_features)
+        return ops.argmax_rows(full[:, :vocab_size].contiguous()).tolist()
 
     def _count_screen(self, rows: int, misses: int) -> None:
         self.screen_rows += rows
