@@ -3,11 +3,13 @@ same run, default tiny model.
 
   1. TPOT through the router (disaggregated, 1 prefill + 1 decode) vs the
      bare engine's decode step, at 1 and at 64 streams of 64 prompt and
-     TPOT_OUT_TOKENS output tokens (target <= 1.10x); medians of ROUNDS
-     router runs alternating with ROUNDS bare-engine runs. tpot_ratio: the
-     client's mean time per token while all the streams decode together,
-     over the bare engine's mean decode step with as many streams (a mean
-     over a mean: both hold the machine's slow steps); also reported: that
+     TPOT_OUT_TOKENS output tokens (target <= 1.10x), in TPOT_ROUNDS rounds
+     of a router run and a bare-engine run back to back (in turns first).
+     tpot_ratio: the median over the rounds of the client's mean time per
+     token while all the streams decode together, over the bare engine's
+     mean decode step with as many streams in the same round (a mean over a
+     mean: both hold the machine's slow steps), and the range of the rounds'
+     ratios; also reported (medians over the rounds): that
      TPOT over the bare median step, the mean TPOT of the final messages (it
      mixes in the steps before every stream's KV has arrived, with fewer
      streams in the batch), and the client's median inter-token gap over
@@ -51,12 +53,20 @@ from benchkit.local_serve import tandem_serve
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.cpu_binding import CoreLayout, available_cores, bind_process, plan_layout
 from engine.default_model import default_model_path
+from engine.heap import freeze_startup_heap
 from router.client import TandemClient
 
 OUT_TOKENS = 64
 PROMPT_TOKENS = 256
-TPOT_OUT_TOKENS = 256  # long enough that all 64 streams decode together for a while
-ROUNDS = 3  # runs of each measurement; medians are reported
+# Output tokens of a TPOT run, per stream count: long enough that the first
+# stream still decodes when the last one's KV arrives (64 prefills and their
+# router calls take about as long as 256 steps of a small batch), and then
+# all of them decode together for a while.
+TPOT_OUT_TOKENS = {1: 256, 64: 512}
+ROUNDS = 3  # throughput runs of each configuration; medians are reported
+# TPOT rounds (a router run and a bare run each) per stream count: a 1-stream
+# round takes about a second, a 64-stream one about twenty.
+TPOT_ROUNDS = {1: 15, 64: 3}
 
 
 def prompts(n: int, length: int, seed: int) -> list[list[int]]:
@@ -153,7 +163,7 @@ def throughput(address: str, batch: list[list[int]]) -> float:
 def engine_step_ms(engine: LLMEngine, streams: int, seed: int) -> tuple[float, float]:
     """Median and mean decode step of the bare engine, over the steps where all
     ``streams`` sequences decode."""
-    params = SamplingParams(temperature=0, max_tokens=TPOT_OUT_TOKENS, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=TPOT_OUT_TOKENS[streams], ignore_eos=True)
     for i, p in enumerate(prompts(streams, 64, seed=seed)):
         engine.add_request(f"{seed}-{i}", p, params)
     steps = []
@@ -163,6 +173,80 @@ def engine_step_ms(engine: LLMEngine, streams: int, seed: int) -> tuple[float, f
         if len(outs) == streams and all(o.num_output_tokens > 1 for o in outs):
             steps.append(time.perf_counter() - t)
     return statistics.median(steps) * 1e3, statistics.mean(steps) * 1e3
+
+
+@dataclass
+class TpotRound:
+    """One router run and one bare-engine run, back to back."""
+
+    mean_tpot_ms: float  # mean TPOT of the final messages
+    full_batch_tpot_ms: float
+    median_itl_ms: float
+    bare_median_ms: float
+    bare_mean_ms: float
+
+    @property
+    def ratio(self) -> float:
+        return self.full_batch_tpot_ms / self.bare_mean_ms
+
+
+def measure_tpot(
+    address: str,
+    engine: LLMEngine,
+    streams: int,
+    r: int,
+    client_cores: tuple[int, ...] | None,
+    decode_cores: tuple[int, ...] | None,
+) -> TpotRound:
+    """Round ``r``: the router run and the bare run, in turns first, so that
+    a machine speeding up or slowing down over the run favours neither."""
+    seed = streams + 100 * r
+
+    def router() -> StreamsRun:
+        with bound(client_cores):
+            batch = prompts(streams, 64, seed)
+            return asyncio.run(run_streams(address, batch, TPOT_OUT_TOKENS[streams]))
+
+    def bare() -> tuple[float, float]:
+        with bound(decode_cores):  # the decode worker's core, the server idle
+            return engine_step_ms(engine, streams, seed)
+
+    if r % 2 == 0:
+        run, (median_step, mean_step) = router(), bare()
+    else:
+        (median_step, mean_step), run = bare(), router()
+    return TpotRound(
+        mean_tpot_ms=statistics.mean(f.timings.mean_tpot_s for f in run.finals) * 1e3,
+        full_batch_tpot_ms=run.full_batch_tpot_s() * 1e3,
+        median_itl_ms=statistics.median(run.gaps()) * 1e3,
+        bare_median_ms=median_step,
+        bare_mean_ms=mean_step,
+    )
+
+
+def summarize_tpot(rounds: list[TpotRound]) -> dict:
+    """Medians over the rounds; the ratios are medians of each round's own
+    ratio (a router run over the bare run next to it: the machine's speed
+    drifts by more than the overhead measured, over a run of the benchmark)."""
+
+    def med(f) -> float:
+        return statistics.median(f(x) for x in rounds)
+
+    ratios = [x.ratio for x in rounds]
+    return {
+        "rounds": len(rounds),
+        "router_mean_tpot_ms": round(med(lambda x: x.mean_tpot_ms), 3),
+        "full_batch_tpot_ms": round(med(lambda x: x.full_batch_tpot_ms), 3),
+        "client_median_itl_ms": round(med(lambda x: x.median_itl_ms), 3),
+        "engine_step_ms": round(med(lambda x: x.bare_median_ms), 3),
+        "engine_mean_step_ms": round(med(lambda x: x.bare_mean_ms), 3),
+        # A mean over a mean: a mean TPOT holds every slow step, and so does
+        # the bare engine's mean step. Medians over medians for the gaps.
+        "tpot_ratio": round(statistics.median(ratios), 3),
+        "tpot_ratio_range": [round(min(ratios), 3), round(max(ratios), 3)],
+        "tpot_over_median_step": round(med(lambda x: x.full_batch_tpot_ms / x.bare_median_ms), 3),
+        "itl_ratio": round(med(lambda x: x.median_itl_ms / x.bare_median_ms), 3),
+    }
 
 
 def hf_static_tok_s(batch: list[list[int]], size: int, threads: int) -> float:
@@ -194,40 +278,18 @@ def main() -> None:
     batch = prompts(16, PROMPT_TOKENS, seed=7)
     results: dict = {"cpu_binding": layout is not None}
     engine = LLMEngine(EngineConfig(num_threads=1, kv_cache_memory_bytes=256 << 20))
+    # As a worker does once it has built its engine (engine/heap.py): else the
+    # bare engine's steps pay full collections over this process's heap that
+    # the decode worker's do not.
+    freeze_startup_heap()
     with serve(binding, "--prefill", "1", "--decode", "1") as address:
         with bound(client_cores):
             asyncio.run(run_streams(address, prompts(2, 64, seed=99)))  # warm up
         for streams in (1, 64):
-            # Router runs and bare-engine runs alternate, ROUNDS of each, so a
-            # burst of load on the shared machine does not land on one side only.
-            means, tpots, itls, bares, bare_means = [], [], [], [], []
-            for r in range(ROUNDS):
-                seed = streams + 100 * r
-                batch_r = prompts(streams, 64, seed)
-                with bound(client_cores):
-                    run = asyncio.run(run_streams(address, batch_r, TPOT_OUT_TOKENS))
-                means.append(statistics.mean(f.timings.mean_tpot_s for f in run.finals) * 1e3)
-                tpots.append(run.full_batch_tpot_s() * 1e3)
-                itls.append(statistics.median(run.gaps()) * 1e3)
-                with bound(decode_cores):  # the decode worker's core, the server idle
-                    median_step, mean_step = engine_step_ms(engine, streams, seed)
-                bares.append(median_step)
-                bare_means.append(mean_step)
-            mean, tpot, itl, bare, bare_mean = (
-                statistics.median(x) for x in (means, tpots, itls, bares, bare_means)
-            )
-            results[f"tpot_{streams}"] = {
-                "router_mean_tpot_ms": round(mean, 3),
-                "full_batch_tpot_ms": round(tpot, 3),
-                "client_median_itl_ms": round(itl, 3),
-                "engine_step_ms": round(bare, 3),
-                "engine_mean_step_ms": round(bare_mean, 3),
-                # Means over means: a mean TPOT holds every slow step, and so does
-                # the bare engine's mean step. Medians over medians for the gaps.
-                "tpot_ratio": round(tpot / bare_mean, 3),
-                "tpot_over_median_step": round(tpot / bare, 3),
-                "itl_ratio": round(itl / bare, 3),
-            }
+            rounds = [measure_tpot(address, engine, streams, r, client_cores, decode_cores)
+                      for r in range(TPOT_ROUNDS[streams])]  # fmt: skip
+            print(streams, "round ratios", [round(x.ratio, 3) for x in rounds], flush=True)
+            results[f"tpot_{streams}"] = summarize_tpot(rounds)
             print(streams, results[f"tpot_{streams}"], flush=True)
         with bound(client_cores):
             results["disaggregated_tok_s"] = throughput(address, batch)
