@@ -30,7 +30,8 @@ import time
 
 import torch
 
-from engine import EngineConfig, LLMEngine, SamplingParams
+from benchkit.bare_engine import decode_step_times
+from engine import EngineConfig, LLMEngine
 from engine.cpu_binding import available_cores, bind_process, plan_layout
 from engine.heap import freeze_startup_heap
 
@@ -55,18 +56,8 @@ while True:
 
 def mean_step_ms(engine: LLMEngine, streams: int, seed: int) -> float:
     gen = torch.Generator().manual_seed(seed)
-    params = SamplingParams(temperature=0, max_tokens=OUT_TOKENS, ignore_eos=True)
-    for i in range(streams):
-        engine.add_request(
-            f"{seed}-{i}", torch.randint(10, 30000, (64,), generator=gen).tolist(), params
-        )
-    steps = []
-    while engine.has_unfinished():
-        t = time.perf_counter()
-        outs = engine.step()
-        if len(outs) == streams and all(o.num_output_tokens > 1 for o in outs):
-            steps.append(time.perf_counter() - t)
-    return statistics.mean(steps) * 1e3
+    batch = [torch.randint(10, 30000, (64,), generator=gen).tolist() for _ in range(streams)]
+    return statistics.mean(decode_step_times(engine, batch, OUT_TOKENS, str(seed))) * 1e3
 
 
 def main() -> None:

@@ -49,8 +49,9 @@ from dataclasses import dataclass
 
 import torch
 
+from benchkit.bare_engine import decode_step_times
 from benchkit.local_serve import tandem_serve
-from engine import EngineConfig, LLMEngine, SamplingParams
+from engine import EngineConfig, LLMEngine
 from engine.cpu_binding import CoreLayout, available_cores, bind_process, plan_layout
 from engine.default_model import default_model_path
 from engine.heap import freeze_startup_heap
@@ -163,15 +164,8 @@ def throughput(address: str, batch: list[list[int]]) -> float:
 def engine_step_ms(engine: LLMEngine, streams: int, seed: int) -> tuple[float, float]:
     """Median and mean decode step of the bare engine, over the steps where all
     ``streams`` sequences decode."""
-    params = SamplingParams(temperature=0, max_tokens=TPOT_OUT_TOKENS[streams], ignore_eos=True)
-    for i, p in enumerate(prompts(streams, 64, seed=seed)):
-        engine.add_request(f"{seed}-{i}", p, params)
-    steps = []
-    while engine.has_unfinished():
-        t = time.perf_counter()
-        outs = engine.step()
-        if len(outs) == streams and all(o.num_output_tokens > 1 for o in outs):
-            steps.append(time.perf_counter() - t)
+    batch = prompts(streams, 64, seed=seed)
+    steps = decode_step_times(engine, batch, TPOT_OUT_TOKENS[streams], str(seed))
     return statistics.median(steps) * 1e3, statistics.mean(steps) * 1e3
 
 
