@@ -28,9 +28,7 @@ import statistics
 import subprocess
 import time
 
-import torch
-
-from benchkit.bare_engine import decode_step_times
+from benchkit.bare_engine import decode_step_times, random_prompts
 from engine import EngineConfig, LLMEngine
 from engine.cpu_binding import available_cores, bind_process, plan_layout
 from engine.heap import freeze_startup_heap
@@ -55,8 +53,7 @@ while True:
 
 
 def mean_step_ms(engine: LLMEngine, streams: int, seed: int) -> float:
-    gen = torch.Generator().manual_seed(seed)
-    batch = [torch.randint(10, 30000, (64,), generator=gen).tolist() for _ in range(streams)]
+    batch = random_prompts(streams, 64, seed)
     return statistics.mean(decode_step_times(engine, batch, OUT_TOKENS, str(seed))) * 1e3
 
 

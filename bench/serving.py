@@ -49,7 +49,7 @@ from dataclasses import dataclass
 
 import torch
 
-from benchkit.bare_engine import decode_step_times
+from benchkit.bare_engine import decode_step_times, random_prompts
 from benchkit.local_serve import tandem_serve
 from engine import EngineConfig, LLMEngine
 from engine.cpu_binding import CoreLayout, available_cores, bind_process, plan_layout
@@ -68,11 +68,6 @@ ROUNDS = 3  # throughput runs of each configuration; medians are reported
 # TPOT rounds (a router run and a bare run each) per stream count: a 1-stream
 # round takes about a second, a 64-stream one about twenty.
 TPOT_ROUNDS = {1: 15, 64: 3}
-
-
-def prompts(n: int, length: int, seed: int) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(10, 30000, (length,), generator=gen).tolist() for _ in range(n)]
 
 
 @contextlib.contextmanager
@@ -153,7 +148,7 @@ def throughput(address: str, batch: list[list[int]]) -> float:
     prompts of the same shape (a repeated batch would hit the prefix cache)."""
     rates, cached = [], []
     for r in range(ROUNDS):
-        prompts_r = batch if r == 0 else prompts(len(batch), PROMPT_TOKENS, seed=1000 + r)
+        prompts_r = batch if r == 0 else random_prompts(len(batch), PROMPT_TOKENS, seed=1000 + r)
         run = asyncio.run(run_streams(address, prompts_r))
         rates.append(len(batch) * OUT_TOKENS / run.elapsed_s)
         cached.append(sum(f.usage.cached_tokens for f in run.finals))
@@ -164,7 +159,7 @@ def throughput(address: str, batch: list[list[int]]) -> float:
 def engine_step_ms(engine: LLMEngine, streams: int, seed: int) -> tuple[float, float]:
     """Median and mean decode step of the bare engine, over the steps where all
     ``streams`` sequences decode."""
-    batch = prompts(streams, 64, seed=seed)
+    batch = random_prompts(streams, 64, seed=seed)
     steps = decode_step_times(engine, batch, TPOT_OUT_TOKENS[streams], str(seed))
     return statistics.median(steps) * 1e3, statistics.mean(steps) * 1e3
 
@@ -198,7 +193,7 @@ def measure_tpot(
 
     def router() -> StreamsRun:
         with bound(client_cores):
-            batch = prompts(streams, 64, seed)
+            batch = random_prompts(streams, 64, seed)
             return asyncio.run(run_streams(address, batch, TPOT_OUT_TOKENS[streams]))
 
     def bare() -> tuple[float, float]:
@@ -269,7 +264,7 @@ def main() -> None:
     decode_cores = layout.decode[0] if layout else None
     client_cores = layout.shared if layout else None
     print("cpu binding:", layout.describe() if layout else "none", flush=True)
-    batch = prompts(16, PROMPT_TOKENS, seed=7)
+    batch = random_prompts(16, PROMPT_TOKENS, seed=7)
     results: dict = {"cpu_binding": layout is not None}
     engine = LLMEngine(EngineConfig(num_threads=1, kv_cache_memory_bytes=256 << 20))
     # As a worker does once it has built its engine (engine/heap.py): else the
@@ -278,7 +273,7 @@ def main() -> None:
     freeze_startup_heap()
     with serve(binding, "--prefill", "1", "--decode", "1") as address:
         with bound(client_cores):
-            asyncio.run(run_streams(address, prompts(2, 64, seed=99)))  # warm up
+            asyncio.run(run_streams(address, random_prompts(2, 64, seed=99)))  # warm up
         for streams in (1, 64):
             rounds = [measure_tpot(address, engine, streams, r, client_cores, decode_cores)
                       for r in range(TPOT_ROUNDS[streams])]  # fmt: skip
@@ -288,7 +283,7 @@ def main() -> None:
         with bound(client_cores):
             results["disaggregated_tok_s"] = throughput(address, batch)
     with serve(binding, "--mode", "colocated", "--decode", "1") as address, bound(client_cores):
-        asyncio.run(run_streams(address, prompts(2, 64, seed=99)))
+        asyncio.run(run_streams(address, random_prompts(2, 64, seed=99)))
         results["colocated_tok_s"] = throughput(address, batch)
     print(results, flush=True)
     results["hf_static_tok_s"] = {

@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import time
 
+import torch
+
 from engine import LLMEngine, SamplingParams
+
+
+def random_prompts(n: int, length: int, seed: int) -> list[list[int]]:
+    """``n`` prompts of ``length`` token ids drawn from the default model's
+    vocabulary, the same for the same seed."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(10, 30000, (length,), generator=gen).tolist() for _ in range(n)]
 
 
 def decode_step_times(

@@ -118,8 +118,10 @@ class WorkerPool:
         """Add workers until there are ``n``; returns the new ones, started.
         If they do not all start (within ``timeout_s``: Ray may find no node
         with the pool's resources), none is added and the new actors are killed."""
-        new = [self._create() for _ in range(n - len(self.workers))]
+        new: list[WorkerHandle] = []
         try:
+            for _ in range(n - len(self.workers)):
+                new.append(self._create())
             infos = await asyncio.wait_for(
                 asyncio.gather(*(w.actor.start.remote() for w in new)), timeout_s
             )
@@ -201,18 +203,23 @@ class WorkerPool:
         args = (name, engine, transfer, index, self.host, self.config.log_format)
         cores = None if self.cores is None else self.cores.claim(name)
         process = {"cpu_cores": cores, "niceness": self.config.worker_niceness}
-        if self.role == "prefill":
-            from prefill_pool.actor import PrefillActor
+        try:
+            if self.role == "prefill":
+                from prefill_pool.actor import PrefillActor
 
-            actor = (
-                ray.remote(PrefillActor)
-                .options(**options)
-                .remote(*args, batch_scheduling=self.config.batch_scheduling, **process)
-            )
-        else:
-            from decode_pool.actor import DecodeActor
+                actor = (
+                    ray.remote(PrefillActor)
+                    .options(**options)
+                    .remote(*args, batch_scheduling=self.config.batch_scheduling, **process)
+                )
+            else:
+                from decode_pool.actor import DecodeActor
 
-            actor = ray.remote(DecodeActor).options(**options).remote(*args, **process)
+                actor = ray.remote(DecodeActor).options(**options).remote(*args, **process)
+        except BaseException:  # no actor: its cores are free again
+            if self.cores is not None:
+                self.cores.release(name)
+            raise
         return WorkerHandle(name, self.role, actor)
 
 

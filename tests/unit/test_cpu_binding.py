@@ -3,6 +3,8 @@ out (binding a process's threads: test_sched_policy.py)."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from engine.cpu_binding import CoreAssignment, CoreLayout, available_cores, plan_layout
@@ -53,3 +55,32 @@ def test_serve_plans_only_for_a_local_cpu_cluster():
     assert plan_cores(joined) is None
     gpu = ServeConfig(decode_resources=WorkerResources(num_gpus=1))
     assert plan_cores(gpu) is None
+
+
+def test_a_pool_whose_actor_cannot_be_created_frees_its_cores(monkeypatch):
+    """scale_to: the second actor fails to be created; the first is killed and
+    neither keeps its decode core."""
+    from router import pool_manager
+
+    layout = plan_layout(range(4), decode_workers=2, threads=1)
+    config = ServeConfig(decode=2, decode_resources=WorkerResources(num_gpus=0))
+    pool = pool_manager.WorkerPool("decode", config, cores=layout)
+    created, killed = [], []
+
+    class ActorClass:
+        def options(self, **_):
+            return self
+
+        def remote(self, *_, cpu_cores, **__):
+            if created:
+                raise RuntimeError("no actor")
+            created.append(cpu_cores)
+            return object()
+
+    monkeypatch.setattr(pool_manager.ray, "remote", lambda cls: ActorClass())
+    monkeypatch.setattr(pool_manager.ray, "kill", killed.append)
+    with pytest.raises(RuntimeError, match="no actor"):
+        asyncio.run(pool.scale_to(2))
+    assert created == [(2,)] and len(killed) == 1 and pool.workers == []
+    assert pool.cores.claim("d-next") == (2,)
+    assert pool.cores.claim("d-after") == (3,)
