@@ -30,6 +30,7 @@ sys.path[0] = str(ROOT)
 
 import argparse
 import asyncio
+import dataclasses
 import itertools
 import json
 import multiprocessing as mp
@@ -86,7 +87,7 @@ async def _serve_worker(conn) -> None:
     worker = DecodeWorker("decode-bench", config, TransferConfig(), host="127.0.0.1")
     bare = LLMEngine(config)
     addresses = await worker.start()
-    conn.send(addresses.outputs)
+    conn.send(dataclasses.asdict(addresses))  # what the actor tells the router
     loop = asyncio.get_running_loop()
     params = SamplingParams(temperature=0, max_tokens=OUT_TOKENS, ignore_eos=True)
     started = (0.0, 0)
@@ -122,11 +123,11 @@ async def _side(tree: str) -> None:
     proc = ctx.Process(target=_worker_main, args=(child, tree), daemon=True)
     proc.start()
     loop = asyncio.get_running_loop()
-    address = await loop.run_in_executor(None, parent.recv)
+    info = await loop.run_in_executor(None, parent.recv)
     streams = DecodeStreams(ROUTER_ID, lambda events: None, lambda w, why: None, TransferConfig())
-    handle = WorkerHandle("decode-bench", "decode", None, {"outputs": address})
+    handle = WorkerHandle("decode-bench", "decode", None, info)
     await streams.subscribe(handle)
-    print(json.dumps({"ready": address}), flush=True)
+    print(json.dumps({"ready": info["outputs"]}), flush=True)
 
     async def ask(cmd):
         parent.send(cmd)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from decode_pool.worker import DecodeRequest, DecodeWorker
 from engine.worker_base import WorkerActor
 
@@ -11,7 +13,7 @@ class DecodeActor(WorkerActor):
 
     async def start(self) -> dict:
         addresses = await self.worker.start()
-        return {**self.worker.describe(), "kv": addresses.kv, "outputs": addresses.outputs}
+        return {**self.worker.describe(), **dataclasses.asdict(addresses)}
 
     async def reserve_prefix(self, request_id: str, block_hashes: list[bytes]) -> int:
         return await self.worker.reserve_prefix(request_id, block_hashes)

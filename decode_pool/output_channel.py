@@ -10,6 +10,11 @@ A socket that cannot take a frame at once (a router reading slowly) queues
 it, and the connection's own thread writes the queue out when the socket
 is writable; a queue beyond ``MAX_BACKLOG_BYTES`` closes the connection.
 
+A router on the same machine connects to the worker's Unix socket instead
+of its TCP port when the worker offers one (engine/transfer/local_socket.py:
+half the cost of a loopback TCP write each step); the protocol is the same,
+without TLS, which only a connection that leaves the machine needs.
+
 The connection's thread also notices the router going away (the socket
 closes or breaks): the worker then aborts every request that router owned
 here. The router notices a worker going away the same way and fails those
@@ -32,6 +37,7 @@ from decode_pool import output_wire as wire
 from engine.index import KVEvent
 from engine.sequence import RequestOutput
 from engine.transfer.datachannel import accept_forever, recv_exact, tune
+from engine.transfer.local_socket import listen_local
 from engine.transfer.security import ClusterSecurity
 from protos.tandem.v1 import worker_pb2
 
@@ -165,19 +171,31 @@ class OutputServer:
         security: ClusterSecurity,
         on_router_gone: RouterGone,
         max_frame_bytes: int = 64 << 20,
+        local: bool = True,
     ) -> None:
+        """``local``: offer a Unix socket as well, for routers on this machine
+        (``local_address``, "" when not offered or the platform has none)."""
         self.security = security
         self.max_frame_bytes = max_frame_bytes
         self._on_router_gone = on_router_gone
         self._ssl = security.server_ssl_context()
         self._listener = socket.create_server((host, 0), backlog=socket.SOMAXCONN)
         self.address = f"{host}:{self._listener.getsockname()[1]}"
+        made = listen_local("out") if local else None
+        self._local_listener, self.local_address = made or (None, "")
         self._lock = threading.Lock()
         self._routers: dict[str, RouterConnection] = {}
         self._owner: dict[str, str] = {}  # request id -> router id
         self._stopped = False
-        self._thread = threading.Thread(target=self._accept, name="outputs-accept", daemon=True)
-        self._thread.start()
+        self._threads = [
+            threading.Thread(
+                target=self._accept, args=(listener, tls), name="outputs-accept", daemon=True
+            )
+            for listener, tls in ((self._listener, True), (self._local_listener, False))
+            if listener is not None
+        ]
+        for thread in self._threads:
+            thread.start()
 
     # ---- requests (event loop thread) ----
 
@@ -226,23 +244,30 @@ class OutputServer:
     def close(self) -> None:
         """Stop accepting and end every stream (routers see them end)."""
         self._stopped = True
-        with contextlib.suppress(OSError):
-            self._listener.shutdown(socket.SHUT_RDWR)
-        self._listener.close()
+        for listener in (self._listener, self._local_listener):
+            if listener is not None:
+                with contextlib.suppress(OSError):
+                    listener.shutdown(socket.SHUT_RDWR)
+                listener.close()
         with self._lock:
             conns = list(self._routers.values())
         for conn in conns:
             conn.close("the worker stops")
-        self._thread.join(5)
+        for thread in self._threads:
+            thread.join(5)
 
-    def _accept(self) -> None:
-        accept_forever(self._listener, lambda: self._stopped, self._serve, "outputs-conn")
+    def _accept(self, listener: socket.socket, tls: bool) -> None:
+        accept_forever(
+            listener, lambda: self._stopped, lambda s: self._serve(s, tls), "outputs-conn"
+        )
 
-    def _serve(self, sock: socket.socket) -> None:
+    def _serve(self, sock: socket.socket, tls: bool = True) -> None:
+        """One router's connection; ``tls``: with the cluster's TLS, if any
+        (not on the local socket)."""
         try:
             tune(sock)
             sock.settimeout(HANDSHAKE_TIMEOUT_S)
-            if self._ssl is not None:
+            if tls and self._ssl is not None:
                 sock = self._ssl.wrap_socket(sock, server_side=True)
             router_id = self._login(sock)
         except (OSError, ValueError):  # ssl.SSLError is an OSError

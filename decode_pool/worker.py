@@ -23,6 +23,7 @@ from engine.logfmt import log_event
 from engine.sampling import SamplingParams
 from engine.sequence import RequestOutput
 from engine.transfer import GrpcKVServer, TransferConfig
+from engine.transfer.local_socket import host_identity
 from engine.worker_base import EngineWorker, IndexSettings
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,8 @@ class DecodeRequest:
 class WorkerAddresses:
     kv: str  # KVTransfer service
     outputs: str  # output streams (output_wire.py)
+    outputs_local: str = ""  # the same on a Unix socket, for routers on this machine
+    host_id: str = ""  # who can reach outputs_local (local_socket.host_identity)
 
 
 class DecodeWorker(EngineWorker):
@@ -72,10 +75,16 @@ class DecodeWorker(EngineWorker):
             self.transfer.security,
             self._router_gone,
             self.transfer.max_message_bytes,
+            local=self.transfer.local_streams,
         )
         self.start_loop()
         await self.kv_server.start()
-        self.addresses = WorkerAddresses(self.kv_server.address, self.outputs.address)
+        self.addresses = WorkerAddresses(
+            self.kv_server.address,
+            self.outputs.address,
+            self.outputs.local_address,
+            host_identity() if self.outputs.local_address else "",
+        )
         return self.addresses
 
     async def stop(self) -> None:

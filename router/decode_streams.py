@@ -1,22 +1,24 @@
 """The router's end of the decode workers' output streams.
 
-One TCP connection per decode worker (decode_pool/output_wire.py) carries
+One connection per decode worker (decode_pool/output_wire.py) carries
 every step's deltas for this router's requests there, and the worker's
-cache events. Each request reads its deltas from a queue; when a worker's
-stream breaks, every request on that worker gets ``LOST`` and the backend
-hears of it.
+cache events: a Unix socket when the worker offers one and runs on this
+machine (engine/transfer/local_socket.py), else TCP. Each request reads
+its deltas from a queue; when a worker's stream breaks, every request on
+that worker gets ``LOST`` and the backend hears of it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Final
 
 from decode_pool import output_wire as wire
 from engine.transfer import TransferConfig
 from engine.transfer.datachannel import split_address, tune
+from engine.transfer.local_socket import host_identity, local_path
 from protos.tandem.v1 import worker_pb2
 from router.pool_manager import WorkerHandle
 
@@ -146,18 +148,38 @@ class DecodeStreams:
         """Open ``worker``'s output stream; ConnectionError if it is refused or
         does not open in time."""
         await self.unsubscribe(worker)
+        loop = asyncio.get_running_loop()
+        local = worker.info.get("outputs_local")
+        here = host_identity()
+        if local and self.transfer.local_streams and here and worker.info.get("host_id") == here:
+            try:
+                await self._open(
+                    worker, lambda s: loop.create_unix_connection(s, local_path(local))
+                )
+                return
+            except ConnectionError as exc:
+                log.warning("%s; trying its TCP address", exc)
         address = worker.info["outputs"]
         host, port = split_address(address), int(address.rsplit(":", 1)[1])
         security = self.transfer.security
         ctx = security.client_ssl_context()  # None without cluster TLS
         server_name = security.server_hostname(host)
+        await self._open(
+            worker,
+            lambda s: loop.create_connection(s, host, port, ssl=ctx, server_hostname=server_name),
+        )
+
+    async def _open(
+        self,
+        worker: WorkerHandle,
+        connect: Callable[[Callable[[], _OutputStream]], Awaitable[object]],
+    ) -> None:
+        """A new stream of ``worker`` over what ``connect(protocol_factory)`` opens."""
         stream = _OutputStream(worker, self.router_id, self.transfer, self._dispatch, self._ended)
         self._streams[worker.name] = stream
         try:
             async with asyncio.timeout(SUBSCRIBE_TIMEOUT_S):
-                await asyncio.get_running_loop().create_connection(
-                    lambda: stream, host, port, ssl=ctx, server_hostname=server_name
-                )
+                await connect(lambda: stream)
                 await stream.opened
         except (OSError, TimeoutError) as exc:  # ConnectionError is an OSError
             stream.end("")

@@ -172,6 +172,9 @@ class ServeConfig(BaseModel):
     kv_max_message_mb: int = Field(64, ge=16)
     """Largest message (MiB) of the internal endpoints (KV transfer, worker output
     streams) and largest KV data-channel frame."""
+    local_output_streams: bool = True
+    """A decode worker's output stream to a router on the same machine goes over a
+    Unix socket (no TLS: it never leaves the machine) instead of TCP."""
     tls_cert: Path | None = None
     """PEM certificate chain of the router's gRPC API; set with tls_key to serve TLS only."""
     tls_key: Path | None = None
@@ -278,4 +281,5 @@ class ServeConfig(BaseModel):
             timeout_s=self.kv_transfer_timeout_s,
             max_message_bytes=self.kv_max_message_mb << 20,
             security=self.cluster_security(),
+            local_streams=self.local_output_streams,
         )

@@ -1,11 +1,13 @@
 """A decode worker's output streams (decode_pool/output_channel.py) and the
 router's reader (router/decode_streams.py), both in this process on
 127.0.0.1: framing, the login, cache events, a broken stream, a router
-that goes away or reads slowly, TLS."""
+that goes away or reads slowly, TLS, the Unix socket of a router on the
+same machine."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import socket
 import threading
 import time
@@ -18,6 +20,7 @@ from decode_pool.output_channel import OutputServer
 from engine.index import KVEvent
 from engine.sequence import RequestOutput
 from engine.transfer import ClusterSecurity, TransferConfig
+from engine.transfer.local_socket import host_identity
 from protos.tandem.v1 import worker_pb2
 from router.decode_streams import LOST, DecodeStreams
 from router.pool_manager import WorkerHandle
@@ -36,7 +39,14 @@ def _out(rid: str, token: int, finished: bool = False) -> RequestOutput:
 class Pair:
     """An output server and a router's reader of it."""
 
-    def __init__(self, security: ClusterSecurity, reader_security: ClusterSecurity | None = None):
+    def __init__(
+        self,
+        security: ClusterSecurity,
+        reader_security: ClusterSecurity | None = None,
+        local_info: dict | None = None,
+    ):
+        """``local_info``: what the worker's handle says of its Unix socket
+        (none: the router knows only its TCP address)."""
         self.gone: list[tuple[str, list[str]]] = []
         self.gone_event = threading.Event()
         self.server = OutputServer("127.0.0.1", security, self._router_gone, 1 << 20)
@@ -45,7 +55,8 @@ class Pair:
         self.reader_config = TransferConfig(
             security=reader_security or security, max_message_bytes=16 << 20
         )
-        self.worker = WorkerHandle("decode-0", "decode", None, {"outputs": self.server.address})
+        info = {"outputs": self.server.address, **(local_info or {})}
+        self.worker = WorkerHandle("decode-0", "decode", None, info)
         self.streams: DecodeStreams | None = None
 
     def _router_gone(self, router_id: str, request_ids: list[str]) -> None:
@@ -79,11 +90,11 @@ class Pair:
         self.server.close()
 
 
-def run_with_pair(body, security=None, reader_security=None) -> None:
+def run_with_pair(body, security=None, reader_security=None, local_info=None) -> None:
     """Run ``await body(pair)`` with a fresh Pair, closed afterwards."""
 
     async def run():
-        pair = Pair(security or ClusterSecurity(SECRET), reader_security)
+        pair = Pair(security or ClusterSecurity(SECRET), reader_security, local_info)
         try:
             await body(pair)
         finally:
@@ -310,3 +321,81 @@ def test_tls_streams_refuse_plaintext_and_strangers(cluster_certs, reader, monke
         await streams.close()
 
     run_with_pair(body, security, readers[reader])
+
+
+def _family(streams: DecodeStreams) -> socket.AddressFamily:
+    transport = streams._streams["decode-0"].transport
+    assert transport is not None
+    return transport.get_extra_info("socket").family
+
+
+async def _one_request_streams(pair: Pair, streams: DecodeStreams) -> None:
+    pair.server.own("r1", "router-a")
+    queue = streams.register("r1", pair.worker)
+    await pair.publish([_out("r1", 1)])
+    await pair.publish([_out("r1", 2, finished=True)])
+    assert [list(d.token_ids) for d in await _drain(queue)] == [[1], [2]]
+
+
+def _offered(pair_local_address: str, host_id: str | None = None) -> dict:
+    return {
+        "outputs_local": pair_local_address,
+        "host_id": host_identity() if host_id is None else host_id,
+    }
+
+
+needs_local = pytest.mark.skipif(not host_identity(), reason="no abstract Unix sockets here")
+
+
+@needs_local
+@pytest.mark.parametrize("tls", [False, True])
+def test_a_router_on_the_same_machine_reads_over_the_unix_socket(cluster_certs, tls):
+    """Under cluster TLS too: the local socket never leaves the machine, and
+    its login still proves the secret."""
+    security = ClusterSecurity(SECRET, tls_files(cluster_certs[0]) if tls else None)
+
+    async def body(pair: Pair):
+        pair.worker.info.update(_offered(pair.server.local_address))
+        streams = await pair.subscribe()
+        assert _family(streams) == socket.AF_UNIX
+        await _one_request_streams(pair, streams)
+
+    run_with_pair(body, security)
+
+
+@needs_local
+def test_the_unix_socket_refuses_a_login_without_the_secret():
+    async def body(pair: Pair):
+        pair.worker.info.update(_offered(pair.server.local_address))
+        with pytest.raises(ConnectionError):
+            await pair.subscribe("intruder")
+        assert not pair.server.has_router("intruder")
+
+    run_with_pair(body, reader_security=ClusterSecurity(b"wrong"))
+
+
+@needs_local
+@pytest.mark.parametrize("case", ["other machine", "name gone", "router opted out"])
+def test_a_router_uses_tcp_when_the_unix_socket_is_not_for_it(case):
+    async def body(pair: Pair):
+        address, host_id = pair.server.local_address, None
+        if case == "other machine":
+            host_id = "another-boot-id/1"
+        elif case == "name gone":
+            address = "unix-abstract:tandem-out-nobody-listens-here"
+        else:
+            pair.reader_config = dataclasses.replace(pair.reader_config, local_streams=False)
+        pair.worker.info.update(_offered(address, host_id))
+        streams = await pair.subscribe()
+        assert _family(streams) == socket.AF_INET
+        await _one_request_streams(pair, streams)
+
+    run_with_pair(body)
+
+
+def test_a_worker_that_opts_out_offers_no_unix_socket():
+    server = OutputServer("127.0.0.1", ClusterSecurity(SECRET), lambda r, ids: None, local=False)
+    try:
+        assert server.local_address == ""
+    finally:
+        server.close()
