@@ -63,7 +63,7 @@ def _layout(kv_heads: int, head_dim: int, block_size: int = 16) -> KVLayout:
     return KVLayout("test", "float32", 1, block_size, kv_heads, head_dim)
 
 
-@pytest.mark.parametrize("rows", [0, 1, 5, 12, 13, 40])
+@pytest.mark.parametrize("rows", [0, 1, 5, 12, 13, 40, 601])  # 601: several row blocks
 @pytest.mark.parametrize("k,n", [(256, 512), (64, 33), (100, 31), (576, 1000)])
 def test_linear_equals_mm_over_packed_panels(ops, rows, k, n):
     g = _gen(rows + n)
@@ -92,6 +92,18 @@ def test_linear_rows_do_not_depend_on_the_batch(ops):
     whole = ops.linear(x, packed.panels, 100, bias)
     for rows in (slice(0, 1), slice(5, 9), slice(11, 23)):
         assert torch.equal(ops.linear(x[rows], packed.panels, 100, bias), whole[rows])
+
+
+def test_linear_rows_are_the_same_bits_in_a_prefill_sized_batch(ops):
+    """A batch of thousands of rows goes over the panels block by block (the
+    blocks, the tiles and the rows left over all differ from a small batch's)."""
+    g = _gen(8)
+    w, bias = torch.randn(256, 1376, generator=g), torch.randn(1376)
+    x = torch.randn(2048 + 7, 256, generator=g)
+    packed = kernels.PackedWeight.pack(w)
+    whole = ops.linear(x, packed.panels, 1376, bias)
+    for rows in (slice(0, 5), slice(250, 262), slice(1000, 1013), slice(2040, 2055)):
+        assert torch.equal(ops.linear(x[rows], packed.panels, 1376, bias), whole[rows])
 
 
 def test_linear_reads_strided_rows_and_refuses_mismatches(ops):
