@@ -137,6 +137,31 @@ class PackedWeight:
         panels.copy_(padded.view(k, count, PANEL_WIDTH).transpose(0, 1))
         return cls(panels, n)
 
+    @classmethod
+    def pack_gate_up(cls, w: torch.Tensor) -> PackedWeight:
+        """The [in, 2 * inter] gate-and-up weight for ``linear_silu_mul``: the
+        gate's panels, then the up's, each half padded on its own, so that
+        panel t and panel G + t hold the same columns of both; ``out_features``
+        is ``inter``, the width of what linear_silu_mul returns."""
+        inter = w.shape[1] // 2
+        gate, up = cls.pack(w[:, :inter]), cls.pack(w[:, inter:])
+        panels = hugepages.empty(
+            (2 * gate.panels.shape[0], *gate.panels.shape[1:]), w.dtype, w.device
+        )
+        torch.cat((gate.panels, up.panels), out=panels)
+        return cls(panels, inter)
+
+    @staticmethod
+    def pad_gate_up_bias(bias: torch.Tensor | None) -> torch.Tensor | None:
+        """A [2 * inter] bias laid out as pack_gate_up lays out the columns."""
+        if bias is None:
+            return None
+        inter = bias.numel() // 2
+        width = -(-inter // PANEL_WIDTH) * PANEL_WIDTH
+        padded = bias.new_zeros(2, width)
+        padded[:, :inter] = bias.view(2, inter)
+        return padded.view(-1)
+
 
 @dataclass(frozen=True)
 class Int8Head:

@@ -895,6 +895,84 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& panels, int64_t n,
   return out;
 }
 
+// The MLP's first half: silu(x @ W_gate + b_gate) * (x @ W_up + b_up), each
+// tile's gate and up sums (the same in-order sums as ``linear``) kept in
+// L1 and combined as ``silu_mul`` combines them, so the result is the same
+// bits as silu_mul(linear(x, gate_up)) without the [M, 2 * inter] product
+// going through memory twice. The default model's MLP on a 2-core Xeon,
+// weights evicted between calls (medians): 0.76x the time of the two calls
+// at M = 2048, 0.91-0.96x at 256, the same from 1 to 64 rows.
+//   x:      [M, K] float32, unit stride within a row
+//   panels: [2 * G, K, 32], G = ceil(inter / 32): the gate's panels, then the
+//           up's (engine.kernels.PackedWeight.pack_gate_up)
+//   bias:   None or [2 * G * 32], padded the same way
+//   returns [M, inter]
+at::Tensor linear_silu_mul(const at::Tensor& x, const at::Tensor& panels, int64_t inter,
+                           const std::optional<at::Tensor>& bias) {
+  check_rows(x, "x");
+  check_f32(panels, "panels");
+  const int64_t m = x.size(0), k = x.size(1);
+  const int64_t g = (inter + kPanel - 1) / kPanel;
+  TORCH_CHECK(inter >= 1 && panels.dim() == 3 && panels.is_contiguous() &&
+                  panels.size(0) == 2 * g && panels.size(1) == k && panels.size(2) == kPanel,
+              "panels must be contiguous [2 * ceil(inter / ", kPanel, "), K, ", kPanel, "]");
+  const float* bp = nullptr;
+  if (bias.has_value()) {
+    check_f32(*bias, "bias");
+    TORCH_CHECK(bias->is_contiguous() && bias->numel() == 2 * g * kPanel, "bias must be [",
+                2 * g * kPanel, "]");
+    bp = bias->data_ptr<float>();
+  }
+  auto out = at::empty({m, inter}, x.options());
+  if (m == 0) return out;
+  const float* a = x.data_ptr<float>();
+  const float* w = panels.data_ptr<float>();
+  float* c = out.data_ptr<float>();
+  const int64_t lda = x.stride(0);
+  const int64_t grain = m * k * inter < (1 << 20) ? g : 1;
+  const int64_t block = row_block(k);
+  static_assert(kRestRows <= kTileRows);
+  at::parallel_for(0, g, grain, [&](int64_t begin, int64_t end) {
+    alignas(64) float gate[kTileRows * kPanel], up[kTileRows * kPanel];
+    for (int64_t i0 = 0; i0 < m; i0 += block) {
+      const int64_t i1 = std::min(m, i0 + block);
+      const int64_t full = i0 + (i1 - i0) / kTileRows * kTileRows;
+      for (int64_t t = begin; t < end; ++t) {
+        const int cols = static_cast<int>(std::min<int64_t>(kPanel, inter - t * kPanel));
+        const float* halves[2] = {w + t * k * kPanel, w + (g + t) * k * kPanel};
+        const float* biases[2] = {bp == nullptr ? nullptr : bp + t * kPanel,
+                                  bp == nullptr ? nullptr : bp + (g + t) * kPanel};
+        float* sums[2] = {gate, up};
+        for (int64_t i = i0; i < i1;) {
+          const bool main = i < full;
+          const int rows = main ? kTileRows : static_cast<int>(std::min<int64_t>(kRestRows, i1 - i));
+          for (int half = 0; half < 2; ++half) {
+            const float* bh = biases[half];
+            if (main) {
+              for (int h = 0; h < kPanel; h += kMainCols)  // the first reads the panel in
+                kMainTile[i == i0 && h == 0](a + i * lda, lda, halves[half] + h, k,
+                                             bh == nullptr ? nullptr : bh + h, sums[half] + h,
+                                             kPanel, kMainCols);
+            } else {
+              kRestTiles[i == i0][rows - 1](a + i * lda, lda, halves[half], k, bh, sums[half],
+                                            kPanel, kPanel);
+            }
+          }
+          for (int r = 0; r < rows; ++r) {
+            const float* gr = gate + r * kPanel;
+            const float* ur = up + r * kPanel;
+            float* o = c + (i + r) * inter + t * kPanel;
+#pragma omp simd
+            for (int j = 0; j < cols; ++j) o[j] = (gr[j] / (1.f + exp_approx(-gr[j]))) * ur[j];
+          }
+          i += rows;
+        }
+      }
+    }
+  });
+  return out;
+}
+
 // ---------------------------------------------------------------------------
 // Greedy tokens from the head without the full float32 logits.
 //
@@ -1596,6 +1674,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm over rows", release());
   m.def("add_rms_norm", &add_rms_norm, "residual += delta; RMSNorm(residual)", release());
   m.def("silu_mul", &silu_mul, "silu(gate) * up", release());
+  m.def("linear_silu_mul", &linear_silu_mul, "silu(x @ W_gate + b) * (x @ W_up + b), packed",
+        py::arg("x"), py::arg("panels"), py::arg("inter"), py::arg("bias") = py::none(), release());
   m.def("rope_store_kv", &rope_store_kv, "rotary embedding in place; store K and V", release());
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over paged KV",
         release());

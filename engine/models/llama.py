@@ -166,9 +166,9 @@ class LlamaModel:
                 if isinstance(self.screen_head, HalfHead):
                     self.screen_max_rows = kernels.HALF_SCREEN_MAX_ROWS
             for w in self.layers:
-                w.qkv, w.o, w.gate_up, w.down = (
-                    PackedWeight.pack(m) for m in (w.qkv, w.o, w.gate_up, w.down)
-                )
+                w.qkv, w.o, w.down = (PackedWeight.pack(m) for m in (w.qkv, w.o, w.down))
+                w.gate_up = PackedWeight.pack_gate_up(w.gate_up)  # for linear_silu_mul
+                w.gate_up_bias = PackedWeight.pad_gate_up_bias(w.gate_up_bias)
 
     @property
     def fused(self) -> bool:
@@ -217,7 +217,7 @@ class LlamaModel:
         meta: AttentionMetadata,
         cache: KVCache,
     ) -> torch.Tensor:
-        """forward with the fused CPU kernels: the same arithmetic in 8 calls a
+        """forward with the fused CPU kernels: the same arithmetic in 7 calls a
         layer, the matmuls included (weights packed in panels)."""
         ops, spec = self.kernels, self.spec
         eps, d, heads, kv_heads = (
@@ -247,7 +247,9 @@ class LlamaModel:
             v = qkv[:, (heads + kv_heads) * d :].view(n, kv_heads, d)
             attn = paged_attention(q, k, v, cache, i, meta, self.scale, ops)
             x = ops.add_rms_norm(h, linear(attn, w.o, w.o_bias), w.post_norm, eps)
-            down = linear(ops.silu_mul(linear(x, w.gate_up, w.gate_up_bias)), w.down, w.down_bias)
+            gate_up = w.gate_up
+            hidden = ops.linear_silu_mul(x, gate_up.panels, gate_up.out_features, w.gate_up_bias)
+            down = linear(hidden, w.down, w.down_bias)
             following = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
             x = ops.add_rms_norm(h, down, following, eps)
         return x

@@ -94,6 +94,29 @@ def test_linear_rows_do_not_depend_on_the_batch(ops):
         assert torch.equal(ops.linear(x[rows], packed.panels, 100, bias), whole[rows])
 
 
+@pytest.mark.parametrize("rows", [0, 1, 5, 12, 13, 40, 601])
+@pytest.mark.parametrize("k,inter", [(256, 688), (64, 33), (100, 32), (576, 500)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_silu_mul_is_the_same_bits_as_linear_then_silu_mul(ops, rows, k, inter, with_bias):
+    g = _gen(rows + inter)
+    x, w = torch.randn(rows, k, generator=g), torch.randn(k, 2 * inter, generator=g)
+    bias = torch.randn(2 * inter, generator=g) if with_bias else None
+    fused = kernels.PackedWeight.pack_gate_up(w)
+    assert fused.out_features == inter
+    got = ops.linear_silu_mul(x, fused.panels, inter, kernels.PackedWeight.pad_gate_up_bias(bias))
+    plain = ops.silu_mul(ops.linear(x, kernels.PackedWeight.pack(w).panels, 2 * inter, bias))
+    assert torch.equal(got, plain)
+    if rows:
+        gate, up = (x @ w + (0 if bias is None else bias)).chunk(2, dim=-1)
+        torch.testing.assert_close(got, F.silu(gate) * up, rtol=1e-4, atol=1e-4 * math.sqrt(k))
+
+
+def test_linear_silu_mul_refuses_a_plain_packing(ops):
+    w = torch.randn(64, 2 * 40, generator=_gen(5))
+    with pytest.raises(RuntimeError, match="panels must be"):
+        ops.linear_silu_mul(torch.randn(3, 64), kernels.PackedWeight.pack(w).panels, 40)
+
+
 def test_linear_rows_are_the_same_bits_in_a_prefill_sized_batch(ops):
     """A batch of thousands of rows goes over the panels block by block (the
     blocks, the tiles and the rows left over all differ from a small batch's)."""
