@@ -823,18 +823,25 @@ constexpr std::array<Tile, kRestRows> kRestTiles[2] = {
     rest_tiles<true>(std::make_integer_sequence<int, kRestRows>{})};
 static_assert(kPanel % kMainCols == 0 && kRestVecs * kLanes == kPanel);
 
+// A linear kernel's optional bias of ``n`` floats, checked; nullptr for none.
+const float* bias_data(const std::optional<at::Tensor>& bias, int64_t n) {
+  if (!bias.has_value()) return nullptr;
+  check_f32(*bias, "bias");
+  TORCH_CHECK(bias->is_contiguous() && bias->numel() == n, "bias must be [", n, "]");
+  return bias->data_ptr<float>();
+}
+
 // Rows of x per block: every panel passes over one block before the next, so
-// that the block stays in L2 (KBLOCK bytes of it) instead of streaming all of
+// that the block stays in L2 (kRowBlockBytes of it) instead of streaming all of
 // x from L3 once per panel. A multiple of kTileRows, so only the last block
 // has rows left over. The sums are the same (bit for bit). On a 2-core Xeon
 // (2 MB L2) at M = 2048, best of 5: the default model's qkv 113 -> 131
 // GFLOP/s, o 118 -> 143, down 121 -> 138, gate_up 106 -> 105; M <= 512 as
 // before.
+constexpr int64_t kRowBlockBytes = 256 << 10;
+
 int64_t row_block(int64_t k) {
-#ifndef KBLOCK
-#define KBLOCK (256 << 10)
-#endif
-  const int64_t rows = KBLOCK / (k * static_cast<int64_t>(sizeof(float)));
+  const int64_t rows = kRowBlockBytes / (k * static_cast<int64_t>(sizeof(float)));
   return std::max<int64_t>(1, rows / kTileRows) * kTileRows;
 }
 
@@ -854,12 +861,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& panels, int64_t n,
   TORCH_CHECK(panels.size(1) == k, "x has ", k, " columns, the weight ", panels.size(1), " rows");
   TORCH_CHECK(n >= 1 && (n + kPanel - 1) / kPanel == panels.size(0),
               "n = ", n, " does not match ", panels.size(0), " panels");
-  const float* bp = nullptr;
-  if (bias.has_value()) {
-    check_f32(*bias, "bias");
-    TORCH_CHECK(bias->is_contiguous() && bias->numel() == n, "bias must be [", n, "]");
-    bp = bias->data_ptr<float>();
-  }
+  const float* bp = bias_data(bias, n);
   auto out = at::empty({m, n}, x.options());
   if (m == 0) return out;
   const float* a = x.data_ptr<float>();
@@ -916,13 +918,7 @@ at::Tensor linear_silu_mul(const at::Tensor& x, const at::Tensor& panels, int64_
   TORCH_CHECK(inter >= 1 && panels.dim() == 3 && panels.is_contiguous() &&
                   panels.size(0) == 2 * g && panels.size(1) == k && panels.size(2) == kPanel,
               "panels must be contiguous [2 * ceil(inter / ", kPanel, "), K, ", kPanel, "]");
-  const float* bp = nullptr;
-  if (bias.has_value()) {
-    check_f32(*bias, "bias");
-    TORCH_CHECK(bias->is_contiguous() && bias->numel() == 2 * g * kPanel, "bias must be [",
-                2 * g * kPanel, "]");
-    bp = bias->data_ptr<float>();
-  }
+  const float* bp = bias_data(bias, 2 * g * kPanel);
   auto out = at::empty({m, inter}, x.options());
   if (m == 0) return out;
   const float* a = x.data_ptr<float>();
