@@ -261,7 +261,7 @@ class OutputServer:
             listener, lambda: self._stopped, lambda s: self._serve(s, tls), "outputs-conn"
         )
 
-    def _serve(self, sock: socket.socket, tls: bool = True) -> None:
+    def _serve(self, sock: socket.socket, tls: bool) -> None:
         """One router's connection; ``tls``: with the cluster's TLS, if any
         (not on the local socket)."""
         try:

@@ -144,23 +144,21 @@ class PackedWeight:
         panel t and panel G + t hold the same columns of both; ``out_features``
         is ``inter``, the width of what linear_silu_mul returns."""
         inter = w.shape[1] // 2
-        gate, up = cls.pack(w[:, :inter]), cls.pack(w[:, inter:])
-        panels = hugepages.empty(
-            (2 * gate.panels.shape[0], *gate.panels.shape[1:]), w.dtype, w.device
-        )
-        torch.cat((gate.panels, up.panels), out=panels)
-        return cls(panels, inter)
+        return cls(cls.pack(_pad_halves(w)).panels, inter)
 
     @staticmethod
     def pad_gate_up_bias(bias: torch.Tensor | None) -> torch.Tensor | None:
         """A [2 * inter] bias laid out as pack_gate_up lays out the columns."""
-        if bias is None:
-            return None
-        inter = bias.numel() // 2
-        width = -(-inter // PANEL_WIDTH) * PANEL_WIDTH
-        padded = bias.new_zeros(2, width)
-        padded[:, :inter] = bias.view(2, inter)
-        return padded.view(-1)
+        return None if bias is None else _pad_halves(bias)
+
+
+def _pad_halves(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with each half of its last dimension zero-padded to whole panels."""
+    inter = t.shape[-1] // 2
+    width = -(-inter // PANEL_WIDTH) * PANEL_WIDTH
+    padded = t.new_zeros(*t.shape[:-1], 2, width)
+    padded[..., :inter] = t.unflatten(-1, (2, inter))
+    return padded.flatten(-2)
 
 
 @dataclass(frozen=True)

@@ -845,6 +845,42 @@ int64_t row_block(int64_t k) {
   return std::max<int64_t>(1, rows / kTileRows) * kTileRows;
 }
 
+// Calls f(t, i, rows, main, first) for every panel t in [begin, end) and
+// every tile of rows [i, i + rows) of an [m, k] x, row block by row block:
+// ``main`` for a full group of kTileRows rows, else the rows left over;
+// ``first`` for a block's first tile over a panel (it reads the panel in).
+template <class F>
+void each_tile(int64_t m, int64_t k, int64_t begin, int64_t end, F f) {
+  const int64_t block = row_block(k);
+  for (int64_t i0 = 0; i0 < m; i0 += block) {
+    const int64_t i1 = std::min(m, i0 + block);
+    const int64_t full = i0 + (i1 - i0) / kTileRows * kTileRows;
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t i = i0; i < i1;) {
+        const bool main = i < full;
+        const int rows =
+            main ? kTileRows : static_cast<int>(std::min<int64_t>(kRestRows, i1 - i));
+        f(t, i, rows, main, i == i0);
+        i += rows;
+      }
+    }
+  }
+}
+
+// One tile of rows (``a``: its first) times ``cols`` columns of one panel
+// into ``c`` (row stride ``ldc``); see each_tile for ``main`` and ``first``.
+inline void panel_tile(const float* a, int64_t lda, int rows, bool main, bool first,
+                       const float* panel, int64_t k, const float* bias, float* c, int64_t ldc,
+                       int cols) {
+  if (!main) {
+    kRestTiles[first][rows - 1](a, lda, panel, k, bias, c, ldc, cols);
+    return;
+  }
+  for (int h = 0; h < cols; h += kMainCols)
+    kMainTile[first && h == 0](a, lda, panel + h, k, bias == nullptr ? nullptr : bias + h, c + h,
+                               ldc, std::min(kMainCols, cols - h));
+}
+
 }  // namespace
 
 //   x:      [M, K] float32, unit stride within a row
@@ -870,29 +906,12 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& panels, int64_t n,
   const int64_t lda = x.stride(0);
   // Threads split the panels; a small product stays on one thread.
   const int64_t grain = m * k * n < (1 << 21) ? panels.size(0) : 1;
-  const int64_t block = row_block(k);
   at::parallel_for(0, panels.size(0), grain, [&](int64_t begin, int64_t end) {
-    for (int64_t i0 = 0; i0 < m; i0 += block) {
-      const int64_t i1 = std::min(m, i0 + block);
-      const int64_t full = i0 + (i1 - i0) / kTileRows * kTileRows;
-      for (int64_t t = begin; t < end; ++t) {
-        const int cols = static_cast<int>(std::min<int64_t>(kPanel, n - t * kPanel));
-        const float* panel = w + t * k * kPanel;
-        const float* bt = bp == nullptr ? nullptr : bp + t * kPanel;
-        float* ct = c + t * kPanel;
-        for (int h = 0; h < cols; h += kMainCols) {
-          const int part = std::min(kMainCols, cols - h);
-          for (int64_t i = i0; i < full; i += kTileRows)  // the first reads the panel in
-            kMainTile[i == i0 && h == 0](a + i * lda, lda, panel + h, k,
-                                         bt == nullptr ? nullptr : bt + h, ct + i * n + h, n,
-                                         part);
-        }
-        for (int64_t i = full; i < i1; i += kRestRows) {
-          const int rows = static_cast<int>(std::min<int64_t>(kRestRows, i1 - i));
-          kRestTiles[i == i0][rows - 1](a + i * lda, lda, panel, k, bt, ct + i * n, n, cols);
-        }
-      }
-    }
+    each_tile(m, k, begin, end, [&](int64_t t, int64_t i, int rows, bool main, bool first) {
+      const int cols = static_cast<int>(std::min<int64_t>(kPanel, n - t * kPanel));
+      panel_tile(a + i * lda, lda, rows, main, first, w + t * k * kPanel, k,
+                 bp == nullptr ? nullptr : bp + t * kPanel, c + i * n + t * kPanel, n, cols);
+    });
   });
   return out;
 }
@@ -926,45 +945,25 @@ at::Tensor linear_silu_mul(const at::Tensor& x, const at::Tensor& panels, int64_
   float* c = out.data_ptr<float>();
   const int64_t lda = x.stride(0);
   const int64_t grain = m * k * inter < (1 << 20) ? g : 1;
-  const int64_t block = row_block(k);
   static_assert(kRestRows <= kTileRows);
   at::parallel_for(0, g, grain, [&](int64_t begin, int64_t end) {
     alignas(64) float gate[kTileRows * kPanel], up[kTileRows * kPanel];
-    for (int64_t i0 = 0; i0 < m; i0 += block) {
-      const int64_t i1 = std::min(m, i0 + block);
-      const int64_t full = i0 + (i1 - i0) / kTileRows * kTileRows;
-      for (int64_t t = begin; t < end; ++t) {
-        const int cols = static_cast<int>(std::min<int64_t>(kPanel, inter - t * kPanel));
-        const float* halves[2] = {w + t * k * kPanel, w + (g + t) * k * kPanel};
-        const float* biases[2] = {bp == nullptr ? nullptr : bp + t * kPanel,
-                                  bp == nullptr ? nullptr : bp + (g + t) * kPanel};
-        float* sums[2] = {gate, up};
-        for (int64_t i = i0; i < i1;) {
-          const bool main = i < full;
-          const int rows = main ? kTileRows : static_cast<int>(std::min<int64_t>(kRestRows, i1 - i));
-          for (int half = 0; half < 2; ++half) {
-            const float* bh = biases[half];
-            if (main) {
-              for (int h = 0; h < kPanel; h += kMainCols)  // the first reads the panel in
-                kMainTile[i == i0 && h == 0](a + i * lda, lda, halves[half] + h, k,
-                                             bh == nullptr ? nullptr : bh + h, sums[half] + h,
-                                             kPanel, kMainCols);
-            } else {
-              kRestTiles[i == i0][rows - 1](a + i * lda, lda, halves[half], k, bh, sums[half],
-                                            kPanel, kPanel);
-            }
-          }
-          for (int r = 0; r < rows; ++r) {
-            const float* gr = gate + r * kPanel;
-            const float* ur = up + r * kPanel;
-            float* o = c + (i + r) * inter + t * kPanel;
-#pragma omp simd
-            for (int j = 0; j < cols; ++j) o[j] = (gr[j] / (1.f + exp_approx(-gr[j]))) * ur[j];
-          }
-          i += rows;
-        }
+    each_tile(m, k, begin, end, [&](int64_t t, int64_t i, int rows, bool main, bool first) {
+      float* sums[2] = {gate, up};
+      for (int half = 0; half < 2; ++half) {  // the gate's panel t, then the up's (g + t)
+        const int64_t p = half * g + t;
+        panel_tile(a + i * lda, lda, rows, main, first, w + p * k * kPanel, k,
+                   bp == nullptr ? nullptr : bp + p * kPanel, sums[half], kPanel, kPanel);
       }
-    }
+      const int cols = static_cast<int>(std::min<int64_t>(kPanel, inter - t * kPanel));
+      for (int r = 0; r < rows; ++r) {
+        const float* gr = gate + r * kPanel;
+        const float* ur = up + r * kPanel;
+        float* o = c + (i + r) * inter + t * kPanel;
+#pragma omp simd
+        for (int j = 0; j < cols; ++j) o[j] = (gr[j] / (1.f + exp_approx(-gr[j]))) * ur[j];
+      }
+    });
   });
   return out;
 }

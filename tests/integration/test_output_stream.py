@@ -39,14 +39,7 @@ def _out(rid: str, token: int, finished: bool = False) -> RequestOutput:
 class Pair:
     """An output server and a router's reader of it."""
 
-    def __init__(
-        self,
-        security: ClusterSecurity,
-        reader_security: ClusterSecurity | None = None,
-        local_info: dict | None = None,
-    ):
-        """``local_info``: what the worker's handle says of its Unix socket
-        (none: the router knows only its TCP address)."""
+    def __init__(self, security: ClusterSecurity, reader_security: ClusterSecurity | None = None):
         self.gone: list[tuple[str, list[str]]] = []
         self.gone_event = threading.Event()
         self.server = OutputServer("127.0.0.1", security, self._router_gone, 1 << 20)
@@ -55,8 +48,7 @@ class Pair:
         self.reader_config = TransferConfig(
             security=reader_security or security, max_message_bytes=16 << 20
         )
-        info = {"outputs": self.server.address, **(local_info or {})}
-        self.worker = WorkerHandle("decode-0", "decode", None, info)
+        self.worker = WorkerHandle("decode-0", "decode", None, {"outputs": self.server.address})
         self.streams: DecodeStreams | None = None
 
     def _router_gone(self, router_id: str, request_ids: list[str]) -> None:
@@ -90,11 +82,11 @@ class Pair:
         self.server.close()
 
 
-def run_with_pair(body, security=None, reader_security=None, local_info=None) -> None:
+def run_with_pair(body, security=None, reader_security=None) -> None:
     """Run ``await body(pair)`` with a fresh Pair, closed afterwards."""
 
     async def run():
-        pair = Pair(security or ClusterSecurity(SECRET), reader_security, local_info)
+        pair = Pair(security or ClusterSecurity(SECRET), reader_security)
         try:
             await body(pair)
         finally:
@@ -337,11 +329,9 @@ async def _one_request_streams(pair: Pair, streams: DecodeStreams) -> None:
     assert [list(d.token_ids) for d in await _drain(queue)] == [[1], [2]]
 
 
-def _offered(pair_local_address: str, host_id: str | None = None) -> dict:
-    return {
-        "outputs_local": pair_local_address,
-        "host_id": host_identity() if host_id is None else host_id,
-    }
+def _offered(address: str, host_id: str | None = None) -> dict:
+    """What a worker's handle says of its Unix socket (host_id: this machine's)."""
+    return {"outputs_local": address, "host_id": host_identity() if host_id is None else host_id}
 
 
 needs_local = pytest.mark.skipif(not host_identity(), reason="no abstract Unix sockets here")
