@@ -6,7 +6,7 @@ The default model's 1-stream step reads about 20 MB of weights (float32
 layers, the int8 greedy head): on a machine whose last-level cache holds
 them, every line another core evicts comes back from DRAM. This process runs
 the bare engine on the core `tandem serve` would give a decode worker
-(engine/cpu_binding.py); a subprocess on the shared cores sweeps an array of
+(worker/cpu_binding.py); a subprocess on the shared cores sweeps an array of
 SWEEP_MB, sleeping SLEEP_S between sweeps (0: without a pause). The loads
 alternate round by round; medians over ROUNDS of each load's mean step.
 
@@ -30,8 +30,8 @@ import time
 
 from benchkit.bare_engine import decode_step_times, random_prompts
 from engine import EngineConfig, LLMEngine
-from engine.cpu_binding import available_cores, bind_process, plan_layout
-from engine.heap import freeze_startup_heap
+from worker.cpu_binding import available_cores, bind_process, plan_layout
+from worker.heap import freeze_startup_heap
 
 OUT_TOKENS = 256
 LOADS = {  # name: (SWEEP_MB, SLEEP_S); None: nothing runs on the shared cores

@@ -81,7 +81,7 @@ def _worker_main(conn, tree: str) -> None:
 async def _serve_worker(conn) -> None:
     from decode_pool.worker import DecodeRequest, DecodeWorker
     from engine import EngineConfig, LLMEngine, SamplingParams
-    from engine.transfer import TransferConfig
+    from kv_transfer import TransferConfig
 
     config = EngineConfig(num_threads=1, kv_cache_memory_bytes=256 << 20)
     worker = DecodeWorker("decode-bench", config, TransferConfig(), host="127.0.0.1")
@@ -114,7 +114,7 @@ async def _serve_worker(conn) -> None:
 
 
 async def _side(tree: str) -> None:
-    from engine.transfer import TransferConfig
+    from kv_transfer import TransferConfig
     from router.decode_streams import LOST, DecodeStreams
     from router.pool_manager import WorkerHandle
 

@@ -38,7 +38,7 @@ from engine.config import ModelSpec
 from engine.default_model import make_random_checkpoint, tiny_config
 from engine.device import resolve_device, synchronize
 from engine.kv_cache import BlockPool, KVCache
-from engine.transfer import GrpcKVClient, GrpcKVServer, KVBlocks, PoolBlockStore, TransferConfig
+from kv_transfer import GrpcKVClient, GrpcKVServer, KVBlocks, PoolBlockStore, TransferConfig
 
 LLAMA_1B = dict(
     hidden_size=2048,

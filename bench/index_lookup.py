@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 
 import redis
 
-from engine.index import InMemoryIndex, KVEvent, RedisEventPublisher, RedisIndex, redis_prefix
+from block_index import InMemoryIndex, KVEvent, RedisEventPublisher, RedisIndex, redis_prefix
 
 CHAIN = 128
 WORKERS = 8

@@ -33,8 +33,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.kv_cache import KVLayout
-from engine.transfer import TransferConfig
-from engine.transfer.peer import Peer, PeerSpec
+from kv_transfer import TransferConfig
+from kv_transfer.peer import Peer, PeerSpec
 
 LAYOUT = KVLayout("bench", "float32", 8, 16, 4, 64)  # 256 KiB per block
 SMOLLM2_135M = dict(
@@ -157,7 +157,7 @@ def small_push_ms(config: TransferConfig, n: int = 60) -> float:
 
 
 def tls_figures(num_blocks: int, reps: int, raw_mb_s: float) -> dict:
-    from engine.transfer import ClusterSecurity, TLSFiles
+    from net.security import ClusterSecurity, TLSFiles
     from tests.tls_certs import make_certs
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -45,7 +45,7 @@ import torch
 
 from engine.hashing import hash_blocks, root_hash
 from router.client import Completion, TandemClient, collect
-from tandem_cli.config import ServeConfig
+from router.config import ServeConfig
 from tandem_cli.deployment import Deployment
 
 ROOT = Path(__file__).resolve().parents[1]

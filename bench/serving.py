@@ -20,7 +20,7 @@ same run, default tiny model.
      tandem's figures are medians of three runs.
 The router runs as `tandem serve` in its own process, as in production; the
 client runs here. With cpu_binding (the default) the server binds its decode
-worker to a core of its own (engine/cpu_binding.py); the bare engine is then
+worker to a core of its own (worker/cpu_binding.py); the bare engine is then
 measured bound to that same core, and the client here runs on the shared
 cores, as a client on another machine would not touch the decode core.
 ``--no-cpu-binding`` measures everything unbound. The last line is one JSON
@@ -52,10 +52,10 @@ import torch
 from benchkit.bare_engine import decode_step_times, random_prompts
 from benchkit.local_serve import tandem_serve
 from engine import EngineConfig, LLMEngine
-from engine.cpu_binding import CoreLayout, available_cores, bind_process, plan_layout
 from engine.default_model import default_model_path
-from engine.heap import freeze_startup_heap
 from router.client import TandemClient
+from worker.cpu_binding import CoreLayout, available_cores, bind_process, plan_layout
+from worker.heap import freeze_startup_heap
 
 OUT_TOKENS = 64
 PROMPT_TOKENS = 256
@@ -267,7 +267,7 @@ def main() -> None:
     batch = random_prompts(16, PROMPT_TOKENS, seed=7)
     results: dict = {"cpu_binding": layout is not None}
     engine = LLMEngine(EngineConfig(num_threads=1, kv_cache_memory_bytes=256 << 20))
-    # As a worker does once it has built its engine (engine/heap.py): else the
+    # As a worker does once it has built its engine (worker/heap.py): else the
     # bare engine's steps pay full collections over this process's heap that
     # the decode worker's do not.
     freeze_startup_heap()

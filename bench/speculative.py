@@ -47,8 +47,8 @@ import torch
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.config import SpeculativeConfig
 from engine.kv_cache import BlockPool, KVCache
-from engine.transfer import GrpcKVClient, GrpcKVServer, KVBlocks, PoolBlockStore
-from engine.transfer.quantized import QuantizedBlockStore, dequantize, quantize
+from kv_transfer import GrpcKVClient, GrpcKVServer, KVBlocks, PoolBlockStore
+from kv_transfer.quantized import QuantizedBlockStore, dequantize, quantize
 
 K = 4
 

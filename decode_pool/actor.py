@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from decode_pool.worker import DecodeRequest, DecodeWorker
-from engine.worker_base import WorkerActor
+from worker.base import WorkerActor
 
 
 class DecodeActor(WorkerActor):

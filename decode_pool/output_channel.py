@@ -11,7 +11,7 @@ it, and the connection's own thread writes the queue out when the socket
 is writable; a queue beyond ``MAX_BACKLOG_BYTES`` closes the connection.
 
 A router on the same machine connects to the worker's Unix socket instead
-of its TCP port when the worker offers one (engine/transfer/local_socket.py:
+of its TCP port when the worker offers one (net/local_socket.py:
 half the cost of a loopback TCP write each step); the protocol is the same,
 without TLS, which only a connection that leaves the machine needs.
 
@@ -33,12 +33,12 @@ import ssl
 import threading
 from collections.abc import Callable
 
+from block_index import KVEvent
 from decode_pool import output_wire as wire
-from engine.index import KVEvent
 from engine.sequence import RequestOutput
-from engine.transfer.datachannel import accept_forever, recv_exact, tune
-from engine.transfer.local_socket import listen_local
-from engine.transfer.security import ClusterSecurity
+from net.local_socket import listen_local
+from net.security import ClusterSecurity
+from net.sockets import accept_forever, recv_exact, tune
 from protos.tandem.v1 import worker_pb2
 
 log = logging.getLogger(__name__)

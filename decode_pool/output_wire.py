@@ -20,7 +20,7 @@ import struct
 from collections.abc import Iterator
 
 from engine.sequence import RequestOutput
-from engine.transfer.security import MAC_BYTES, ClusterSecurity
+from net.security import MAC_BYTES, ClusterSecurity
 from protos.tandem.v1 import generate_pb2, worker_pb2
 
 MAGIC = b"TOS1"

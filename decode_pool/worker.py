@@ -19,12 +19,12 @@ from dataclasses import dataclass
 
 from decode_pool.output_channel import OutputServer
 from engine.config import EngineConfig
-from engine.logfmt import log_event
 from engine.sampling import SamplingParams
 from engine.sequence import RequestOutput
-from engine.transfer import GrpcKVServer, TransferConfig
-from engine.transfer.local_socket import host_identity
-from engine.worker_base import EngineWorker, IndexSettings
+from kv_transfer import GrpcKVServer, TransferConfig
+from net.local_socket import host_identity
+from worker.base import EngineWorker, IndexSettings
+from worker.logfmt import log_event
 
 log = logging.getLogger(__name__)
 

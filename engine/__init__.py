@@ -1,14 +1,32 @@
 """tandem's engine: a Llama-family model over a paged KV cache.
 
-Shared by the prefill and decode pools; it imports nothing of Ray or of
-the serving layers.
+The model and its cache only: no grpc, redis, ray or sockets. The names
+below load on first use, so that torch-free modules of the package
+(``engine.hashing``) can be imported without torch.
 """
 
-from engine.config import EngineConfig, ModelSpec
-from engine.llm import LLM, GenerationOutput
-from engine.llm_engine import KVExport, LLMEngine
-from engine.sampling import SamplingParams
-from engine.sequence import RequestOutput
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig, ModelSpec
+    from engine.llm import LLM, GenerationOutput
+    from engine.llm_engine import KVExport, LLMEngine
+    from engine.sampling import SamplingParams
+    from engine.sequence import RequestOutput
+
+_WHERE = {
+    "EngineConfig": "engine.config",
+    "ModelSpec": "engine.config",
+    "LLM": "engine.llm",
+    "GenerationOutput": "engine.llm",
+    "KVExport": "engine.llm_engine",
+    "LLMEngine": "engine.llm_engine",
+    "SamplingParams": "engine.sampling",
+    "RequestOutput": "engine.sequence",
+}
 
 __all__ = [
     "LLM",
@@ -20,3 +38,9 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        return getattr(importlib.import_module(_WHERE[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

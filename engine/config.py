@@ -151,7 +151,7 @@ class EngineConfig:
     kv_transfer_dtype: Literal["auto", "int8", "fp8"] = "auto"
     """Encoding of KV blocks sent to other workers: auto sends the cache's dtype;
     int8 / fp8 (e4m3) send one byte per value with a scale per block, layer, K/V
-    and kv head (engine/transfer/quantized.py). Every worker of a deployment must
+    and kv head (kv_transfer/quantized.py). Every worker of a deployment must
     use the same value."""
     cpu_kernels: Literal["auto", "on", "off"] = "auto"
     """Fused C++ kernels for the float32 CPU forward (engine/kernels/): auto builds

@@ -38,14 +38,14 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     # How blocks travel between pools: "" as dtype, else a quantized encoding
-    # (engine/transfer/quantized.py). A pool's own cache always has "".
+    # (kv_transfer/quantized.py). A pool's own cache always has "".
     wire_dtype: str = ""
 
     @property
     def block_bytes_per_layer(self) -> int:
         """Bytes of K plus V of one block in one layer (on the wire, for a wire_dtype)."""
         if self.wire_dtype:
-            from engine.transfer.quantized import wire_block_bytes_per_layer
+            from kv_transfer.quantized import wire_block_bytes_per_layer
 
             return wire_block_bytes_per_layer(self, self.wire_dtype)
         itemsize = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()

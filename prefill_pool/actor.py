@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from engine.transfer.faults import TransferFaults
-from engine.worker_base import WorkerActor
+from kv_transfer.faults import TransferFaults
 from prefill_pool.worker import PrefillRequest, PrefillResult, PrefillWorker
+from worker.base import WorkerActor
 
 
 class PrefillActor(WorkerActor):

@@ -14,12 +14,11 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from block_index import KVEvent
 from engine.config import EngineConfig
-from engine.index import KVEvent
-from engine.logfmt import log_event
 from engine.sampling import SamplingParams
 from engine.sequence import RequestOutput
-from engine.transfer import (
+from kv_transfer import (
     GrpcKVClient,
     GrpcKVServer,
     KVBlocks,
@@ -27,8 +26,9 @@ from engine.transfer import (
     TransferConfig,
     TransferError,
 )
-from engine.transfer.faults import FaultPlan, TransferFaults
-from engine.worker_base import EngineWorker, IndexSettings
+from kv_transfer.faults import FaultPlan, TransferFaults
+from worker.base import EngineWorker, IndexSettings
+from worker.logfmt import log_event
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class PrefillWorker(EngineWorker):
         self.faults = FaultPlan(TransferFaults())
 
     def set_faults(self, faults: TransferFaults) -> None:
-        """Chaos tests: make the next pushes fail (engine/transfer/faults.py)."""
+        """Chaos tests: make the next pushes fail (kv_transfer/faults.py)."""
         self.faults = FaultPlan(faults)
 
     async def start(self) -> None:

@@ -3,7 +3,7 @@
 One connection per decode worker (decode_pool/output_wire.py) carries
 every step's deltas for this router's requests there, and the worker's
 cache events: a Unix socket when the worker offers one and runs on this
-machine (engine/transfer/local_socket.py), else TCP. Each request reads
+machine (net/local_socket.py), else TCP. Each request reads
 its deltas from a queue; when a worker's stream breaks, every request on
 that worker gets ``LOST`` and the backend hears of it.
 """
@@ -16,9 +16,9 @@ from collections.abc import Awaitable, Callable
 from typing import Final
 
 from decode_pool import output_wire as wire
-from engine.transfer import TransferConfig
-from engine.transfer.datachannel import split_address, tune
-from engine.transfer.local_socket import host_identity, local_path
+from kv_transfer import TransferConfig
+from net.local_socket import host_identity, local_path
+from net.sockets import split_address, tune
 from protos.tandem.v1 import worker_pb2
 from router.pool_manager import WorkerHandle
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import ray.exceptions
 
-from engine.transfer import TransferError
+from kv_transfer import TransferError
 
 
 class WorkerLost(Exception):

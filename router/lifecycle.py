@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from engine.logfmt import log_event
+from worker.logfmt import log_event
 
 from .backend import Backend, GenerateInput, GenerateResult, TokenDelta
 from .messages import RequestError

@@ -11,9 +11,9 @@ from typing import Any
 import ray
 
 from engine.config import EngineConfig, SpeculativeConfig
-from engine.cpu_binding import CoreAssignment, CoreLayout
-from engine.worker_base import IndexSettings
-from tandem_cli.config import ServeConfig, WorkerResources
+from router.config import ServeConfig, WorkerResources
+from worker.base import IndexSettings
+from worker.cpu_binding import CoreAssignment, CoreLayout
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ class WorkerPool:
         cores: CoreLayout | None = None,
     ) -> None:
         """``cores``: this machine's core layout, which the workers bind to
-        (engine/cpu_binding.py, CoreAssignment); None binds nothing."""
+        (worker/cpu_binding.py, CoreAssignment); None binds nothing."""
         self.role = role
         self.config = config
         self.host = host

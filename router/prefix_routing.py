@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from block_index import BlockIndex
 from engine.hashing import BlockHash, hash_blocks
-from engine.index import BlockIndex
 from router.policies import RoutingPolicy
 from router.pool_manager import WorkerHandle
 

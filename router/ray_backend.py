@@ -23,14 +23,13 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from block_index import BlockIndex, InMemoryIndex, KVEvent
 from decode_pool.worker import DecodeRequest
-from engine.cpu_binding import CoreLayout
 from engine.hashing import root_hash
-from engine.index import BlockIndex, InMemoryIndex, KVEvent
 from engine.loader import resolve_model_dir
-from engine.logfmt import log_event
 from prefill_pool.worker import PrefillRequest, PrefillResult
 from router.backend import GenerateInput, GenerateResult, TokenDelta
+from router.config import ServeConfig
 from router.decode_streams import LOST, DecodeStreams, merge_queued
 from router.failover import FailoverStats, NoWorkerAvailable, RetryPolicy, WorkerLost, is_retryable
 from router.messages import RequestError
@@ -40,7 +39,8 @@ from router.prefix_routing import PrefixRouter, RoutePlan
 from router.progress import Progress
 from router.watchdog import Watchdog
 from router.worker_recovery import WorkerRecovery
-from tandem_cli.config import ServeConfig
+from worker.cpu_binding import CoreLayout
+from worker.logfmt import log_event
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ ABORT_TIMEOUT_S = 10.0
 
 class RayBackend:
     def __init__(self, config: ServeConfig, cores: CoreLayout | None = None) -> None:
-        """``cores``: the local machine's core layout (engine/cpu_binding.py) that
+        """``cores``: the local machine's core layout (worker/cpu_binding.py) that
         the workers bind to; None binds nothing."""
         self.config = config
         self.router_id = f"router-{uuid.uuid4().hex[:8]}"
@@ -120,7 +120,7 @@ class RayBackend:
     def _make_index(self, fingerprint: str) -> BlockIndex:
         if self.config.redis_url is None:
             return InMemoryIndex()
-        from engine.index import RedisIndex, redis_prefix
+        from block_index import RedisIndex, redis_prefix
 
         return RedisIndex(self.config.redis_url, redis_prefix(self.config.deployment, fingerprint))
 

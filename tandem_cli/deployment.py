@@ -13,8 +13,8 @@ import time
 from collections.abc import Coroutine
 from typing import Any
 
+from router.config import ServeConfig
 from router.ray_backend import RayBackend
-from tandem_cli.config import ServeConfig
 from tandem_cli.serve import server_for
 
 

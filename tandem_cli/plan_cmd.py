@@ -172,7 +172,7 @@ def _verify_local(args, label, choice, profile, workload, ttft_s, tpot_s) -> Non
     """Start ``choice``'s pools on a local Ray cluster and replay against them."""
     import ray
 
-    from tandem_cli.config import ServeConfig
+    from router.config import ServeConfig
     from tandem_cli.deployment import Deployment
     from tandem_cli.serve import init_ray
 

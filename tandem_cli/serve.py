@@ -17,13 +17,13 @@ from collections.abc import Callable
 import yaml
 from pydantic import ValidationError
 
-from engine.cpu_binding import CoreLayout, available_cores, bind_process, plan_layout
-from engine.heap import freeze_startup_heap
-from engine.logfmt import configure_logging
 from router.auth import ApiKeys
 from router.backend import Backend
+from router.config import ServeConfig
 from router.service import HttpSettings, RouterServer
-from tandem_cli.config import ServeConfig
+from worker.cpu_binding import CoreLayout, available_cores, bind_process, plan_layout
+from worker.heap import freeze_startup_heap
+from worker.logfmt import configure_logging
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +171,7 @@ def init_ray(config: ServeConfig) -> bool:
 
 def plan_cores(config: ServeConfig) -> CoreLayout | None:
     """The cores of the local cluster's decode workers and of everything else
-    (engine/cpu_binding.py); None when nothing is to be bound."""
+    (worker/cpu_binding.py); None when nothing is to be bound."""
     if not config.cpu_binding or config.ray_address:
         return None
     resources = config.decode_resources
@@ -197,7 +197,7 @@ def plan_cores(config: ServeConfig) -> CoreLayout | None:
 def run(config: ServeConfig) -> int:
     """Serve until SIGINT/SIGTERM; returns the exit code (1 when startup failed)."""
     if config.batch_scheduling:  # before Ray and the server start their threads
-        from engine.sched_policy import set_policy
+        from worker.sched_policy import set_policy
 
         set_policy(batch=True)
     try:

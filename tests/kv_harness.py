@@ -13,8 +13,8 @@ import grpc
 import torch
 
 from engine.kv_cache import BlockPool, KVCache, KVLayout
-from engine.transfer import GrpcKVServer, PoolBlockStore, TransferConfig, wire
-from engine.transfer.grpc_server import GRPC_OPTIONS, PUSH_METHOD
+from kv_transfer import GrpcKVServer, PoolBlockStore, TransferConfig, wire
+from kv_transfer.grpc_server import GRPC_OPTIONS, PUSH_METHOD
 from protos.tandem.v1 import kv_transfer_pb2 as pb
 
 LAYOUT = KVLayout("fp-fuzz", "float32", 2, 4, 1, 8)  # 256 bytes per block

@@ -61,7 +61,7 @@ def make_certs(directory: Path, name: str = "tandem") -> CertSet:
 
 
 def tls_files(certs: CertSet):
-    """``certs`` as the cluster TLS settings of engine.transfer."""
-    from engine.transfer import TLSFiles
+    """``certs`` as the cluster TLS settings of kv_transfer."""
+    from net.security import TLSFiles
 
     return TLSFiles(str(certs.cert), str(certs.key), str(certs.ca))

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import ray
 
 from router.client import TandemClient
-from tandem_cli.config import ServeConfig, WorkerResources
+from router.config import ServeConfig, WorkerResources
 from tandem_cli.deployment import Deployment
 
 HEAD_IP = "127.0.0.2"

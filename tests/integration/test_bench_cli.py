@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from tandem_cli.config import ServeConfig
+from router.config import ServeConfig
 from tandem_cli.deployment import Deployment
 from tandem_cli.main import main
 

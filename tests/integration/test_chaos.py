@@ -22,10 +22,10 @@ import pytest
 import ray
 
 from engine import LLM, SamplingParams
-from engine.transfer.faults import TransferFaults
+from kv_transfer.faults import TransferFaults
 from router.client import TandemClient, collect
+from router.config import ServeConfig
 from router.pool_manager import WorkerHandle
-from tandem_cli.config import ServeConfig
 from tandem_cli.deployment import Deployment
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

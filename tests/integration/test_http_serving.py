@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from router.client import TandemClient
-from tandem_cli.config import ServeConfig
+from router.config import ServeConfig
 from tandem_cli.deployment import Deployment
 from tandem_cli.main import main
 from tests.http_helpers import metric_samples

@@ -23,8 +23,9 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from engine.transfer import ClusterSecurity, TransferConfig, datachannel, wire
-from engine.transfer.grpc_server import PUSH_METHOD
+from kv_transfer import TransferConfig, datachannel, wire
+from kv_transfer.grpc_server import PUSH_METHOD
+from net.security import ClusterSecurity
 from protos.tandem.v1 import kv_transfer_pb2 as pb
 from tests.kv_harness import LAYOUT, KVServerHarness, header
 
@@ -345,7 +346,7 @@ def test_fuzzed_pulls_get_a_precise_status_and_leak_nothing(grpc_only, cached_ha
     request = data.draw(pull_requests(cached_hashes))
 
     async def pull() -> tuple[grpc.StatusCode, list]:
-        from engine.transfer.grpc_server import PULL_METHOD
+        from kv_transfer.grpc_server import PULL_METHOD
 
         call = grpc_only.channel.unary_stream(
             PULL_METHOD, request_serializer=lambda b: b, response_deserializer=wire.decode

@@ -17,16 +17,8 @@ import grpc
 import pytest
 import torch
 
-from engine.transfer import (
-    ClusterSecurity,
-    GrpcKVClient,
-    KVBlocks,
-    TransferConfig,
-    TransferError,
-    datachannel,
-    wire,
-)
-from engine.transfer.security import SECRET_KEY
+from kv_transfer import GrpcKVClient, KVBlocks, TransferConfig, TransferError, datachannel, wire
+from net.security import SECRET_KEY, ClusterSecurity
 from tests.kv_harness import LAYOUT, KVServerHarness, header, make_store
 from tests.tls_certs import tls_files
 
@@ -116,7 +108,7 @@ def test_a_data_connection_without_the_secrets_mac_is_dropped():
 
         async def go() -> None:
             token = bytes(range(16))
-            from engine.transfer.grpc_server import PUSH_METHOD
+            from kv_transfer.grpc_server import PUSH_METHOD
             from protos.tandem.v1 import kv_transfer_pb2 as pb
 
             call = harness.channel.stream_unary(

@@ -1,6 +1,6 @@
 """KV transfer between processes over real gRPC on 127.0.0.1.
 
-Every peer is its own process (engine/transfer/peer.py). Each test checks
+Every peer is its own process (kv_transfer/peer.py). Each test checks
 that the free block counts of every pool it touched return to their
 starting values: no path may strand blocks. The transfer tests run twice:
 chunks over the data connection (the default), and over the gRPC stream
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from engine.kv_cache import BlockPool, KVCache, KVLayout
-from engine.transfer import (
+from kv_transfer import (
     GrpcKVServer,
     PoolBlockStore,
     TransferConfig,
@@ -27,8 +27,8 @@ from engine.transfer import (
     datachannel,
     wire,
 )
-from engine.transfer.grpc_server import PUSH_METHOD
-from engine.transfer.peer import Peer, PeerSpec
+from kv_transfer.grpc_server import PUSH_METHOD
+from kv_transfer.peer import Peer, PeerSpec
 from protos.tandem.v1 import kv_transfer_pb2 as pb
 
 pytestmark = pytest.mark.integration

@@ -14,13 +14,14 @@ import time
 
 import pytest
 
+from block_index import KVEvent
 from decode_pool import output_channel
 from decode_pool import output_wire as wire
 from decode_pool.output_channel import OutputServer
-from engine.index import KVEvent
 from engine.sequence import RequestOutput
-from engine.transfer import ClusterSecurity, TransferConfig
-from engine.transfer.local_socket import host_identity
+from kv_transfer import TransferConfig
+from net.local_socket import host_identity
+from net.security import ClusterSecurity
 from protos.tandem.v1 import worker_pb2
 from router.decode_streams import LOST, DecodeStreams
 from router.pool_manager import WorkerHandle

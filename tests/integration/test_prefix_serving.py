@@ -17,7 +17,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from router.client import TandemClient
-from tandem_cli.config import ServeConfig
+from router.config import ServeConfig
 from tandem_cli.deployment import Deployment
 from tests.redis_server import RedisServer
 

@@ -9,9 +9,9 @@ from collections.abc import Callable, Iterator
 import pytest
 import redis
 
+from block_index import KVEvent, RedisEventPublisher, RedisIndex, redis_prefix
+from block_index.redis_index import pack_hashes
 from engine.hashing import hash_blocks, root_hash
-from engine.index import KVEvent, RedisEventPublisher, RedisIndex, redis_prefix
-from engine.index.redis_index import pack_hashes
 from tests.redis_server import RedisServer, redis_server  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.integration

@@ -10,8 +10,8 @@ import grpc
 import pytest
 
 from router.client import TandemClient
+from router.config import CLUSTER_SECRET_ENV, ServeConfig
 from router.service import RouterServer
-from tandem_cli.config import CLUSTER_SECRET_ENV, ServeConfig
 from tandem_cli.main import main
 from tandem_cli.tls_ca import TLS_CA_ENV
 from tests.fakes import FakeBackend, FakeTokenizer, RouterInThread

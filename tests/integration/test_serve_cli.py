@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.cpu_binding import available_cores, plan_layout
+from worker.cpu_binding import available_cores, plan_layout
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -9,7 +9,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from router.client import TandemClient
-from tandem_cli.config import ServeConfig
+from router.config import ServeConfig
 from tandem_cli.deployment import Deployment
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

@@ -1,4 +1,4 @@
-"""API keys (router/auth.py), structured logs (engine/logfmt.py) and chat
+"""API keys (router/auth.py), structured logs (worker/logfmt.py) and chat
 templates (router/http/chat.py)."""
 
 from __future__ import annotations
@@ -8,7 +8,6 @@ import logging
 
 import pytest
 
-from engine.logfmt import JsonFormatter, format_fields, log_event
 from router.auth import (
     ApiKeys,
     bearer_token,
@@ -20,6 +19,7 @@ from router.auth import (
 from router.http.chat import FALLBACK_TEMPLATE, ChatTemplate
 from router.http.schemas import ChatMessage
 from router.messages import RequestError
+from worker.logfmt import JsonFormatter, format_fields, log_event
 
 pytestmark = pytest.mark.unit
 

@@ -9,14 +9,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.hashing import hash_blocks, root_hash
-from engine.index import (
+from block_index import (
     BlockIndex,
     EventPublisher,
     InMemoryIndex,
     InProcessPublisher,
     KVEvent,
 )
+from engine.hashing import hash_blocks, root_hash
 
 pytestmark = pytest.mark.unit
 

@@ -11,8 +11,8 @@ import signal
 import pytest
 
 from router.client import TandemClient, generate_sync
+from router.config import ServeConfig
 from tandem_cli import serve
-from tandem_cli.config import ServeConfig
 from tandem_cli.main import build_parser, main
 from tests.fakes import FakeBackend, FakeTokenizer, RouterInThread
 

@@ -10,8 +10,8 @@ import httpx
 import pytest
 
 from router.auth import ApiKeys
+from router.config import ServeConfig
 from tandem_cli import serve
-from tandem_cli.config import ServeConfig
 from tandem_cli.main import build_parser, main
 from tests.fakes import FakeBackend, FakeTokenizer, RouterInThread
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from engine.config import EngineConfig
-from tandem_cli.config import ServeConfig, WorkerResources
+from router.config import ServeConfig, WorkerResources
 
 pytestmark = pytest.mark.unit
 

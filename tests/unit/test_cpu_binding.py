@@ -1,4 +1,4 @@
-"""engine.cpu_binding: the core layout of one machine and how pools share it
+"""worker.cpu_binding: the core layout of one machine and how pools share it
 out (binding a process's threads: test_sched_policy.py)."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import asyncio
 
 import pytest
 
-from engine.cpu_binding import CoreAssignment, CoreLayout, available_cores, plan_layout
-from tandem_cli.config import ServeConfig, WorkerResources
+from router.config import ServeConfig, WorkerResources
 from tandem_cli.serve import plan_cores
+from worker.cpu_binding import CoreAssignment, CoreLayout, available_cores, plan_layout
 
 pytestmark = pytest.mark.unit
 

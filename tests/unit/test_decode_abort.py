@@ -12,7 +12,7 @@ import pytest
 from decode_pool.worker import DecodeRequest, DecodeWorker
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from engine.hashing import hash_blocks
-from engine.transfer import GrpcKVClient, KVBlocks, PoolBlockStore, TransferConfig
+from kv_transfer import GrpcKVClient, KVBlocks, PoolBlockStore, TransferConfig
 
 pytestmark = pytest.mark.unit
 

@@ -11,7 +11,7 @@ import torch
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.device import host_buffer, resolve_device
 from engine.kv_cache import BlockPool, KVCache, KVLayout
-from engine.transfer import PoolBlockStore
+from kv_transfer import PoolBlockStore
 
 pytestmark = pytest.mark.unit
 

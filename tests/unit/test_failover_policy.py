@@ -6,7 +6,7 @@ import grpc
 import pytest
 import ray.exceptions
 
-from engine.transfer import TransferError
+from kv_transfer import TransferError
 from router.failover import NoWorkerAvailable, RetryPolicy, WorkerLost, is_retryable
 
 pytestmark = pytest.mark.unit

@@ -1,4 +1,4 @@
-"""engine.heap: a serving process freezes what it built before serving; the
+"""worker.heap: a serving process freezes what it built before serving; the
 collector's passes then leave those objects alone."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[2]
 # engine a later test drops and leaves in a reference cycle.
 SCRIPT = """
 import gc
-from engine.heap import freeze_startup_heap
+from worker.heap import freeze_startup_heap
 
 class Node:
     pass

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tandem_cli.config import ServeConfig
+from router.config import ServeConfig
 
 pytestmark = pytest.mark.unit
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine.kv_cache import BlockPool, KVCache, KVLayout
-from engine.transfer import (
+from kv_transfer import (
     GrpcKVClient,
     GrpcKVServer,
     InProcHub,
@@ -22,7 +22,7 @@ from engine.transfer import (
     TransferConfig,
     TransferError,
 )
-from engine.transfer.quantized import QuantizedBlockStore, dequantize, quantize
+from kv_transfer.quantized import QuantizedBlockStore, dequantize, quantize
 
 pytestmark = pytest.mark.unit
 

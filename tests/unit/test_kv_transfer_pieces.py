@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from engine.hashing import hash_blocks, root_hash
 from engine.kv_cache import BlockPool, KVCache, KVLayout
-from engine.transfer import (
+from kv_transfer import (
     InProcHub,
     InProcKVClient,
     InProcKVServer,
@@ -31,10 +31,11 @@ from engine.transfer import (
     datachannel,
     wire,
 )
-from engine.transfer.lease import LeaseTable
-from engine.transfer.receiver import KVReceiver
-from engine.transfer.security import ClusterSecurity
-from engine.transfer.sender import KVSender
+from kv_transfer.lease import LeaseTable
+from kv_transfer.receiver import KVReceiver
+from kv_transfer.sender import KVSender
+from net import sockets
+from net.security import ClusterSecurity
 from protos import codegen
 from protos.tandem.v1 import kv_transfer_pb2 as pb
 
@@ -395,14 +396,14 @@ def test_vectored_send_and_receive_move_every_byte():
     dst = [memoryview(bytearray(s)) for s in sizes]
     a, b = socket.socketpair()
     with a, b:
-        sender = threading.Thread(target=datachannel.send_buffers, args=(a, src))
+        sender = threading.Thread(target=sockets.send_buffers, args=(a, src))
         sender.start()
-        datachannel.recv_into_buffers(b, dst)
+        sockets.recv_into_buffers(b, dst)
         sender.join()
         assert b"".join(dst) == payload
         a.close()
         with pytest.raises(ConnectionError):
-            datachannel.recv_into_buffers(b, [memoryview(bytearray(1))])
+            sockets.recv_into_buffers(b, [memoryview(bytearray(1))])
 
 
 class _Registry:
@@ -441,7 +442,7 @@ class DataPair:
         sender = threading.Thread(target=send)
         sender.start()
         preamble = memoryview(bytearray(20 + 32))
-        datachannel.recv_exact(b, preamble)
+        sockets.recv_exact(b, preamble)
         mac = ClusterSecurity().token_mac(b"t" * 16)
         assert bytes(preamble) == b"TKV1" + b"t" * 16 + mac
         self.incoming.serve(b)

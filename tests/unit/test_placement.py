@@ -8,8 +8,8 @@ import asyncio
 import pytest
 import ray
 
+from router.config import ServeConfig, WorkerResources
 from router.pool_manager import WorkerHandle, WorkerPool, actor_options, engine_config
-from tandem_cli.config import ServeConfig, WorkerResources
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""engine.sched_policy and engine.cpu_binding: a process's threads, present
+"""worker.sched_policy and worker.cpu_binding: a process's threads, present
 and future, change scheduling policy, nice value and cores."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ pytestmark = pytest.mark.unit
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = """
 import os, threading
-from engine.cpu_binding import bind_process
-from engine.sched_policy import set_niceness, set_policy
+from worker.cpu_binding import bind_process
+from worker.sched_policy import set_niceness, set_policy
 
 def get():
     return {get}
@@ -63,7 +63,7 @@ def test_the_normal_policy_comes_back():
     if not hasattr(os, "SCHED_BATCH"):
         pytest.skip("no SCHED_BATCH here")
     script = (
-        "import os\nfrom engine.sched_policy import set_policy\n"
+        "import os\nfrom worker.sched_policy import set_policy\n"
         "assert set_policy(batch=True) and os.sched_getscheduler(0) == os.SCHED_BATCH\n"
         "assert set_policy(batch=False) and os.sched_getscheduler(0) == os.SCHED_OTHER\n"
         "print('ok')\n"

@@ -176,8 +176,8 @@ def test_config_is_checked():
 
 
 def test_worker_stats_count_acceptance_and_quantized_store(llama_dir):
-    from engine.transfer.quantized import QuantizedBlockStore
-    from engine.worker_base import EngineWorker
+    from kv_transfer.quantized import QuantizedBlockStore
+    from worker.base import EngineWorker
 
     config = EngineConfig(
         model=str(llama_dir),
@@ -197,8 +197,8 @@ def test_worker_stats_count_acceptance_and_quantized_store(llama_dir):
 
 
 def test_serve_config_enables_speculation_in_the_decode_pool_only():
+    from router.config import ServeConfig, WorkerResources
     from router.pool_manager import engine_config
-    from tandem_cli.config import ServeConfig, WorkerResources
 
     config = ServeConfig(
         speculative_method="ngram", num_speculative_tokens=3, kv_transfer_dtype="fp8"

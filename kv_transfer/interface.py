@@ -19,8 +19,7 @@ from typing import Protocol
 import grpc
 
 from engine.kv_cache import KVLayout
-
-from .security import ClusterSecurity
+from net.security import ClusterSecurity
 
 # Room a chunk message needs beyond its payload (block hashes, span, checksum).
 CHUNK_OVERHEAD_BYTES = 1 << 20

@@ -22,7 +22,7 @@ import os
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from engine.sched_policy import each_thread
+from worker.sched_policy import each_thread
 
 Cores = tuple[int, ...]
 

@@ -10,6 +10,7 @@ from itertools import chain
 
 import grpc
 
+from net.sockets import split_address
 from protos.tandem.v1 import kv_transfer_pb2 as pb
 
 from . import wire
@@ -19,7 +20,6 @@ from .datachannel import (
     PUSH_REFUSED_KEY,
     TOKEN_BYTES,
     DataSender,
-    split_address,
 )
 from .grpc_server import PULL_METHOD, PUSH_METHOD, grpc_options
 from .interface import (

@@ -16,12 +16,10 @@ from .interface import (
     TransferState,
 )
 from .pool_store import PoolBlockStore
-from .security import ClusterSecurity, TLSFiles
 
 __all__ = [
     "BlockSink",
     "BlockSource",
-    "ClusterSecurity",
     "GrpcKVClient",
     "GrpcKVServer",
     "InProcHub",
@@ -33,7 +31,6 @@ __all__ = [
     "PoolBlockStore",
     "PullResult",
     "PushResult",
-    "TLSFiles",
     "TransferConfig",
     "TransferError",
     "TransferState",

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from engine.index.base import HASH_SIZE, BlockIndex, EventPublisher, KVEvent
-from engine.index.memory import InMemoryIndex, InProcessPublisher
+from block_index.base import HASH_SIZE, BlockIndex, EventPublisher, KVEvent
+from block_index.memory import InMemoryIndex, InProcessPublisher
 
 if TYPE_CHECKING:
-    from engine.index.redis_index import RedisEventPublisher, RedisIndex, redis_prefix
+    from block_index.redis_index import RedisEventPublisher, RedisIndex, redis_prefix
 
 __all__ = [
     "HASH_SIZE",
@@ -32,7 +32,7 @@ _LAZY = {"RedisEventPublisher", "RedisIndex", "redis_prefix"}
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        from engine.index import redis_index
+        from block_index import redis_index
 
         return getattr(redis_index, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

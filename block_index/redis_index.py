@@ -37,8 +37,8 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from engine.index.base import HASH_SIZE, KVEvent
-from engine.index.memory import InMemoryIndex
+from block_index.base import HASH_SIZE, KVEvent
+from block_index.memory import InMemoryIndex
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ import logging
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 
-from engine.index.base import KVEvent
+from block_index.base import KVEvent
 
 logger = logging.getLogger(__name__)
 

@@ -11,18 +11,18 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from block_index import EventPublisher, KVEvent
 from engine.config import EngineConfig
-from engine.cpu_binding import bind_process
 from engine.engine_loop import EngineLoop
-from engine.heap import freeze_startup_heap
-from engine.index import EventPublisher, KVEvent
 from engine.llm_engine import LLMEngine
-from engine.logfmt import LogFormat, configure_logging
-from engine.sched_policy import set_niceness, set_policy
 from engine.sequence import RequestOutput
 from engine.spec.decoder import spec_stats
-from engine.transfer import PoolBlockStore, TransferConfig
-from engine.transfer.quantized import QuantizedBlockStore
+from kv_transfer import PoolBlockStore, TransferConfig
+from kv_transfer.quantized import QuantizedBlockStore
+from worker.cpu_binding import bind_process
+from worker.heap import freeze_startup_heap
+from worker.logfmt import LogFormat, configure_logging
+from worker.sched_policy import set_niceness, set_policy
 
 
 class BufferedEvents:
@@ -88,7 +88,7 @@ class EngineWorker:
     def _make_publisher(self, index: IndexSettings) -> EventPublisher:
         if index.redis_url is None:
             return BufferedEvents()
-        from engine.index import RedisEventPublisher, redis_prefix
+        from block_index import RedisEventPublisher, redis_prefix
 
         prefix = redis_prefix(index.deployment, self.engine.kv_layout.model_fingerprint)
         return RedisEventPublisher(
@@ -202,8 +202,8 @@ class WorkerActor:
         niceness: int | None = None,
     ) -> None:
         """``batch_scheduling``: this process runs under SCHED_BATCH (prefill
-        workers, see engine/sched_policy.py); otherwise under the normal policy.
-        ``cpu_cores``: the cores this process is bound to (engine/cpu_binding.py),
+        workers, see worker/sched_policy.py); otherwise under the normal policy.
+        ``cpu_cores``: the cores this process is bound to (worker/cpu_binding.py),
         before the engine starts its threads; None: as inherited. ``niceness``:
         this process's nice value (sched_policy.set_niceness); None: Ray's."""
         configure_logging(log_format)  # this actor's process: structured request events

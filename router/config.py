@@ -10,7 +10,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 if TYPE_CHECKING:
-    from engine.transfer import ClusterSecurity, TransferConfig
+    from kv_transfer import TransferConfig
+    from net.security import ClusterSecurity
 
 CLUSTER_SECRET_ENV = "TANDEM_CLUSTER_SECRET"
 
@@ -259,7 +260,7 @@ class ServeConfig(BaseModel):
 
     def cluster_security(self) -> ClusterSecurity:
         """The internal endpoints' secret and TLS, for workers and the router."""
-        from engine.transfer import ClusterSecurity, TLSFiles
+        from net.security import ClusterSecurity, TLSFiles
 
         secret = self.cluster_secret.get_secret_value().encode() if self.cluster_secret else b""
         tls = None
@@ -274,7 +275,7 @@ class ServeConfig(BaseModel):
 
     def transfer_config(self) -> TransferConfig:
         """What every worker's KV server and client use."""
-        from engine.transfer import TransferConfig
+        from kv_transfer import TransferConfig
 
         return TransferConfig(
             lease_s=self.kv_lease_s,

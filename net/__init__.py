@@ -1,0 +1,1 @@
+"""Authenticated sockets: cluster secret and TLS, framing helpers, local sockets."""

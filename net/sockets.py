@@ -1,0 +1,100 @@
+"""Plain and TLS sockets: framing helpers every internal stream shares
+(scatter/gather sends and receives, exact reads, the accept loop)."""
+
+from __future__ import annotations
+
+import socket
+import ssl
+import threading
+from collections.abc import Callable, Sequence
+
+_IOV_BATCH = 512  # buffers per sendmsg / recvmsg_into (Linux allows 1024)
+
+
+def tune(sock: socket.socket) -> None:
+    """No Nagle delay on the small frames. Socket buffers stay autotuned:
+    fixing them (4 MiB) measured slower on loopback."""
+    if sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def send_buffers(sock: socket.socket, views: Sequence[memoryview | bytes]) -> None:
+    """``sendall`` of the concatenated views, without concatenating them."""
+    if isinstance(sock, ssl.SSLSocket):
+        for view in views:
+            sock.sendall(view)
+        return
+    pending = [memoryview(v).cast("B") for v in views if len(v)]
+    i = 0
+    while i < len(pending):
+        sent = sock.sendmsg(pending[i : i + _IOV_BATCH])
+        while sent:
+            size = pending[i].nbytes
+            if sent >= size:
+                sent -= size
+                i += 1
+            else:
+                pending[i] = pending[i][sent:]
+                sent = 0
+
+
+def recv_into_buffers(sock: socket.socket, views: Sequence[memoryview]) -> None:
+    """Fill every view from ``sock``; ConnectionError if it closes first."""
+    if isinstance(sock, ssl.SSLSocket):
+        for view in views:
+            if view.nbytes and not recv_exact(sock, view):
+                raise ConnectionError("data connection closed mid-chunk")
+        return
+    pending = [v for v in views if v.nbytes]
+    i = 0
+    while i < len(pending):
+        got = sock.recvmsg_into(pending[i : i + _IOV_BATCH])[0]
+        if got == 0:
+            raise ConnectionError("data connection closed mid-chunk")
+        while got:
+            size = pending[i].nbytes
+            if got >= size:
+                got -= size
+                i += 1
+            else:
+                pending[i] = pending[i][got:]
+                got = 0
+
+
+def recv_exact(sock: socket.socket, view: memoryview) -> bool:
+    """Fill ``view``; False on a clean close before its first byte."""
+    got = 0
+    while got < view.nbytes:
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            if got == 0:
+                return False
+            raise ConnectionError("data connection closed mid-frame")
+        got += n
+    return True
+
+
+def accept_forever(
+    listener: socket.socket,
+    stopped: Callable[[], bool],
+    serve: Callable[[socket.socket], None],
+    name: str,
+) -> None:
+    """Serve each connection on a thread of its own until ``stopped()``
+    (the owner shuts the listener down to end the wait)."""
+    while not stopped():
+        try:
+            sock, _ = listener.accept()
+        except OSError:
+            if stopped():
+                return
+            continue
+        threading.Thread(target=serve, args=(sock,), name=name, daemon=True).start()
+
+
+def split_address(address: str) -> str:
+    """The host of a gRPC ``host:port`` address (``[v6]:port`` too)."""
+    host = address.rsplit(":", 1)[0]
+    if host.startswith("ipv4:") or host.startswith("ipv6:"):
+        host = host[5:]
+    return host.strip("[]")
