@@ -27,7 +27,7 @@ import json
 
 from benchkit import metrics
 from benchkit.local_serve import SERVING_LINE, tandem_serve
-from benchkit.runner import LoadSpec, run_load, wait_ready
+from benchkit.runner import LoadSpec, fetch_model_info, run_load, wait_ready
 from benchkit.workload import LengthRange, synthetic_conversations
 
 
@@ -39,11 +39,12 @@ def serve():
         yield targets
 
 
-def one_run(target: str, args: argparse.Namespace, seed: int) -> dict:
+def one_run(target: str, args: argparse.Namespace, seed: int, vocab_size: int) -> dict:
     load = LoadSpec(concurrency=args.concurrency, num_requests=args.requests, seed=seed)
     conversations = synthetic_conversations(
         LengthRange(args.input_len, args.input_len),
         LengthRange(args.output_len, args.output_len),
+        vocab_size=vocab_size,
         seed=seed,
     )
     records = asyncio.run(run_load(target, conversations, load, temperature=0.0, timeout_s=300))
@@ -65,12 +66,13 @@ def main() -> None:
     with serve() as (grpc_target, http_target):
         for target in (grpc_target, http_target):
             assert asyncio.run(wait_ready(target, 60)), target
-        one_run(grpc_target, args, seed=999)  # warm-up: the first requests build caches
+        vocab = asyncio.run(fetch_model_info(grpc_target)).vocab_size
+        one_run(grpc_target, args, 999, vocab)  # warm-up: the first requests build caches
         for r in range(args.rounds):
             order = [("grpc", grpc_target), ("http", http_target)]
             for name, target in order if r % 2 == 0 else order[::-1]:
                 seed = 2 * r + (name == "http")  # fresh prompts: no prefix-cache hits
-                runs[name].append(one_run(target, args, seed=seed))
+                runs[name].append(one_run(target, args, seed, vocab))
 
     def median_of(name: str, key: str) -> float:
         values = sorted(

@@ -17,6 +17,7 @@ import httpx
 from benchkit.metrics import FinalInfo, RequestRecord
 from benchkit.workload import Prompt
 from router.auth import client_headers
+from router.model_info import ModelInfo
 
 
 def is_http(target: str) -> bool:
@@ -116,9 +117,23 @@ class HttpSender:
 
 
 async def served_model(client: httpx.AsyncClient) -> str:
+    return (await served_model_info(client)).name
+
+
+async def served_model_info(client: httpx.AsyncClient) -> ModelInfo:
+    """The first model /v1/models lists, with its limits. Raises httpx.HTTPError,
+    or KeyError, IndexError, TypeError or ValueError for a reply of another shape."""
     reply = await client.get("/v1/models")
     reply.raise_for_status()
-    return reply.json()["data"][0]["id"]
+    return ModelInfo.from_card(reply.json()["data"][0])
+
+
+async def http_model_info(base_url: str, timeout_s: float) -> ModelInfo:
+    """:func:`served_model_info` of the front at ``base_url`` (sends $TANDEM_API_KEY)."""
+    async with httpx.AsyncClient(
+        base_url=base_url, headers=client_headers(), timeout=timeout_s
+    ) as client:
+        return await served_model_info(client)
 
 
 async def http_ready(base_url: str, timeout_s: float = 10.0) -> bool:

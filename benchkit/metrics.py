@@ -169,6 +169,16 @@ def error_counts(records: Iterable[RequestRecord]) -> dict[str, int]:
     return dict(sorted(Counter(r.status for r in records if not r.ok).items()))
 
 
+def first_errors(records: Iterable[RequestRecord]) -> dict[str, str]:
+    """The first error message (by send time) of each failed status, so that a
+    report says why requests failed, not only how many."""
+    out: dict[str, str] = {}
+    for r in sorted(records, key=lambda r: r.send_time):
+        if not r.ok:
+            out.setdefault(r.status, r.error)
+    return dict(sorted(out.items()))
+
+
 def parse_slo(text: str | None) -> dict[str, float]:
     """``"ttft_ms=500,tpot_ms=50"`` -> {"ttft_ms": 500.0, "tpot_ms": 50.0}."""
     if not text:
@@ -212,6 +222,7 @@ def summarize(
         "completed": len(ok),
         "failed": len(records) - len(ok),
         "errors": error_counts(records),
+        "first_errors": first_errors(records),
         "duration_s": duration,
         "request_throughput": rate(len(ok)),
         "output_throughput": rate(out_tokens),

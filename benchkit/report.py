@@ -9,6 +9,7 @@ from pathlib import Path
 
 from benchkit.metrics import RequestRecord, e2e, output_tokens, tpot, ttft
 
+MAX_ERROR_CHARS = 200
 METRIC_ROWS = (
     ("TTFT", "ttft_s"),
     ("TPOT", "tpot_s"),
@@ -91,7 +92,16 @@ def format_run(run: dict) -> str:
         lines.append(f"goodput     {share} of requests, {_num(g['rate'])} req/s ({terms})")
     errors = ", ".join(f"{k}: {v}" for k, v in s["errors"].items()) or "none"
     lines.append(f"errors      {errors}")
+    lines += [_first_error(k, v) for k, v in s.get("first_errors", {}).items()]
     return "\n".join(lines)
+
+
+def _first_error(status: str, message: str) -> str:
+    """``  first STATUS: message`` on one line, shortened past MAX_ERROR_CHARS."""
+    text = " ".join(message.split()) or "(no message)"
+    if len(text) > MAX_ERROR_CHARS:
+        text = text[: MAX_ERROR_CHARS - 3] + "..."
+    return f"  first {status}: {text}"
 
 
 def format_sweep(runs: Sequence[dict]) -> str:
@@ -113,8 +123,17 @@ def format_sweep(runs: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
+def format_model(model: dict) -> str:
+    return (
+        f"model {model['name']}: vocab_size {model['vocab_size']}, "
+        f"max_model_len {model['max_model_len']}"
+    )
+
+
 def format_report(report: dict) -> str:
     parts = [format_run(run) for run in report["runs"]]
+    if report.get("model"):
+        parts.insert(0, format_model(report["model"]))
     if len(report["runs"]) > 1:
         parts.append(format_sweep(report["runs"]))
     return "\n\n".join(parts)

@@ -18,11 +18,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import grpc
+import httpx
 
-from benchkit.http_client import HttpSender, http_ready, is_http
+from benchkit.http_client import HttpSender, http_model_info, http_ready, is_http
 from benchkit.metrics import OK, FinalInfo, RequestRecord
 from benchkit.workload import Conversation, Prompt, interarrival_gaps, next_turn_prompt
 from router.client import TandemClient, open_channel
+from router.model_info import ModelInfo
 
 
 @dataclass
@@ -218,6 +220,34 @@ def _sender(target: str, timeout_s: float | None, ca: bytes | None):
     if is_http(target):
         return _HttpSender(target, timeout_s)
     return _GrpcSender(target, timeout_s, ca)
+
+
+class ModelInfoError(Exception):
+    """The target did not say what model it serves; the message says why."""
+
+
+async def fetch_model_info(
+    target: str, timeout_s: float = 10.0, root_certificates: bytes | None = None
+) -> ModelInfo:
+    """The served model and its limits: ``GetModelInfo`` over gRPC, ``/v1/models``
+    over HTTP (both with $TANDEM_API_KEY). Raises ModelInfoError."""
+    if is_http(target):
+        try:
+            return await http_model_info(target, timeout_s)
+        except (httpx.HTTPError, KeyError, IndexError, TypeError, ValueError) as e:
+            raise ModelInfoError(f"/v1/models: {type(e).__name__}: {e}") from None
+    async with TandemClient(target, timeout_s, root_certificates=root_certificates) as client:
+        try:
+            return await client.model_info()
+        except grpc.aio.AioRpcError as e:
+            raise ModelInfoError(_rpc_problem(e)) from None
+
+
+def _rpc_problem(e: grpc.aio.AioRpcError) -> str:
+    message = f"GetModelInfo: {e.code().name}: {e.details()}"
+    if e.code() == grpc.StatusCode.UNIMPLEMENTED:
+        message += " (a router older than GetModelInfo?)"
+    return message
 
 
 async def wait_ready(

@@ -48,9 +48,11 @@ class GenerateResult:
 
 
 class Backend(Protocol):
+    model_name: str  # the served model name (GetModelInfo, /v1/models)
     tokenizer: Any  # a Hugging Face tokenizer, or None (token-id prompts only)
-    max_model_len: int
-    vocab_size: int
+    max_model_len: int  # known once started
+    vocab_size: int  # known once started
+    block_size: int  # tokens per KV-cache block
 
     def generate(self, inp: GenerateInput) -> AsyncIterator[TokenDelta | GenerateResult]:
         """Yields deltas, then one GenerateResult. Closing the iterator early

@@ -1,6 +1,7 @@
-"""A small async client for the router's ``Generate`` API.
+"""A small async client for the router's ``Generate`` and ``GetModelInfo`` API.
 
     async with TandemClient("127.0.0.1:50051", timeout_s=30) as client:
+        info = await client.model_info()  # name, vocab_size, max_model_len, ...
         async for response in client.generate("Hello", max_tokens=8):
             ...
         completion = await client.complete([1, 2, 3], temperature=0)
@@ -31,6 +32,7 @@ from protos.tandem.v1 import generate_pb2 as pb
 from protos.tandem.v1 import generate_pb2_grpc
 
 from .auth import client_metadata
+from .model_info import ModelInfo
 
 MAX_MESSAGE_BYTES = 64 << 20
 
@@ -175,6 +177,15 @@ class TandemClient:
     async def complete(self, prompt: str | Sequence[int], **sampling: object) -> Completion:
         """The whole response, collected."""
         return collect([r async for r in self.generate(prompt, **sampling)])
+
+    async def model_info(self) -> ModelInfo:
+        """The served model's name and limits (``GetModelInfo``)."""
+        if self._stub is None:
+            raise RuntimeError("TandemClient is not open; use `async with TandemClient(...)`")
+        reply = await self._stub.GetModelInfo(
+            pb.GetModelInfoRequest(), timeout=self.timeout_s, metadata=self._metadata
+        )
+        return ModelInfo.from_proto(reply)
 
 
 def generate_sync(

@@ -258,6 +258,13 @@ class ServeConfig(BaseModel):
             data["cluster_secret"] = os.environ[CLUSTER_SECRET_ENV]
         return cls.model_validate(data)
 
+    def served_name(self) -> str:
+        """The served model name (/v1/models, GetModelInfo): served_model_name, else the
+        model argument, else the embedded model's name."""
+        from engine.default_model import DEFAULT_MODEL_NAME
+
+        return self.served_model_name or self.model or DEFAULT_MODEL_NAME
+
     def cluster_security(self) -> ClusterSecurity:
         """The internal endpoints' secret and TLS, for workers and the router."""
         from net.security import ClusterSecurity, TLSFiles

@@ -57,8 +57,10 @@ class RayBackend:
         self.prefill = WorkerPool("prefill", config, cores=cores)
         self.decode = WorkerPool("colocated" if self.colocated else "decode", config, cores=cores)
         self.policy = make_policy(config.routing_policy)
+        self.model_name = config.served_name()
+        self.block_size = config.block_size
         self.tokenizer = None
-        self.max_model_len = 0
+        self.max_model_len = 0  # these two once the workers are up
         self.vocab_size = 0
         self.retry = RetryPolicy(
             config.max_attempts, config.retry_backoff_s, config.retry_backoff_max_s

@@ -7,8 +7,10 @@ beyond ``max_queued_requests`` in flight), validate and tokenize
 (INVALID_ARGUMENT naming the field), claim the request id (ALREADY_EXISTS),
 then stream one chunk per backend delta and one final message. The
 backend's iterator is always closed before the call ends, so a client
-cancel, a deadline or a failure aborts the request on the workers. Calls
-without a valid API key (when keys are set) get UNAUTHENTICATED.
+cancel, a deadline or a failure aborts the request on the workers.
+``GetModelInfo`` names the served model and its limits (router/model_info.py;
+UNAVAILABLE while starting). Calls without a valid API key (when keys are
+set) get UNAUTHENTICATED, on both methods.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from .http import FrontState, HttpFront
 from .lifecycle import STARTING, Call, Lifecycle, ServiceStats, short
 from .messages import RequestError, chunk_message, final_message, to_generate_input
 from .metrics import RouterMetrics
+from .model_info import ModelInfo
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +116,13 @@ class TandemService(generate_pb2_grpc.TandemServicer):
                     if context.cancelled():  # the client went away
                         raise asyncio.CancelledError from None
                     raise
+
+    async def GetModelInfo(
+        self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ModelInfo:
+        if self.lifecycle.unavailable == STARTING:  # the limits are not known yet
+            await context.abort(grpc.StatusCode.UNAVAILABLE, STARTING)
+        return ModelInfo.of(self.backend).to_proto()
 
 
 class RouterServer:

@@ -5,13 +5,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import datetime as dt
 import math
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tandem_cli.tls_ca import add_tls_ca, read_tls_ca
+
+if TYPE_CHECKING:
+    from benchkit.runner import LoadSpec
+    from router.model_info import ModelInfo
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 DEFAULT_RATE = 4.0
@@ -80,7 +86,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description=(
             "Replay a workload against a running tandem router. Without workload "
             f"options: Poisson arrivals at {DEFAULT_RATE:g} req/s, {DEFAULT_NUM_REQUESTS} "
-            "requests, input 64:256 and output 32:64 random tokens."
+            "requests, input 64:256 and output 32:64 random tokens. The router is asked "
+            "first what model it serves: synthetic token ids stay within its vocabulary, "
+            "and a workload that does not fit its max_model_len is refused."
         ),
     )
     p.add_argument(
@@ -177,7 +185,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_tls_ca(p)
 
 
-def _conversations(args: argparse.Namespace, rows: list[dict] | None, seed: int) -> Iterator:
+class _Refused(Exception):
+    """Printed as ``tandem bench: <message>``; the command exits with ``code``."""
+
+    def __init__(self, message: str, code: int = 2) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _conversations(
+    args: argparse.Namespace, rows: list[dict] | None, seed: int, model: ModelInfo
+) -> Iterator:
     from benchkit import workload
 
     if rows is not None:
@@ -185,6 +203,7 @@ def _conversations(args: argparse.Namespace, rows: list[dict] | None, seed: int)
     return workload.synthetic_conversations(
         args.input_len,
         args.output_len,
+        vocab_size=model.vocab_size,
         seed=seed,
         shared_prefix_ratio=args.shared_prefix_ratio,
         turns=args.turns,
@@ -216,44 +235,149 @@ def _progress(total: int | None, label: str, enabled: bool):
     )
 
 
-def command(args: argparse.Namespace) -> int:
-    from benchkit import metrics, plots, report, workload
-    from benchkit.runner import LoadSpec, is_http, run_load, wait_ready
+def _dataset(args: argparse.Namespace) -> list[dict] | None:
+    """The --dataset rows, or None for synthetic prompts."""
+    from benchkit import workload
 
-    if is_http(args.target) and args.tls_ca:
-        print("tandem bench: --tls-ca is for a gRPC target (HOST:PORT)", file=sys.stderr)
-        return 2
-    ca = None if is_http(args.target) else read_tls_ca(args.tls_ca)
-    rows = None
-    if args.dataset:
-        if args.shared_prefix_ratio:
-            print("tandem bench: --shared-prefix-ratio is for synthetic prompts", file=sys.stderr)
-            return 2
-        try:
-            rows = workload.load_jsonl(args.dataset)
-        except (OSError, ValueError) as e:
-            print(f"tandem bench: {e}", file=sys.stderr)
-            return 2
-        if args.turns > 1 and len({type(r["prompt"]) for r in rows}) > 1:
-            print("tandem bench: --turns needs all prompts text or all token ids", file=sys.stderr)
-            return 2
+    if not args.dataset:
+        return None
+    if args.shared_prefix_ratio:
+        raise _Refused("--shared-prefix-ratio is for synthetic prompts")
+    try:
+        rows = workload.load_jsonl(args.dataset)
+    except (OSError, ValueError) as e:
+        raise _Refused(str(e)) from None
+    if args.turns > 1 and len({type(r["prompt"]) for r in rows}) > 1:
+        raise _Refused("--turns needs all prompts text or all token ids")
+    return rows
+
+
+def _loads(args: argparse.Namespace) -> list[LoadSpec]:
+    from benchkit.runner import LoadSpec
 
     num_requests = args.num_requests
     if num_requests is None and args.duration is None:
         num_requests = DEFAULT_NUM_REQUESTS
     limits = {"num_requests": num_requests, "duration_s": args.duration}
     if args.concurrency is not None:
-        loads = [LoadSpec(concurrency=args.concurrency, seed=args.seed, **limits)]
-    else:
-        rates = args.rate_sweep or [args.rate or DEFAULT_RATE]
-        loads = [
-            LoadSpec(rate=r, burstiness=args.burstiness, seed=args.seed + i, **limits)
-            for i, r in enumerate(rates)
-        ]
+        return [LoadSpec(concurrency=args.concurrency, seed=args.seed, **limits)]
+    rates = args.rate_sweep or [args.rate or DEFAULT_RATE]
+    return [
+        LoadSpec(rate=r, burstiness=args.burstiness, seed=args.seed + i, **limits)
+        for i, r in enumerate(rates)
+    ]
+
+
+def _served_model(args: argparse.Namespace, ca: bytes | None) -> ModelInfo:
+    """What the target serves and its limits (exit 1 when it does not say)."""
+    from benchkit.runner import ModelInfoError, fetch_model_info, wait_ready
 
     if not asyncio.run(wait_ready(args.target, root_certificates=ca)):
-        print(f"tandem bench: cannot reach {args.target}", file=sys.stderr)
-        return 1
+        raise _Refused(f"cannot reach {args.target}", code=1)
+    try:
+        return asyncio.run(fetch_model_info(args.target, root_certificates=ca))
+    except ModelInfoError as e:
+        raise _Refused(f"cannot get the served model from {args.target}: {e}", code=1) from None
+
+
+def _check_fits(args: argparse.Namespace, rows: list[dict] | None, model: ModelInfo) -> None:
+    """Refuse a workload the served model cannot take: token ids beyond its
+    vocabulary, prompt plus max_tokens beyond max_model_len."""
+    from benchkit import workload
+
+    if rows is not None:
+        problem = workload.dataset_fit_problem(rows, args.output_len, args.turns, model)
+    elif model.vocab_size < 1:
+        problem = f"{args.target} does not say its vocabulary size (needed for synthetic prompts)"
+    else:
+        problem = workload.synthetic_fit_problem(
+            args.input_len, args.output_len, args.turns, model.max_model_len
+        )
+    if problem is not None:
+        raise _Refused(problem)
+
+
+def _run_one(
+    args: argparse.Namespace, load: LoadSpec, conversations: Iterator, ca: bytes | None
+) -> list:
+    """One load's records, with a progress bar on stderr."""
+    from benchkit.runner import run_load
+
+    bar = _progress(load.num_requests, _label(load), not args.no_progress)
+    failed = 0
+
+    def done(rec) -> None:
+        nonlocal failed
+        failed += not rec.ok
+        bar.update(1)
+        if failed:
+            bar.set_postfix(failed=failed, refresh=False)
+
+    try:
+        return asyncio.run(
+            run_load(
+                args.target,
+                conversations,
+                load,
+                temperature=args.temperature,
+                timeout_s=args.timeout,
+                root_certificates=ca,
+                on_done=done,
+            )
+        )
+    finally:
+        bar.close()
+
+
+def _run_doc(load: LoadSpec, records: list, slo: dict) -> dict:
+    from benchkit import metrics, report
+
+    return {
+        "label": _label(load),
+        "load": {
+            "rate": load.rate,
+            "burstiness": load.burstiness if load.rate is not None else None,
+            "concurrency": load.concurrency,
+            "num_requests": load.num_requests,
+            "duration_s": load.duration_s,
+            "seed": load.seed,
+        },
+        "summary": metrics.summarize(records, slo),
+        "requests": report.request_rows(records),
+    }
+
+
+def _workload_doc(args: argparse.Namespace, rows: list[dict] | None) -> dict:
+    return {
+        "dataset": args.dataset,
+        "input_len": None if rows else [args.input_len.low, args.input_len.high],
+        "output_len": [args.output_len.low, args.output_len.high],
+        "shared_prefix_ratio": args.shared_prefix_ratio,
+        "turns": args.turns,
+        "temperature": args.temperature,
+        "seed": args.seed,
+    }
+
+
+def command(args: argparse.Namespace) -> int:
+    try:
+        return _bench(args)
+    except _Refused as e:
+        print(f"tandem bench: {e}", file=sys.stderr)
+        return e.code
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from benchkit import plots, report
+    from benchkit.runner import is_http
+
+    if is_http(args.target) and args.tls_ca:
+        raise _Refused("--tls-ca is for a gRPC target (HOST:PORT)")
+    ca = None if is_http(args.target) else read_tls_ca(args.tls_ca)
+    rows = _dataset(args)
+    loads = _loads(args)
+    model = _served_model(args, ca)
+    _check_fits(args, rows, model)
 
     out_dir = (
         Path(args.out)
@@ -261,64 +385,18 @@ def command(args: argparse.Namespace) -> int:
         else (Path.cwd() / "bench-results" / dt.datetime.now().strftime("%Y%m%d-%H%M%S"))
     )
     out_dir.mkdir(parents=True, exist_ok=True)
-    slo = args.slo or {}
     runs, run_records = [], []
     for load in loads:
-        label = _label(load)
-        bar = _progress(load.num_requests, label, not args.no_progress)
-        failed = 0
-
-        def done(rec, bar=bar) -> None:
-            nonlocal failed
-            failed += not rec.ok
-            bar.update(1)
-            if failed:
-                bar.set_postfix(failed=failed, refresh=False)
-
-        try:
-            records = asyncio.run(
-                run_load(
-                    args.target,
-                    _conversations(args, rows, load.seed),
-                    load,
-                    temperature=args.temperature,
-                    timeout_s=args.timeout,
-                    root_certificates=ca,
-                    on_done=done,
-                )
-            )
-        finally:
-            bar.close()
-        runs.append(
-            {
-                "label": label,
-                "load": {
-                    "rate": load.rate,
-                    "burstiness": load.burstiness if load.rate is not None else None,
-                    "concurrency": load.concurrency,
-                    "num_requests": load.num_requests,
-                    "duration_s": load.duration_s,
-                    "seed": load.seed,
-                },
-                "summary": metrics.summarize(records, slo),
-                "requests": report.request_rows(records),
-            }
-        )
-        run_records.append((label, records))
+        records = _run_one(args, load, _conversations(args, rows, load.seed, model), ca)
+        runs.append(_run_doc(load, records, args.slo or {}))
+        run_records.append((_label(load), records))
 
     doc = {
         "tool": "tandem bench",
         "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "target": args.target,
-        "workload": {
-            "dataset": args.dataset,
-            "input_len": None if rows else [args.input_len.low, args.input_len.high],
-            "output_len": [args.output_len.low, args.output_len.high],
-            "shared_prefix_ratio": args.shared_prefix_ratio,
-            "turns": args.turns,
-            "temperature": args.temperature,
-            "seed": args.seed,
-        },
+        "model": dataclasses.asdict(model),
+        "workload": _workload_doc(args, rows),
         "runs": runs,
     }
     json_path = report.write_json(doc, out_dir / "report.json")

@@ -76,9 +76,7 @@ def describe_config_error(e: Exception) -> str:
 
 def model_name(config: ServeConfig) -> str:
     """What /v1/models lists: served_model_name, else the model argument."""
-    from engine.default_model import DEFAULT_MODEL_NAME
-
-    return config.served_model_name or config.model or DEFAULT_MODEL_NAME
+    return config.served_name()
 
 
 def api_keys(config: ServeConfig) -> ApiKeys:

@@ -29,7 +29,8 @@ class FakeBackend:
     ``gate``, when given, holds every stream before its first delta until it
     is set; ``pause_after`` holds it after that many deltas until ``resume``
     is set; ``start_gate`` holds ``start()``. ``fail_after`` raises after
-    that many deltas. Requests whose stream is closed before it finished
+    that many deltas; ``fail_every`` n makes every n-th request (the n-th,
+    2n-th, ...) raise before its first delta. Requests whose stream is closed before it finished
     land in ``aborted``, the others in ``finished``.
     """
 
@@ -37,19 +38,24 @@ class FakeBackend:
         self,
         *,
         tokenizer: FakeTokenizer | None = None,
+        model_name: str = "fake-model",
         max_model_len: int = 64,
         vocab_size: int = 256,
+        block_size: int = 16,
         words: tuple[str, ...] = (" alpha", " beta", " gamma", " delta"),
         delay_s: float = 0.005,
         gate: asyncio.Event | None = None,
         pause_after: int | None = None,
         start_gate: asyncio.Event | None = None,
         fail_after: int | None = None,
+        fail_every: int | None = None,
         end_without_result: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
+        self.model_name = model_name
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
+        self.block_size = block_size
         self.words = words
         self.delay_s = delay_s
         self.gate = gate
@@ -57,6 +63,7 @@ class FakeBackend:
         self.resume = asyncio.Event()
         self.start_gate = start_gate
         self.fail_after = fail_after
+        self.fail_every = fail_every
         self.end_without_result = end_without_result
         self.inputs: list[GenerateInput] = []
         self.running: set[str] = set()
@@ -91,12 +98,15 @@ class FakeBackend:
     async def _generate(self, inp: GenerateInput) -> AsyncIterator[TokenDelta | GenerateResult]:
         rid, params = inp.request_id, inp.params
         self.inputs.append(inp)
+        scripted_failure = self.fail_every is not None and len(self.inputs) % self.fail_every == 0
         self.running.add(rid)
         done = False
         try:
             await self._notify()
             if self.gate is not None:
                 await self.gate.wait()
+            if scripted_failure:
+                raise RuntimeError(f"scripted failure (fail_every={self.fail_every})")
             for i in range(params.max_tokens):
                 if i == self.pause_after:
                     await self.resume.wait()
@@ -141,6 +151,7 @@ class RouterInThread:
         self._ready = threading.Event()
         self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
         self.address = ""
+        self.http_url = ""  # with an HTTP front (http=HttpSettings(...))
 
     async def _main(self) -> None:
         from router.service import RouterServer
@@ -150,6 +161,7 @@ class RouterInThread:
         server = RouterServer(self.backend, host="127.0.0.1", port=0, **self._server_kwargs)
         await server.start()
         self.address = server.address
+        self.http_url = server.http.url if server.http is not None else ""
         self._ready.set()
         await self._stop.wait()
         await server.stop(0)

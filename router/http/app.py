@@ -1,8 +1,9 @@
 """The FastAPI app of the HTTP front.
 
 Routes: ``/health`` (open), ``/metrics`` (open, Prometheus text),
-``/v1/models``, ``/v1/completions``, ``/v1/chat/completions`` (API key
-required when keys are configured).
+``/v1/models`` (the served model and its limits, as GetModelInfo gives
+them), ``/v1/completions``, ``/v1/chat/completions`` (API key required
+when keys are configured).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from router.auth import UNAUTHENTICATED_MESSAGE, ApiKeys
 from router.lifecycle import STARTING, Lifecycle
 from router.messages import RequestError
 from router.metrics import CONTENT_TYPE
+from router.model_info import ModelInfo
 
 from .chat import ChatTemplate
 from .errors import OpenAIError, unauthenticated
@@ -44,6 +46,12 @@ class FrontState:
         if self._template is None:
             self._template = ChatTemplate(self.lifecycle.backend.tokenizer, self.chat_template_file)
         return self._template
+
+    def model_card(self) -> dict:
+        """OpenAI's model object plus the limits GetModelInfo gives (``max_model_len``,
+        ``vocab_size``, ``has_tokenizer``, ``block_size``)."""
+        openai = {"id": self.model_name, "object": "model", "created": self.created}
+        return openai | {"owned_by": "tandem"} | ModelInfo.of(self.lifecycle.backend).card_fields()
 
     def check_model(self, model: str) -> None:
         if model != self.model_name:
@@ -93,14 +101,7 @@ def create_app(state: FrontState) -> FastAPI:
     async def models(request: Request) -> Response:
         if (refusal := refused(request)) is not None:
             return refusal
-        card = {
-            "id": state.model_name,
-            "object": "model",
-            "created": state.created,
-            "owned_by": "tandem",
-            "max_model_len": state.lifecycle.backend.max_model_len,
-        }
-        return JSONResponse({"object": "list", "data": [card]})
+        return JSONResponse({"object": "list", "data": [state.model_card()]})
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

@@ -10,6 +10,7 @@ import pytest
 
 from benchkit import metrics, report, workload
 from benchkit.metrics import FinalInfo, RequestRecord
+from router.model_info import ModelInfo
 
 pytestmark = pytest.mark.unit
 
@@ -154,6 +155,9 @@ def test_parse_length():
             workload.parse_length(bad)
 
 
+VOCAB = 8000
+
+
 def _take(it, n):
     return [next(it) for _ in range(n)]
 
@@ -162,7 +166,11 @@ def test_synthetic_workload_is_seeded():
     def make(seed):
         return _take(
             workload.synthetic_conversations(
-                workload.LengthRange(8, 64), workload.LengthRange(4, 16), seed=seed, turns=2
+                workload.LengthRange(8, 64),
+                workload.LengthRange(4, 16),
+                vocab_size=VOCAB,
+                seed=seed,
+                turns=2,
             ),
             20,
         )
@@ -173,7 +181,7 @@ def test_synthetic_workload_is_seeded():
     for conv in a:
         for turn in conv.turns:
             assert 8 <= len(turn.message) <= 64 and 4 <= turn.max_tokens <= 16
-            assert all(10 <= t < 30000 for t in turn.message)
+            assert all(10 <= t < VOCAB for t in turn.message)
     assert workload.arrival_offsets(50, 3.0, seed=4) == workload.arrival_offsets(50, 3.0, seed=4)
     assert workload.arrival_offsets(50, 3.0, seed=4) != workload.arrival_offsets(50, 3.0, seed=5)
 
@@ -181,7 +189,7 @@ def test_synthetic_workload_is_seeded():
 def test_lengths_cover_the_range():
     convs = _take(
         workload.synthetic_conversations(
-            workload.LengthRange(3, 5), workload.LengthRange(7, 7), seed=0
+            workload.LengthRange(3, 5), workload.LengthRange(7, 7), vocab_size=VOCAB, seed=0
         ),
         200,
     )
@@ -219,6 +227,7 @@ def test_shared_prefix_is_identical_across_requests():
         workload.synthetic_conversations(
             workload.LengthRange(100, 100),
             workload.LengthRange(8, 8),
+            vocab_size=VOCAB,
             seed=0,
             shared_prefix_ratio=0.5,
         ),
@@ -234,6 +243,7 @@ def test_shared_prefix_is_identical_across_requests():
         workload.synthetic_conversations(
             workload.LengthRange(40, 200),
             workload.LengthRange(8, 8),
+            vocab_size=VOCAB,
             seed=0,
             shared_prefix_ratio=0.5,
         ),
@@ -247,7 +257,7 @@ def test_shared_prefix_is_identical_across_requests():
 def test_no_shared_prefix_by_default():
     convs = _take(
         workload.synthetic_conversations(
-            workload.LengthRange(50, 50), workload.LengthRange(8, 8), seed=0
+            workload.LengthRange(50, 50), workload.LengthRange(8, 8), vocab_size=VOCAB, seed=0
         ),
         5,
     )
@@ -257,7 +267,11 @@ def test_no_shared_prefix_by_default():
 def test_multi_turn_prompts_grow_by_answer_and_message():
     conv = next(
         workload.synthetic_conversations(
-            workload.LengthRange(16, 16), workload.LengthRange(4, 4), seed=0, turns=3
+            workload.LengthRange(16, 16),
+            workload.LengthRange(4, 4),
+            vocab_size=VOCAB,
+            seed=0,
+            turns=3,
         )
     )
     answers = [[1, 2, 3, 4], [5, 6, 7, 8]]
@@ -297,3 +311,85 @@ def test_jsonl_bad_rows_name_the_line(tmp_path, line):
     path.write_text('{"prompt": "ok"}\n' + line + "\n")
     with pytest.raises(ValueError, match=":2:"):
         workload.load_jsonl(path)
+
+
+# ---------------------------------------------------------------- served limits
+
+
+def test_token_range_stays_within_the_vocabulary():
+    assert workload.TokenRange.for_vocab(8000) == workload.TokenRange(10, 8000)
+    assert workload.TokenRange.for_vocab(20) == workload.TokenRange(10, 20)
+    assert workload.TokenRange.for_vocab(19) == workload.TokenRange(0, 19)  # no room to skip
+    with pytest.raises(ValueError):
+        workload.TokenRange.for_vocab(0)
+    for vocab in (5, 300, 8000):
+        convs = workload.synthetic_conversations(
+            workload.LengthRange(200, 200),
+            workload.LengthRange(1, 1),
+            vocab_size=vocab,
+            seed=0,
+            shared_prefix_ratio=0.5,
+        )
+        ids = [t for c in _take(convs, 20) for t in c.turns[0].message]
+        low = workload.TokenRange.for_vocab(vocab).low
+        assert low <= min(ids) and max(ids) < vocab
+        assert max(ids) >= 0.9 * vocab - 1  # the whole vocabulary is drawn from
+
+
+def test_synthetic_fit_problem_counts_every_turn():
+    inp, out = workload.LengthRange(64, 256), workload.LengthRange(32, 64)
+    assert workload.synthetic_fit_problem(inp, out, 1, 320) is None
+    assert workload.synthetic_fit_problem(inp, out, 1, 0) is None  # unknown: no check
+    problem = workload.synthetic_fit_problem(inp, out, 1, 319)
+    assert "320 tokens" in problem and "max_model_len of 319" in problem
+    assert "--turns" not in problem
+    assert workload.synthetic_fit_problem(inp, out, 2, 639) is not None  # 2 x (256 + 64)
+    assert "--turns" in workload.synthetic_fit_problem(inp, out, 2, 639)
+    assert workload.synthetic_fit_problem(inp, out, 2, 640) is None
+
+
+def test_dataset_fit_problem_names_the_row():
+    model = ModelInfo("m", vocab_size=100, max_model_len=16, has_tokenizer=False)
+    out = workload.LengthRange(4, 4)
+    fine = [{"prompt": [1, 2, 3], "max_tokens": None}, {"prompt": [99] * 12, "max_tokens": 4}]
+    assert workload.dataset_fit_problem(fine, out, 1, model) is None
+    cases = [
+        ({"prompt": [5, 100], "max_tokens": None}, "token id 100 is outside"),
+        ({"prompt": [5] * 13, "max_tokens": None}, "13 prompt tokens plus max_tokens 4"),
+        ({"prompt": "text", "max_tokens": None}, "no tokenizer"),
+    ]
+    for row, expected in cases:
+        problem = workload.dataset_fit_problem([*fine, row], out, 1, model)
+        assert problem.startswith("dataset row 3: ") and expected in problem
+    # Several turns grow the prompt with answers: the length check is left to the server.
+    assert (
+        workload.dataset_fit_problem([{"prompt": [5] * 13, "max_tokens": 4}], out, 2, model) is None
+    )
+
+
+def test_summary_and_table_show_the_first_error_of_each_status():
+    records = [
+        rec(2.0, [], end=2.1, status="INVALID_ARGUMENT"),
+        rec(0.0, [(0.1, 1)], final=FinalInfo(completion_tokens=1)),
+        rec(1.0, [], end=1.1, status="INVALID_ARGUMENT"),
+        rec(1.5, [], end=1.6, status="INTERNAL"),
+    ]
+    records[0].error = "prompt_token_ids[0] = 9000 is outside the vocabulary [0, 8000)"
+    records[2].error = "prompt_token_ids[3] = 12345 is outside the vocabulary [0, 8000)"
+    records[3].error = "request failed:\n" + "x" * 500
+    s = metrics.summarize(records)
+    assert s["errors"] == {"INTERNAL": 1, "INVALID_ARGUMENT": 2}
+    assert s["first_errors"] == {  # the earliest sent of each status
+        "INTERNAL": records[3].error,
+        "INVALID_ARGUMENT": records[2].error,
+    }
+    doc = {"model": {"name": "m", "vocab_size": 8000, "max_model_len": 4096}}
+    doc["runs"] = [{"label": "rate=4", "summary": s}]
+    text = report.format_report(doc)
+    assert text.startswith("model m: vocab_size 8000, max_model_len 4096")
+    assert "errors      INTERNAL: 1, INVALID_ARGUMENT: 2" in text
+    assert f"  first INVALID_ARGUMENT: {records[2].error}" in text.splitlines()
+    internal = next(line for line in text.splitlines() if "first INTERNAL" in line)
+    assert internal.startswith("  first INTERNAL: request failed: xxx") and internal.endswith("...")
+    assert len(internal) == len("  first INTERNAL: ") + report.MAX_ERROR_CHARS
+    assert "first" not in report.format_run({"label": "x", "summary": metrics.summarize([])})

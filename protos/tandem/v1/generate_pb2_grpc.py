@@ -39,6 +39,11 @@ class TandemStub:
                 request_serializer=protos_dot_tandem_dot_v1_dot_generate__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=protos_dot_tandem_dot_v1_dot_generate__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.GetModelInfo = channel.unary_unary(
+                '/tandem.v1.Tandem/GetModelInfo',
+                request_serializer=protos_dot_tandem_dot_v1_dot_generate__pb2.GetModelInfoRequest.SerializeToString,
+                response_deserializer=protos_dot_tandem_dot_v1_dot_generate__pb2.ModelInfo.FromString,
+                _registered_method=True)
 
 
 class TandemServicer:
@@ -53,6 +58,17 @@ class TandemServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetModelInfo(self, request, context):
+        """What model the router serves and its limits, so that a client can size
+        its requests: token ids must be below vocab_size, and a prompt plus its
+        max_tokens should fit in max_model_len. Needs the same API key as
+        Generate; UNAVAILABLE while the server is starting (the limits are known
+        once its workers are up).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TandemServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -60,6 +76,11 @@ def add_TandemServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=protos_dot_tandem_dot_v1_dot_generate__pb2.GenerateRequest.FromString,
                     response_serializer=protos_dot_tandem_dot_v1_dot_generate__pb2.GenerateResponse.SerializeToString,
+            ),
+            'GetModelInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetModelInfo,
+                    request_deserializer=protos_dot_tandem_dot_v1_dot_generate__pb2.GetModelInfoRequest.FromString,
+                    response_serializer=protos_dot_tandem_dot_v1_dot_generate__pb2.ModelInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -89,6 +110,33 @@ class Tandem:
             '/tandem.v1.Tandem/Generate',
             protos_dot_tandem_dot_v1_dot_generate__pb2.GenerateRequest.SerializeToString,
             protos_dot_tandem_dot_v1_dot_generate__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetModelInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Tandem/GetModelInfo',
+            protos_dot_tandem_dot_v1_dot_generate__pb2.GetModelInfoRequest.SerializeToString,
+            protos_dot_tandem_dot_v1_dot_generate__pb2.ModelInfo.FromString,
             options,
             channel_credentials,
             insecure,
