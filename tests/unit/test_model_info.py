@@ -178,8 +178,8 @@ def test_bench_asks_with_the_api_key(tmp_path, capsys, monkeypatch):
 
 
 def test_ray_backend_names_the_model_as_the_http_front_does():
+    from router.config import ServeConfig
     from router.ray_backend import RayBackend
-    from tandem_cli.config import ServeConfig
 
     assert RayBackend(ServeConfig()).model_name == "tandem-tiny-llama"
     backend = RayBackend(ServeConfig(model="/m/x", block_size=32))
