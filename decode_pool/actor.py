@@ -15,11 +15,5 @@ class DecodeActor(WorkerActor):
         addresses = await self.worker.start()
         return {**self.worker.describe(), **dataclasses.asdict(addresses)}
 
-    async def reserve_prefix(self, request_id: str, block_hashes: list[bytes]) -> int:
-        return await self.worker.reserve_prefix(request_id, block_hashes)
-
-    async def start_decode(self, req: DecodeRequest) -> None:
-        await self.worker.start_decode(req)
-
     async def start_full(self, req: DecodeRequest) -> None:
         await self.worker.start_full(req)

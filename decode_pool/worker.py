@@ -1,12 +1,13 @@
 """The decode worker (a plain class; the Ray actor wraps it).
 
-It receives KV blocks over gRPC (the KV receiver), attaches them to a
-request as soon as their push is done (the router starts the decode while
-the prefill runs, and the push carries the prefill's token), and runs
-continuous batching.
-The engine thread writes every step's outputs to the routers' output
-streams itself (output_channel.py). In colocated mode the same worker also
-prefills.
+A prefill worker pushes a request's KV blocks here (kv_transfer/), with
+what the request needs to start (decode_pool/start.py). In the push's
+handshake this worker takes the leading blocks its prefix cache holds
+already, so only the rest is sent. Once the push commits, the request joins
+continuous batching and its first token (the prefill's) goes out as the
+first frame of its router's output stream: every token of a request reaches
+the router by that one stream (output_channel.py). ``start_full`` prefills
+here instead (colocated mode, or a short tail after a cached prefix).
 """
 
 from __future__ import annotations
@@ -17,11 +18,14 @@ import logging
 import time
 from dataclasses import dataclass
 
+import grpc
+
 from decode_pool.output_channel import OutputServer
+from decode_pool.start import BadStart, DecodeStart
 from engine.config import EngineConfig
 from engine.sampling import SamplingParams
 from engine.sequence import RequestOutput
-from kv_transfer import GrpcKVServer, TransferConfig
+from kv_transfer import CommittedPush, GrpcKVServer, TransferConfig, TransferError
 from net.local_socket import host_identity
 from worker.base import EngineWorker, IndexSettings
 from worker.logfmt import log_event
@@ -34,8 +38,7 @@ class DecodeRequest:
     request_id: str
     router_id: str
     prompt_token_ids: list[int]
-    output_token_ids: list[int]  # tokens streamed before this try (after a failover);
-    # start_decode appends the token the prefill sampled, which comes with the KV
+    output_token_ids: list[int]  # tokens streamed before this try (after a failover)
     params: SamplingParams
 
 
@@ -59,9 +62,7 @@ class DecodeWorker(EngineWorker):
         super().__init__(name, config, index)
         self.host = host
         self.transfer = transfer or TransferConfig()
-        self.kv_server = GrpcKVServer(self.store, self.transfer, host=host, port=0)
-        # request id -> (prefix blocks of this pool pinned for it, lease timer)
-        self._pinned: dict[str, tuple[list[int], asyncio.TimerHandle]] = {}
+        self.kv_server = GrpcKVServer(self.store, self.transfer, host=host, port=0, handler=self)
         self.outputs: OutputServer | None = None  # bound by start()
         self.addresses: WorkerAddresses | None = None
         self._background: set[asyncio.Future] = set()
@@ -91,90 +92,69 @@ class DecodeWorker(EngineWorker):
         if self.outputs is not None:
             self.outputs.close()
         await self.kv_server.stop(1.0)
-        for rid in list(self._pinned) + await self.loop.acall(lambda e: e.request_ids()):
+        for rid in await self.loop.acall(lambda e: e.request_ids()):
             await self.abort(rid)
         self.stop_loop()
 
-    async def reserve_prefix(self, request_id: str, block_hashes: list[bytes]) -> int:
-        """Pin the longest prefix of ``block_hashes`` this pool holds for a request
-        whose other blocks a prefill worker will push; returns how many. The pin
-        lasts until start_decode, abort, or the transfer lease passes."""
+    # ---- pushes (kv_transfer's PushHandler, on the event loop) ----
 
-        def pin(engine) -> list[int]:
-            pool = engine.block_pool
-            blocks = []
-            for block_hash in block_hashes:  # hashes bind the tokens: no token check needed
-                block = pool.block_for_hash(block_hash)
-                if block is None:
-                    break
-                blocks.append(block)
-            pool.take(blocks)
-            return blocks
-
-        if self._was_aborted(request_id):
-            return 0
-        blocks = await self.loop.acall(pin)
-        if self._was_aborted(request_id):  # aborted while pinning
-            await self.loop.acall(lambda e: e.block_pool.free(blocks))
-            return 0
-        if blocks:
-            timer = asyncio.get_running_loop().call_later(
-                self.transfer.lease_s, self._unpin_soon, request_id
-            )
-            self._pinned[request_id] = (blocks, timer)
-        return len(blocks)
-
-    async def start_decode(self, req: DecodeRequest) -> None:
-        """Continue a request whose blocks a prefill worker pushes here (after
-        the prefix blocks pinned for it by reserve_prefix, if any). The router
-        calls this while the prefill runs (or after it, with
-        early_decode_start off): the decode starts once the push is done,
-        from the token it carries. An abort ends the wait
-        (LookupError), as does a push that carries no token."""
-        rid = req.request_id
-        self._refuse_aborted(rid)
-        self._own(req)  # first: a refusal here leaves the blocks to abort()
+    def check(self, request_id: str, decode_start: bytes) -> None:
+        """Refuse a push before it reserves a block: one that starts no
+        request, a request aborted here, or one whose router has no stream."""
         try:
-            next_tokens = await self.kv_server.committed(rid)
-        except BaseException:
-            self._disown(rid)
-            raise
-        prefix = self._take_pins(rid)
-        claimed = self.kv_server.claim(rid)
-        if claimed is None or not next_tokens:
-            self._disown(rid)
-            await self.loop.acall(lambda e: e.block_pool.free(prefix + (claimed or [])))
-            why = "was aborted" if claimed is None else "came with no sampled token"
-            raise LookupError(f"the KV push for request {rid!r} {why}")
-        blocks = prefix + claimed
+            start = DecodeStart.decode(decode_start)
+        except BadStart as exc:
+            raise TransferError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        if self._was_aborted(request_id):
+            raise TransferError(grpc.StatusCode.CANCELLED, f"request {request_id!r} was aborted")
+        if self.outputs is None or not self.outputs.has_router(start.router_id):
+            raise TransferError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"router {start.router_id} has no open output stream here",
+            )
+
+    def committed(self, push: CommittedPush) -> None:
+        """Start a pushed request: its first token is the first frame of its
+        stream, then it joins the batch. The blocks are the request's now."""
+        rid = push.request_id
+        start = DecodeStart.decode(push.decode_start)  # checked at the header
+        if self._was_aborted(rid) or not self._own(rid, start.router_id):
+            self.loop.call(lambda e: e.block_pool.free(push.block_ids))
+            return
+        tokens = push.token_ids + push.next_token_ids
+        prompt, outputs = tokens[: start.num_prompt_tokens], tokens[start.num_prompt_tokens :]
+        first = start.first_output(rid, push.next_token_ids)
         log_event(
             log,
             "decode_start",
-            request_id=req.request_id,
+            request_id=rid,
             worker=self.name,
-            prompt_tokens=len(req.prompt_token_ids),
-            reused_blocks=len(prefix),
-            received_blocks=len(claimed),
+            prompt_tokens=start.num_prompt_tokens,
+            reused_blocks=push.held_blocks,
+            received_blocks=len(push.block_ids) - push.held_blocks,
         )
-        added = self.loop.call(
-            lambda e: e.add_prefilled_request(
-                rid, req.prompt_token_ids, req.output_token_ids + next_tokens, req.params, blocks
-            )
-        )
-        try:
-            await asyncio.wrap_future(added)
-        except BaseException:
-            self._disown(req.request_id)
-            if added.cancel():  # it had not run (we were cancelled): the blocks are ours
-                self.loop.call(lambda e: e.block_pool.free(blocks))
-            raise
+
+        def begin(engine) -> None:
+            assert self.outputs is not None
+            self.outputs.publish([first], [])
+            if first.finished:
+                engine.block_pool.free(push.block_ids)
+                return
+            try:
+                engine.add_prefilled_request(rid, prompt, outputs, start.params, push.block_ids)
+            except Exception as exc:  # the engine freed the blocks
+                log.warning("request %s could not start: %s", rid, exc)
+                self.outputs.publish([RequestOutput.aborted(rid)], [])
+
+        self.loop.call(begin)
 
     async def start_full(self, req: DecodeRequest) -> None:
         """Prefill and decode here (colocated mode, or a short uncached rest);
         every new token goes to the stream. ``output_token_ids``, when set, are
         tokens streamed before a failover: computed with the prompt, not sent."""
         self._refuse_aborted(req.request_id)
-        self._own(req)
+        if not self._own(req.request_id, req.router_id):
+            raise ConnectionError(f"router {req.router_id} has no open output stream here")
         log_event(
             log,
             "colocated_start",
@@ -198,9 +178,6 @@ class DecodeWorker(EngineWorker):
             self._aborted = {r: t for r, t in self._aborted.items() if t > now}
         self._aborted[request_id] = now + self.transfer.lease_s
         self._disown(request_id)
-        pinned = self._take_pins(request_id)
-        if pinned:
-            await self.loop.acall(lambda e: e.block_pool.free(pinned))
         self.kv_server.discard(request_id)
         return await super().abort(request_id)
 
@@ -211,21 +188,12 @@ class DecodeWorker(EngineWorker):
         if self._was_aborted(request_id):
             raise LookupError(f"request {request_id!r} was aborted")
 
-    def _take_pins(self, request_id: str) -> list[int]:
-        blocks, timer = self._pinned.pop(request_id, ([], None))
-        if timer is not None:
-            timer.cancel()
-        return blocks
-
-    def _unpin_soon(self, request_id: str) -> None:
-        blocks = self._take_pins(request_id)
-        if blocks:
-            self.loop.call(lambda e: e.block_pool.free(blocks))
-
-    def _own(self, req: DecodeRequest) -> None:
-        if self.outputs is None or not self.outputs.has_router(req.router_id):
-            raise ConnectionError(f"router {req.router_id} has no open output stream here")
-        self.outputs.own(req.request_id, req.router_id)
+    def _own(self, request_id: str, router_id: str) -> bool:
+        """Send the request's outputs to ``router_id``; False if it has no stream."""
+        if self.outputs is None or not self.outputs.has_router(router_id):
+            return False
+        self.outputs.own(request_id, router_id)
+        return True
 
     def _disown(self, request_id: str) -> None:
         if self.outputs is not None:

@@ -6,10 +6,12 @@ from .inproc import InProcHub, InProcKVClient, InProcKVServer
 from .interface import (
     BlockSink,
     BlockSource,
+    CommittedPush,
     KVBlocks,
     KVTransferClient,
     KVTransferServer,
     PullResult,
+    PushHandler,
     PushResult,
     TransferConfig,
     TransferError,
@@ -20,6 +22,7 @@ from .pool_store import PoolBlockStore
 __all__ = [
     "BlockSink",
     "BlockSource",
+    "CommittedPush",
     "GrpcKVClient",
     "GrpcKVServer",
     "InProcHub",
@@ -30,6 +33,7 @@ __all__ = [
     "KVTransferServer",
     "PoolBlockStore",
     "PullResult",
+    "PushHandler",
     "PushResult",
     "TransferConfig",
     "TransferError",

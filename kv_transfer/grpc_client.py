@@ -21,7 +21,7 @@ from .datachannel import (
     TOKEN_BYTES,
     DataSender,
 )
-from .grpc_server import PULL_METHOD, PUSH_METHOD, grpc_options
+from .grpc_server import HELD_BLOCKS_KEY, PULL_METHOD, PUSH_METHOD, grpc_options
 from .interface import (
     BlockSink,
     BlockSource,
@@ -77,6 +77,7 @@ class GrpcKVClient(KVTransferClient):
             blocks.token_ids,
             self.config.chunk_bytes,
             blocks.next_token_ids,
+            blocks.decode_start,
         )
         timeout = timeout_s or self.config.timeout_s
         token = secrets.token_bytes(TOKEN_BYTES) if self.config.data_channel else None
@@ -101,6 +102,7 @@ class GrpcKVClient(KVTransferClient):
             if call.done() or _metadata_value(metadata, PUSH_REFUSED_KEY) is not None:
                 await call.done_writing()
                 await call  # refused: raises with the server's status
+            sender.skip(int(_metadata_value(metadata, HELD_BLOCKS_KEY) or 0))
             port = _metadata_value(metadata, DATA_PORT_KEY)
             if token is not None and port is not None:
                 data = DataSender(
@@ -147,7 +149,9 @@ class GrpcKVClient(KVTransferClient):
             sender.close(succeeded=call.done() and not call.cancelled())
             if not call.done():
                 call.cancel()
-        return PushResult(reply.request_id, list(reply.block_ids), sender.bytes_sent)
+        return PushResult(
+            reply.request_id, list(reply.block_ids), sender.bytes_sent, sender.skipped
+        )
 
     async def _write(self, call, msg: bytes) -> None:
         out = msg if self._filter is None else self._filter(msg)

@@ -26,13 +26,21 @@ from .datachannel import (
     DataServer,
     IncomingData,
 )
-from .interface import KVTransferServer, TransferConfig, TransferError, TransferState
+from .interface import (
+    KVTransferServer,
+    PushHandler,
+    TransferConfig,
+    TransferError,
+    TransferState,
+)
 from .pool_store import PoolBlockStore
 from .service import IncomingPush, KVTransferService
 
 SERVICE = "tandem.v1.KVTransfer"
 PUSH_METHOD = f"/{SERVICE}/PushBlocks"
 PULL_METHOD = f"/{SERVICE}/PullBlocks"
+# Initial metadata of an accepted push: leading blocks the receiver holds already.
+HELD_BLOCKS_KEY = "tandem-kv-held-blocks"
 
 # Loopback measurements (bench/kv_transfer.py) chose these: large HTTP/2
 # frames and flow-control windows, large socket reads.
@@ -71,8 +79,9 @@ class GrpcKVServer(KVTransferServer):
         config: TransferConfig | None = None,
         host: str = "127.0.0.1",
         port: int = 0,
+        handler: PushHandler | None = None,
     ) -> None:
-        self.service = KVTransferService(store, config)
+        self.service = KVTransferService(store, config, handler=handler)
         self._bind = f"{host}:{port}"
         self._host = host
         self._server: grpc.aio.Server | None = None
@@ -130,9 +139,6 @@ class GrpcKVServer(KVTransferServer):
     def claim(self, request_id: str) -> list[int] | None:
         return self.service.claim(request_id)
 
-    async def committed(self, request_id: str) -> list[int]:
-        return await self.service.committed(request_id)
-
     def discard(self, request_id: str) -> None:
         self.service.discard(request_id)
 
@@ -179,18 +185,19 @@ class GrpcKVServer(KVTransferServer):
     def _accept(
         self, push: IncomingPush, context: grpc.aio.ServicerContext
     ) -> tuple[tuple[str, str], ...]:
+        held = ((HELD_BLOCKS_KEY, str(push.receiver.held)),)
         token = None
         for key, value in context.invocation_metadata() or ():
             if key == DATA_TOKEN_KEY and isinstance(value, str):
                 with contextlib.suppress(ValueError):
                     token = bytes.fromhex(value)
         if token is None or len(token) != TOKEN_BYTES or self._data is None:
-            return ()
+            return held
         incoming = IncomingData(self._data, token, push.receiver, push.renew)
         if not self._data.expect(token, incoming):
-            return ()  # a token in use: this push's chunks come over gRPC
+            return held  # a token in use: this push's chunks come over gRPC
         push.receiver.expect_data(incoming)
-        return ((DATA_PORT_KEY, str(self._data.port)),)
+        return (*held, (DATA_PORT_KEY, str(self._data.port)))
 
     async def _pull(
         self, request: pb.PullRequest | wire.Malformed, context: grpc.aio.ServicerContext

@@ -21,6 +21,7 @@ from .interface import (
     KVTransferClient,
     KVTransferServer,
     PullResult,
+    PushHandler,
     PushResult,
     TransferConfig,
     TransferError,
@@ -47,11 +48,16 @@ class InProcHub:
 
 class InProcKVServer(KVTransferServer):
     def __init__(
-        self, hub: InProcHub, name: str, store: PoolBlockStore, config: TransferConfig | None = None
+        self,
+        hub: InProcHub,
+        name: str,
+        store: PoolBlockStore,
+        config: TransferConfig | None = None,
+        handler: PushHandler | None = None,
     ) -> None:
         self.hub = hub
         self.address = f"inproc:{name}"
-        self.service = KVTransferService(store, config)
+        self.service = KVTransferService(store, config, handler=handler)
 
     async def start(self) -> None:
         self.hub.services[self.address] = self.service
@@ -63,9 +69,6 @@ class InProcKVServer(KVTransferServer):
 
     def claim(self, request_id: str) -> list[int] | None:
         return self.service.claim(request_id)
-
-    async def committed(self, request_id: str) -> list[int]:
-        return await self.service.committed(request_id)
 
     def discard(self, request_id: str) -> None:
         self.service.discard(request_id)
@@ -108,6 +111,7 @@ class InProcKVClient(KVTransferClient):
             blocks.token_ids,
             self.config.chunk_bytes,
             blocks.next_token_ids,
+            blocks.decode_start,
         )
         cancelled = _Cancelled()
         push = service.open_push(cancelled)
@@ -118,6 +122,8 @@ class InProcKVClient(KVTransferClient):
                     msg = msg if self._filter is None else self._filter(msg)
                     if msg is not None:
                         reply = push.on_message(wire.decode(msg))
+                    if push.state is TransferState.TRANSFERRING and not sender.skipped:
+                        sender.skip(push.receiver.held)  # before the first chunk
                     await cancelled.check()
         except TimeoutError as e:
             raise TransferError(grpc.StatusCode.DEADLINE_EXCEEDED, "push timed out") from e
@@ -126,7 +132,9 @@ class InProcKVClient(KVTransferClient):
             sender.close(succeeded=reply is not None)
         if reply is None:
             raise TransferError(grpc.StatusCode.ABORTED, "stream ended before commit")
-        return PushResult(reply.request_id, list(reply.block_ids), sender.bytes_sent)
+        return PushResult(
+            reply.request_id, list(reply.block_ids), sender.bytes_sent, sender.skipped
+        )
 
     async def pull(
         self,

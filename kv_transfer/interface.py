@@ -111,13 +111,15 @@ class KVBlocks:
     block_hashes: Sequence[bytes | None]  # one per block; None for a partial block
     token_ids: Sequence[int]  # the tokens whose KV the blocks hold
     next_token_ids: Sequence[int] = ()  # sampled after them, KV not computed (a prefill's)
+    decode_start: bytes = b""  # what the receiving decode worker starts the request with
 
 
 @dataclass(frozen=True)
 class PushResult:
     request_id: str
-    remote_block_ids: list[int]  # held for request_id on the receiver until claimed
+    remote_block_ids: list[int]  # held for request_id on the receiver
     bytes_sent: int
+    held_blocks: int = 0  # leading blocks the receiver already held: not sent
 
 
 @dataclass(frozen=True)
@@ -125,6 +127,30 @@ class PullResult:
     block_ids: list[int]  # in the local sink; the caller owns one reference each
     block_hashes: list[bytes]
     bytes_received: int
+
+
+@dataclass(frozen=True)
+class CommittedPush:
+    """A push the receiver committed, handed to its ``PushHandler``."""
+
+    request_id: str
+    block_ids: list[int]  # in the receiver's pool; the handler owns one reference each
+    token_ids: list[int]  # the tokens whose KV the blocks hold
+    next_token_ids: list[int]  # sampled after them
+    decode_start: bytes
+    held_blocks: int  # leading blocks the receiver held before the push
+
+
+class PushHandler(Protocol):
+    """Who takes a server's committed pushes (a decode worker). Without one,
+    a committed push waits, leased, for ``claim``."""
+
+    def check(self, request_id: str, decode_start: bytes) -> None:
+        """Refuse a push (raise TransferError) before any block is reserved."""
+
+    def committed(self, push: CommittedPush) -> None:
+        """Take over a committed push; called on the server's event loop once
+        the push's call has ended."""
 
 
 class BlockSink(Protocol):
@@ -148,6 +174,10 @@ class BlockSink(Protocol):
 
     def release(self, block_ids: Sequence[int]) -> None:
         """Drop the caller's reference to each block."""
+
+    def hold_prefix(self, block_hashes: Sequence[bytes], token_ids: Sequence[int]) -> list[int]:
+        """The longest run of leading blocks the pool holds already (hashes
+        and tokens equal), one reference each for the caller."""
 
     # Optional, for movers that write into the blocks without a staging copy:
     # def buffers(self, block_ids, layer_start, layer_end) -> list[memoryview] | None:
@@ -221,12 +251,6 @@ class KVTransferServer(ABC):
     def claim(self, request_id: str) -> list[int] | None:
         """Take the blocks a push committed for ``request_id`` (the caller owns
         one reference each), or None if there is none (never came, expired)."""
-
-    @abstractmethod
-    async def committed(self, request_id: str) -> list[int]:
-        """Wait for a push for ``request_id`` to commit (it stays to be
-        claimed); the tokens it carries after its KV. LookupError if the
-        request is discarded first."""
 
     @abstractmethod
     def discard(self, request_id: str) -> None:

@@ -82,6 +82,13 @@ class PoolBlockStore:
                 if block_hash and len(tokens) == bs:
                     self.pool.cache(block, BlockHash(block_hash), tokens)
 
+    def hold_prefix(self, block_hashes: Sequence[bytes], token_ids: Sequence[int]) -> list[int]:
+        bs = self.layout.block_size
+        token_blocks = [token_ids[i * bs : (i + 1) * bs] for i in range(len(block_hashes))]
+        hashes = [BlockHash(h) for h in block_hashes]
+        with self.lock:
+            return self.pool.match_prefix(hashes, token_blocks)
+
     def release(self, block_ids: Sequence[int]) -> None:
         with self.lock:
             self.pool.free(block_ids)

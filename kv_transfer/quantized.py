@@ -123,6 +123,9 @@ class QuantizedBlockStore:
     ) -> None:
         self.inner.commit(block_ids, block_hashes, token_ids)
 
+    def hold_prefix(self, block_hashes: Sequence[bytes], token_ids: Sequence[int]) -> list[int]:
+        return self.inner.hold_prefix(block_hashes, token_ids)
+
     def release(self, block_ids: Sequence[int]) -> None:
         self.inner.release(block_ids)
 

@@ -1,6 +1,8 @@
 """The receiving half of a transfer, whatever moves the bytes.
 
-Header: check the layout, reserve the blocks. Chunks: check range, hashes,
+Header: check the layout, take the leading blocks the pool already holds
+(a push's receiver, ``reuse_prefix``: their chunks are not sent), reserve
+the rest. Chunks: check range, hashes,
 size and checksum, then write into the reserved blocks. Commit: check every
 (layer, block) arrived exactly once and index the blocks. Any error fails
 the transfer, which releases every reserved block exactly once.
@@ -35,8 +37,11 @@ _INVALID = grpc.StatusCode.INVALID_ARGUMENT
 
 
 class KVReceiver:
-    def __init__(self, sink: BlockSink) -> None:
+    def __init__(self, sink: BlockSink, reuse_prefix: bool = False) -> None:
         self.sink = sink
+        self.reuse_prefix = reuse_prefix
+        self.held = 0  # leading blocks the pool held already (no chunk brings them)
+        self.decode_start = b""
         self.state = TransferState.PENDING
         self.request_id = ""
         self.block_ids: list[int] = []
@@ -84,15 +89,25 @@ class KVReceiver:
             raise TransferError(_INVALID, f"{len(header.token_ids)} token_ids for {n} blocks")
         if header.total_bytes and header.total_bytes != n * self.sink.layout.block_bytes:
             raise TransferError(_INVALID, f"total_bytes {header.total_bytes} does not fit layout")
-        blocks = self.sink.reserve(n)
+        hashes = list(header.block_hashes) or [b""] * n
+        held: list[int] = []
+        if self.reuse_prefix and n > 1:  # the last block always comes
+            held = self.sink.hold_prefix(hashes[: n - 1], header.token_ids)
+        blocks = self.sink.reserve(n - len(held))
         if blocks is None:
-            raise TransferError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"no room for {n} blocks")
-        self.block_ids = blocks
+            self.sink.release(held)
+            raise TransferError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, f"no room for {n - len(held)} blocks"
+            )
+        self.block_ids = held + blocks
+        self.held = len(held)
         self.request_id = header.request_id
-        self.block_hashes = list(header.block_hashes) or [b""] * n
+        self.block_hashes = hashes
         self.token_ids = list(header.token_ids)
         self.next_token_ids = list(header.next_token_ids)
+        self.decode_start = header.decode_start
         self._seen = np.zeros((self.sink.layout.num_layers, n), dtype=bool)
+        self._seen[:, : self.held] = True
         self.state = TransferState.TRANSFERRING
 
     async def on_message_async(self, msg: Message, executor: concurrent.futures.Executor) -> bool:

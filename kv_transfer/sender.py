@@ -2,7 +2,9 @@
 
 Takes blocks already pinned in the source and yields the encoded header and
 chunks; ``close`` unpins them exactly once, whether the transfer succeeded,
-failed or was abandoned.
+failed or was abandoned. The header names every block; a push whose
+receiver answers that it holds the first k already (``skip``) sends chunks
+for the others only, numbered as in the header.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ class KVSender:
         token_ids: Sequence[int],
         chunk_bytes: int,
         next_token_ids: Sequence[int] = (),
+        decode_start: bytes = b"",
     ) -> None:
         if len(block_hashes) != len(pinned_block_ids):
             raise ValueError(f"{len(block_hashes)} hashes for {len(pinned_block_ids)} blocks")
@@ -35,7 +38,9 @@ class KVSender:
         self.block_hashes = [h or b"" for h in block_hashes]
         self.token_ids = list(token_ids)
         self.next_token_ids = list(next_token_ids)
+        self.decode_start = decode_start
         self.chunk_bytes = chunk_bytes
+        self.skipped = 0  # leading blocks the receiver holds: no chunk carries them
         self.bytes_sent = 0
 
     @property
@@ -51,13 +56,26 @@ class KVSender:
             token_ids=self.token_ids,
             next_token_ids=self.next_token_ids,
             total_bytes=self.total_bytes,
+            decode_start=self.decode_start,
         )
+
+    def skip(self, held: int) -> None:
+        """The receiver holds the first ``held`` blocks: send the others only
+        (before the first chunk is asked for). At least the last block is sent."""
+        if not 0 <= held < max(len(self.block_ids), 1):
+            raise ValueError(f"receiver holds {held} of {len(self.block_ids)} blocks")
+        self.skipped = held
 
     def spans(self) -> list[tuple[int, int, int, int]]:
         layout = self.source.layout
-        return plan_chunks(
-            layout.num_layers, len(self.block_ids), layout.block_bytes_per_layer, self.chunk_bytes
+        k = self.skipped
+        spans = plan_chunks(
+            layout.num_layers,
+            len(self.block_ids) - k,
+            layout.block_bytes_per_layer,
+            self.chunk_bytes,
         )
+        return [(ls, le, bs + k, be + k) for ls, le, bs, be in spans]
 
     def chunks(self) -> Iterator[tuple[tuple[int, int, int, int], list[memoryview]]]:
         """Each chunk's span and payload as views, in wire order.

@@ -4,8 +4,9 @@ A transport (gRPC, in-process) opens an ``IncomingPush`` per PushBlocks call
 and an ``OutgoingPull`` per PullBlocks call, feeds it messages, and closes it
 in a ``finally``. Each holds a lease; if the transport stalls (peer dead,
 client gone quiet) the lease expires, the blocks are released and
-``cancel`` stops the call. Committed pushes wait, leased, for ``claim``;
-``committed`` lets a decode wait for the commit instead of being told of it.
+``cancel`` stops the call. A committed push goes to the service's
+``PushHandler`` (a decode worker starts the request) once its call has
+ended; without a handler it waits, leased, for ``claim``.
 
 Everything here runs on the server's event loop.
 """
@@ -22,7 +23,13 @@ import grpc
 
 from protos.tandem.v1 import kv_transfer_pb2 as pb
 
-from .interface import TransferConfig, TransferError, TransferState
+from .interface import (
+    CommittedPush,
+    PushHandler,
+    TransferConfig,
+    TransferError,
+    TransferState,
+)
 from .lease import Lease, LeaseTable
 from .pool_store import PoolBlockStore
 from .receiver import KVReceiver
@@ -36,13 +43,14 @@ class KVTransferService:
         store: PoolBlockStore,
         config: TransferConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
+        handler: PushHandler | None = None,
     ) -> None:
         self.store = store
         self.config = config or TransferConfig()
         self.leases = LeaseTable(clock)
-        # request id -> (blocks, tokens sampled after them, lease until claimed)
-        self._committed: dict[str, tuple[list[int], list[int], Lease]] = {}
-        self._waiters: dict[str, asyncio.Future[list[int]]] = {}
+        self.handler = handler
+        # request id -> (blocks, lease until claimed): committed pushes, no handler
+        self._committed: dict[str, tuple[list[int], Lease]] = {}
         self._open_pushes: dict[str, IncomingPush] = {}
         self._refused: dict[str, float] = {}  # discarded request id -> until when
         self._reaper: asyncio.Task[None] | None = None
@@ -57,44 +65,13 @@ class KVTransferService:
         held = self._committed.pop(request_id, None)
         if held is None:
             return None
-        block_ids, _, lease = held
+        block_ids, lease = held
         lease.cancel()
         return block_ids
-
-    async def committed(self, request_id: str) -> list[int]:
-        """Wait until a push for ``request_id`` has committed and its call has
-        ended (``IncomingPush.close``); the tokens it carries after its KV
-        (``next_token_ids``). A push committed already returns at once. Raises
-        LookupError if the request is discarded first, or the service closes."""
-        held = self._committed.get(request_id)
-        if held is not None:
-            return list(held[1])
-        if request_id in self._refused:
-            raise LookupError(f"request {request_id!r} was discarded")
-        if request_id in self._waiters:
-            raise RuntimeError(f"the commit of {request_id!r} is awaited already")
-        waiter = asyncio.get_running_loop().create_future()
-        self._waiters[request_id] = waiter
-        try:
-            return list(await waiter)  # a cancelled caller cancels the waiter too
-        finally:
-            if self._waiters.get(request_id) is waiter:
-                del self._waiters[request_id]
-
-    def _wake(self, request_id: str, next_token_ids: list[int] | None) -> None:
-        """Tell a waiting ``committed`` call: the tokens, or None (discarded)."""
-        waiter = self._waiters.pop(request_id, None)
-        if waiter is None or waiter.done():
-            return
-        if next_token_ids is None:
-            waiter.set_exception(LookupError(f"request {request_id!r} was discarded"))
-        else:
-            waiter.set_result(next_token_ids)
 
     def discard(self, request_id: str) -> None:
         """The request is gone: free the blocks a push for it holds (committed
         or in flight), and refuse a push for it that has not begun yet."""
-        self._wake(request_id, None)
         blocks = self.claim(request_id)
         if blocks is not None:
             self.store.release(blocks)
@@ -120,8 +97,6 @@ class KVTransferService:
                 await self._reaper
             self._reaper = None
         self.leases.expire_all()
-        for request_id in list(self._waiters):
-            self._wake(request_id, None)
 
     async def _reap_forever(self) -> None:
         while True:
@@ -132,20 +107,36 @@ class KVTransferService:
                 if until <= now:
                     del self._refused[request_id]
 
-    def _hold(self, request_id: str, block_ids: list[int], next_token_ids: list[int]) -> None:
+    def _deliver(self, receiver: KVReceiver) -> None:
+        """Hand a committed push to the handler, or hold it for ``claim``."""
+        if self.handler is not None:
+            self.handler.committed(
+                CommittedPush(
+                    receiver.request_id,
+                    receiver.block_ids,
+                    receiver.token_ids,
+                    receiver.next_token_ids,
+                    receiver.decode_start,
+                    receiver.held,
+                )
+            )
+            return
+        request_id, block_ids = receiver.request_id, receiver.block_ids
+
         def expire() -> None:
             if self._committed.pop(request_id, None) is not None:
                 self.store.release(block_ids)
 
         lease = self.leases.grant(self.config.lease_s, expire)
-        self._committed[request_id] = (block_ids, next_token_ids, lease)
+        self._committed[request_id] = (block_ids, lease)
 
 
 class IncomingPush:
     def __init__(self, service: KVTransferService, cancel: Callable[[], None]) -> None:
         self._service = service
         self._cancel = cancel
-        self.receiver = KVReceiver(service.store)
+        self.receiver = KVReceiver(service.store, reuse_prefix=True)
+        self._committed = False
         self.expired = False
         self._lease = service.leases.grant(service.config.lease_s, self._expire)
 
@@ -156,29 +147,37 @@ class IncomingPush:
     def on_message(self, msg: Message) -> pb.PushReply | None:
         """Apply one message; the reply once the commit is applied."""
         self._lease.renew()
-        first = self.receiver.state is TransferState.PENDING
-        return self._after(first, self.receiver.on_message(msg))
+        self._admit(msg)
+        return self._after(self.receiver.on_message(msg))
 
     async def on_message_async(
         self, msg: Message, executor: concurrent.futures.Executor
     ) -> pb.PushReply | None:
         """``on_message`` with chunk copies overlapped in ``executor``."""
         self._lease.renew()
-        first = self.receiver.state is TransferState.PENDING
-        return self._after(first, await self.receiver.on_message_async(msg, executor))
+        self._admit(msg)
+        return self._after(await self.receiver.on_message_async(msg, executor))
 
     def renew(self) -> None:
         """Progress made elsewhere (a data connection's chunk); thread-safe."""
         self._lease.renew()
 
-    def _after(self, first: bool, done: bool) -> pb.PushReply | None:
+    def _admit(self, msg: Message) -> None:
+        """Check a header's request before the receiver reserves a block."""
+        if self.receiver.state is TransferState.PENDING and isinstance(msg, pb.TransferHeader):
+            self._check_request_id(msg.request_id)
+            if self._service.handler is not None:
+                try:
+                    self._service.handler.check(msg.request_id, msg.decode_start)
+                except TransferError:
+                    self._forget()
+                    raise
+
+    def _after(self, done: bool) -> pb.PushReply | None:
         request_id = self.receiver.request_id
-        if first:
-            self._check_request_id(request_id)
         if not done:
             return None
-        self._service._open_pushes.pop(request_id, None)
-        self._service._hold(request_id, self.receiver.block_ids, self.receiver.next_token_ids)
+        self._committed = True
         return pb.PushReply(
             request_id=request_id,
             block_ids=self.receiver.block_ids,
@@ -187,17 +186,16 @@ class IncomingPush:
 
     def close(self) -> None:
         """The transport is done with the call (its reply handed over, or it
-        failed). A waiting decode starts only now: its first steps would
-        otherwise hold the CPU and the GIL that the reply to the prefill
-        worker needs, and that reply is on the way to the first token."""
+        failed). A committed push is delivered only now, so the decode's
+        first steps do not compete with the reply for the CPU."""
         self._lease.cancel()
         request_id = self.receiver.request_id
         if self._service._open_pushes.get(request_id) is self:
             del self._service._open_pushes[request_id]
+        if self._committed and self.state is TransferState.SUCCEEDED:
+            self._committed = False
+            self._service._deliver(self.receiver)
         self.receiver.fail()
-        held = self._service._committed.get(request_id) if request_id else None
-        if held is not None and self.state is TransferState.SUCCEEDED:
-            self._service._wake(request_id, held[1])
 
     def abandon(self) -> None:
         """Its request was cancelled: free the blocks and end the call."""
@@ -214,10 +212,15 @@ class IncomingPush:
         elif request_id in service._refused:
             code, error = grpc.StatusCode.CANCELLED, f"request {request_id!r} was cancelled"
         if error:
-            self.receiver.request_id = ""  # never discard the other push's entry
             self.receiver.fail()
             raise TransferError(code, error)
         service._open_pushes[request_id] = self
+        self.receiver.request_id = request_id  # a refused header leaves it empty
+
+    def _forget(self) -> None:
+        self._service._open_pushes.pop(self.receiver.request_id, None)
+        self.receiver.request_id = ""
+        self.receiver.fail()
 
     def _expire(self) -> None:
         self.expired = True

@@ -2,9 +2,12 @@
 
 A request's prompt joins the engine's batch (chunked under the token
 budget), its first token is sampled, then its KV blocks are pushed to the
-decode worker the router named, with that token, and released here. Full
-blocks stay in this worker's prefix cache. The decode may start once the
-push is done, before this call returns to the router.
+decode worker the router named, with that token and what the decode needs
+to start the request (decode_pool/start.py), and released here. The decode
+worker answers the push's header with the leading blocks it holds already;
+only the rest is sent. Full blocks stay in this worker's prefix cache. The
+request's tokens reach the router from the decode worker alone: this call
+returns what the prefill cost, not tokens.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 
 from block_index import KVEvent
+from decode_pool.start import DecodeStart
 from engine.config import EngineConfig
 from engine.sampling import SamplingParams
 from engine.sequence import RequestOutput
@@ -36,10 +40,10 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class PrefillRequest:
     request_id: str
+    router_id: str  # whose output stream the decode worker sends the tokens to
     prompt_token_ids: list[int]
     params: SamplingParams
     decode_kv_address: str  # where to push the blocks
-    skip_blocks: int = 0  # leading blocks the decode worker holds already (not pushed)
     pull_from: str | None = None  # KV address of a worker holding more of the prefix
     pull_hashes: list[bytes] = field(default_factory=list)  # the blocks to fetch from it
     output_token_ids: list[int] = field(default_factory=list)
@@ -50,8 +54,9 @@ class PrefillRequest:
 @dataclass(frozen=True)
 class PrefillResult:
     request_id: str
-    first: RequestOutput  # the first token (finished if it already ends the request)
+    aborted: bool  # the request was dropped here: nothing was pushed
     kv_bytes: int
+    held_blocks: int  # leading blocks the decode worker held already: not pushed
     prefill_s: float  # queue + compute, seconds
     transfer_s: float
     cache_events: list[KVEvent] = field(default_factory=list)  # for the router's index
@@ -142,22 +147,14 @@ class PrefillWorker(EngineWorker):
         prefilled = time.perf_counter()
         if out.finish_reason == "abort":  # the abort may have come before the add: drop it
             await asyncio.shield(self.loop.acall(lambda e: e.abort(rid)))
-        if out.finished:  # ended by its first token, or aborted: nothing to push
-            return PrefillResult(rid, out, 0, prefilled - start, 0.0, self.drain_events())
-        # The request is prefilled: out of the batch, its blocks held for the
-        # push. Export and release it without waiting for the next step.
+            return PrefillResult(rid, True, 0, 0, prefilled - start, 0.0, self.drain_events())
         try:
-            export = self.loop.call_here(lambda e: e.export_kv(rid, with_data=False))
-            n_hashed = len(export.block_hashes)
-            hashes = export.block_hashes + [None] * (len(export.block_ids) - n_hashed)
-            skip = min(req.skip_blocks, len(export.block_ids) - 1)
-            known = export.prompt_token_ids + export.output_token_ids
-            tokens = known[skip * self.engine.config.block_size : -1]  # their KV is computed
-            blocks = KVBlocks(rid, export.block_ids[skip:], hashes[skip:], tokens, known[-1:])
+            blocks = self._blocks_to_push(req, out)
             pushed = await self._push(req.decode_kv_address, blocks)
             self.kv_bytes_pushed += pushed.bytes_sent
         finally:
-            self.loop.call_here(lambda e: e.abort(rid))
+            if not out.finished:
+                self.loop.call_here(lambda e: e.abort(rid))
         done = time.perf_counter()
         log_event(
             log,
@@ -166,15 +163,45 @@ class PrefillWorker(EngineWorker):
             worker=self.name,
             prompt_tokens=len(req.prompt_token_ids),
             cached_tokens=out.num_cached_tokens,
-            skipped_blocks=skip,
-            pushed_blocks=len(blocks.block_ids),
+            held_blocks=pushed.held_blocks,
+            pushed_blocks=len(blocks.block_ids) - pushed.held_blocks,
             kv_bytes=pushed.bytes_sent,
             prefill_ms=round((prefilled - start) * 1e3, 2),
             transfer_ms=round((done - prefilled) * 1e3, 2),
         )
         return PrefillResult(
-            rid, out, pushed.bytes_sent, prefilled - start, done - prefilled, self.drain_events()
+            rid,
+            False,
+            pushed.bytes_sent,
+            pushed.held_blocks,
+            prefilled - start,
+            done - prefilled,
+            self.drain_events(),
         )
+
+    def _blocks_to_push(self, req: PrefillRequest, out: RequestOutput) -> KVBlocks:
+        """The request's blocks and its first token, with what the decode
+        worker starts it with. A request its first token ended moves no
+        block: the push only carries that token to the decode worker, the
+        one source of the request's tokens."""
+        start = DecodeStart(
+            req.router_id,
+            len(req.prompt_token_ids),
+            req.params,
+            out.text_delta,
+            out.logprobs,
+            out.num_cached_tokens,
+            out.num_output_tokens,
+            out.finish_reason if out.finished else None,
+        ).encode()
+        if out.finished:
+            return KVBlocks(req.request_id, [], [], [], out.new_token_ids, start)
+        # Prefilled: out of the batch, its blocks held for the push.
+        export = self.loop.call_here(lambda e: e.export_kv(req.request_id, with_data=False))
+        hashes = export.block_hashes + [None] * (len(export.block_ids) - len(export.block_hashes))
+        known = export.prompt_token_ids + export.output_token_ids
+        # known[:-1] have their KV computed; the last is the token just sampled.
+        return KVBlocks(req.request_id, export.block_ids, hashes, known[:-1], known[-1:], start)
 
     async def _push(self, address: str, blocks: KVBlocks) -> PushResult:
         """Push with the shared client, or a faulty one while chaos faults are set."""

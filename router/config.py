@@ -147,11 +147,6 @@ class ServeConfig(BaseModel):
     cores left over, so that nothing woken by a step's output runs on a decode core.
     Nothing is bound when that would leave no core over, on a Ray cluster joined with
     ray_address, with GPU workers, or when false."""
-    early_decode_start: bool = True
-    """Disaggregated: the router starts the decode while the prefill runs, and the decode
-    worker begins when the KV push commits (the push carries the first token); false: the
-    router starts it after the prefill returns, one actor call later. Early saves that
-    call on every second token; on CPUs shared by both pools it costs a little TTFT."""
     speculative_method: Literal["none", "ngram", "draft"] = "none"
     """Speculative decoding in the decode (or colocated) pool: ngram proposes by prompt
     lookup, draft by a smaller model sharing the tokenizer (draft_model); none: off."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from engine.sequence import RequestOutput, TokenLogprobs
+from engine.sequence import TokenLogprobs
 from protos.tandem.v1 import worker_pb2
 from router.backend import GenerateInput, GenerateResult, TokenDelta
 
@@ -23,16 +23,6 @@ class Progress:
 
     def attempt(self, prefill_worker: str, decode_worker: str) -> None:
         self.workers = (prefill_worker, decode_worker)
-
-    def first(self, out: RequestOutput) -> TokenDelta:
-        """The prefill's token: the first of the request, or after a failover
-        the first of the resumed stream."""
-        self._stamp()
-        self.token_ids += out.new_token_ids
-        self.num_output = out.num_output_tokens
-        if self.cached is None:
-            self.cached = out.num_cached_tokens
-        return TokenDelta(out.new_token_ids, out.text_delta, out.logprobs)
 
     def delta(self, delta: worker_pb2.RequestDelta) -> TokenDelta:
         self._stamp()

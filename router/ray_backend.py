@@ -1,11 +1,12 @@
 """The backend that serves requests on Ray pools.
 
-Disaggregated: the prefill worker computes the prompt, samples the first
-token and pushes the KV blocks, with that token, to the chosen decode
-worker. The router starts the decode there while the prefill runs (it
-begins once the push is done; ``early_decode_start: false`` starts it after
-the prefill returns) and reads its tokens from that worker's output
-stream. Colocated: one worker does both.
+Disaggregated: one call per try, to the prefill worker, which computes the
+prompt, samples the first token and pushes the KV blocks the decode worker
+lacks, with the request, to the decode worker the router chose. The decode
+worker starts the request when the push commits; every token, the first
+included, reaches the router on that worker's output stream. Colocated (or
+a short tail after a prefix the decode worker holds): one call to the
+decode worker, which prefills too.
 
 A request that meets a dead worker or a failed transfer is tried again
 (router/failover.py): a try that had streamed tokens already resumes after
@@ -28,9 +29,10 @@ from decode_pool.worker import DecodeRequest
 from engine.hashing import root_hash
 from engine.loader import resolve_model_dir
 from prefill_pool.worker import PrefillRequest, PrefillResult
+from protos.tandem.v1 import worker_pb2
 from router.backend import GenerateInput, GenerateResult, TokenDelta
 from router.config import ServeConfig
-from router.decode_streams import LOST, DecodeStreams, merge_queued
+from router.decode_streams import LOST, DecodeStreams, DeltaQueue, merge_queued
 from router.failover import FailoverStats, NoWorkerAvailable, RetryPolicy, WorkerLost, is_retryable
 from router.messages import RequestError
 from router.policies import make_policy
@@ -300,8 +302,12 @@ class RayBackend:
     async def _attempt(
         self, inp: GenerateInput, progress: Progress, avoid: set[WorkerHandle]
     ) -> AsyncIterator[TokenDelta | GenerateResult]:
-        """One try: route, prefill, decode. Resumes after the tokens already
-        streamed; adds the workers it used to ``avoid`` when it fails."""
+        """One try: route, then one call: the prefill worker's (which pushes
+        the KV and the request to the decode worker), or the decode worker's
+        alone (colocated, or a short tail after a prefix it holds). Every
+        token comes from the decode worker's output stream. Resumes after
+        the tokens already streamed; adds the workers it used to ``avoid``
+        when it fails."""
         # Workers see a fresh id per try, so no try can meet blocks or outputs
         # of another one (or of an earlier request with the same client id).
         rid = f"{inp.request_id}#{uuid.uuid4().hex[:12]}"
@@ -323,33 +329,16 @@ class RayBackend:
         )
         queue = self.streams.register(rid, d)
         d.in_flight += 1
-        if p is not None:
-            p.in_flight += 1
         ok = False
-        started: asyncio.Future | None = None  # the decode's start, disaggregated
+        prefill: asyncio.Future[PrefillResult] | None = None
         try:
             if p is None:
                 req = DecodeRequest(rid, self.router_id, inp.prompt_token_ids, streamed, inp.params)
                 await self.watchdog.call(d, d.actor.start_full.remote(req))
             else:
-                prefilled, started = await self._prefill_and_start(rid, inp, plan, streamed)
-                first = prefilled.first
-                progress.transfer = (
-                    None if first.finished else (prefilled.kv_bytes, prefilled.transfer_s)
-                )
-                p.in_flight -= 1
-                p = None
-                if first.finish_reason == "abort":
-                    raise WorkerLost(plan.prefill.name, "it dropped the request")
-                yield progress.first(first)
-                if first.finished:
-                    ok = True
-                    yield progress.result(first.finish_reason)
-                    return
-                assert started is not None
-                await started
+                prefill = asyncio.ensure_future(self._prefill(rid, inp, plan, streamed))
             while True:
-                delta = await self.watchdog.next_delta(queue, d)
+                delta = await self._next_delta(queue, d, plan.prefill, prefill)
                 if delta is not LOST:
                     delta = merge_queued(delta, queue)
                 if delta is LOST or (delta.finished and delta.finish_reason == "abort"):
@@ -359,20 +348,44 @@ class RayBackend:
                 progress.count(delta)
                 if delta.finished:
                     ok = True
+                    if prefill is not None:
+                        progress.transfer = await _transfer_figures(prefill)
                     yield progress.result(delta.finish_reason)
                     return
         except Exception:
-            avoid.update(w for w in (plan.prefill, d) if w is not None)
+            avoid.update(w for w in (p, d) if w is not None)
             raise
         finally:
-            if started is not None:
-                _drop(started)
+            prefilling = prefill is not None and not prefill.done()
+            if prefill is not None:
+                _drop(prefill)
             self.streams.unregister(rid)
             d.in_flight -= 1
-            if p is not None:
-                p.in_flight -= 1
             if not ok:
-                await asyncio.shield(self._abort(rid, p, d))
+                await asyncio.shield(self._abort(rid, p if prefilling else None, d))
+
+    async def _next_delta(
+        self,
+        queue: DeltaQueue,
+        d: WorkerHandle,
+        p: WorkerHandle | None,
+        prefill: asyncio.Future[PrefillResult] | None,
+    ) -> worker_pb2.RequestDelta | object:
+        """The request's next delta from the decode worker's stream (or LOST);
+        while the prefill call runs, raises as soon as it fails."""
+        if prefill is None or prefill.done():
+            if prefill is not None:
+                _check_prefill(prefill, p)
+            return await self.watchdog.next_delta(queue, d)
+        waiter = asyncio.ensure_future(self.watchdog.next_delta(queue, d))
+        try:
+            await asyncio.wait([waiter, prefill], return_when=asyncio.FIRST_COMPLETED)
+            if prefill.done():
+                _check_prefill(prefill, p)
+            return await waiter
+        finally:
+            if not waiter.done():
+                _drop(waiter)
 
     def _plan(self, tokens: list[int], avoid: set[WorkerHandle]) -> RoutePlan:
         """Route among workers in routing, preferring those no failed try used."""
@@ -382,75 +395,24 @@ class RayBackend:
         prefill, decode = ([w for w in ws if w not in avoid] or ws for ws in pools)
         return self.routing.plan(tokens, prefill, decode, self.colocated)
 
-    async def _prefill_and_start(
-        self, rid: str, inp: GenerateInput, plan: RoutePlan, streamed: list[int]
-    ) -> tuple[PrefillResult, asyncio.Future | None]:
-        """Prefill on the plan's prefill worker, which pushes the KV blocks the
-        decode worker lacks and the token it samples; the result holds that
-        first (next) token's output. With ``early_decode_start`` the decode
-        worker is told to start meanwhile, and does once the push is done: by
-        the time the result is here, later tokens may be on their way.
-        Returns the result and the decode's start call, to await before
-        reading the stream (None if the first token ended the request before
-        a late start). A request its first token ends is aborted on the
-        decode worker here, which frees its prefix pin and ends that call's
-        wait."""
-        d = plan.decode
-        skip = await self._reserve(rid, inp, plan, streamed)
-        req = DecodeRequest(rid, self.router_id, inp.prompt_token_ids, streamed, inp.params)
-
-        def start() -> asyncio.Future:
-            return asyncio.ensure_future(self.watchdog.call(d, d.actor.start_decode.remote(req)))
-
-        started = start() if self.config.early_decode_start else None
-        prefill = asyncio.ensure_future(self._prefill(rid, inp, plan, streamed, skip))
-        try:
-            if started is not None:
-                await asyncio.wait([started, prefill], return_when=asyncio.FIRST_COMPLETED)
-                if started.done():  # a start waits for the push: done first if it failed
-                    started.result()  # raises then: no use waiting for the prefill
-            result = await prefill
-        except BaseException:
-            if started is not None:
-                _drop(started)
-            raise
-        finally:
-            _drop(prefill)
-        if result.first.finished:
-            await asyncio.shield(self._abort(rid, None, d))
-        elif started is None:  # late start: once the first token is here
-            started = start()
-        return result, started
-
-    async def _reserve(
-        self, rid: str, inp: GenerateInput, plan: RoutePlan, streamed: list[int]
-    ) -> int:
-        """Pin on the decode worker the prefix blocks it holds already (they
-        are not pushed); how many."""
-        d = plan.decode
-        skip = 0
-        # Pin what the decode worker has: it is not pushed. The prefill pushes at
-        # least the block of the last computed token, so at most the blocks
-        # before it are pinned (else both sides would hold that block).
-        computed = len(inp.prompt_token_ids) + len(streamed)
-        pinned = min(plan.decode_cached_blocks, (computed - 1) // self.config.block_size)
-        if pinned:
-            wanted = plan.hashes[:pinned]
-            skip = await self.watchdog.call(d, d.actor.reserve_prefix.remote(rid, wanted))
-        return skip
-
     async def _prefill(
-        self, rid: str, inp: GenerateInput, plan: RoutePlan, streamed: list[int], skip: int
+        self, rid: str, inp: GenerateInput, plan: RoutePlan, streamed: list[int]
     ) -> PrefillResult:
-        """The prefill call itself; its cache events go to the index."""
+        """The prefill call: the prefill worker computes the prompt and pushes
+        the KV the decode worker lacks, with the request, to it. Its result
+        holds the cost and the cache events for the index, not tokens."""
         d, p = plan.decode, plan.prefill
         assert p is not None
         pull_from = plan.pull_from.info["kv"] if plan.pull_from is not None else None
         request = PrefillRequest(
-            rid, inp.prompt_token_ids, inp.params, d.info["kv"], skip, pull_from,
+            rid, self.router_id, inp.prompt_token_ids, inp.params, d.info["kv"], pull_from,
             plan.pull_hashes, streamed,
         )  # fmt: skip
-        result = await self.watchdog.call(p, p.actor.prefill.remote(request))
+        p.in_flight += 1
+        try:
+            result = await self.watchdog.call(p, p.actor.prefill.remote(request))
+        finally:
+            p.in_flight -= 1
         for event in result.cache_events:  # KVEvents already, unlike the streams' protos
             self.index.apply(event)
         return result
@@ -464,6 +426,23 @@ class RayBackend:
         live = [c for w, c in zip(workers, calls, strict=True) if not self.recovery.is_down(w)]
         with contextlib.suppress(Exception):
             await asyncio.wait_for(asyncio.gather(*live), ABORT_TIMEOUT_S)
+
+
+def _check_prefill(prefill: asyncio.Future[PrefillResult], p: WorkerHandle | None) -> None:
+    """Raise what the finished prefill call raised, or WorkerLost if the
+    prefill worker dropped the request."""
+    if prefill.result().aborted:
+        raise WorkerLost(p.name if p is not None else "prefill", "it dropped the request")
+
+
+async def _transfer_figures(prefill: asyncio.Future[PrefillResult]) -> tuple[int, float] | None:
+    """(bytes, seconds) of the KV push, once the prefill call returns; None
+    if it failed after the decode worker had finished the request."""
+    try:
+        result = await prefill
+    except Exception:
+        return None
+    return (result.kv_bytes, result.transfer_s) if result.kv_bytes else None
 
 
 def _drop(task: asyncio.Future) -> None:

@@ -63,12 +63,6 @@ def disagg(ray_cluster):
 
 
 @pytest.fixture(scope="module")
-def disagg_late(ray_cluster):
-    # The decode started after the prefill returns (early_decode_start off).
-    yield from _deployment(prefill=1, decode=1, early_decode_start=False)
-
-
-@pytest.fixture(scope="module")
 def colocated(ray_cluster):
     yield from _deployment(mode="colocated", decode=1)
 
@@ -81,7 +75,7 @@ async def _complete_all(address: str, prompts, **sampling):
 GREEDY = {"temperature": 0, "max_tokens": MAX_TOKENS, "ignore_eos": True}
 
 
-@pytest.mark.parametrize("mode", ["disagg", "disagg_late", "colocated"])
+@pytest.mark.parametrize("mode", ["disagg", "colocated"])
 def test_greedy_through_router_equals_engine(request, mode, reference):
     deployment = request.getfixturevalue(mode)
     outs = asyncio.run(_complete_all(deployment.address, TEXTS, **GREEDY))

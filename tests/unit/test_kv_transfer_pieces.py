@@ -21,6 +21,9 @@ from hypothesis import strategies as st
 from engine.hashing import hash_blocks, root_hash
 from engine.kv_cache import BlockPool, KVCache, KVLayout
 from kv_transfer import (
+    CommittedPush,
+    GrpcKVClient,
+    GrpcKVServer,
     InProcHub,
     InProcKVClient,
     InProcKVServer,
@@ -271,48 +274,88 @@ def test_discard_frees_a_committed_push_and_refuses_a_later_one():
     run(go())
 
 
-def test_committed_waits_for_the_commit_and_hands_over_the_next_tokens():
+class Handler:
+    """A PushHandler that keeps what it is given and refuses request "no"."""
+
+    def __init__(self) -> None:
+        self.pushes: list[CommittedPush] = []
+
+    def check(self, request_id: str, decode_start: bytes) -> None:
+        if request_id == "no":
+            raise TransferError(grpc.StatusCode.FAILED_PRECONDITION, "not for us")
+
+    def committed(self, push: CommittedPush) -> None:
+        self.pushes.append(push)
+
+
+def cache_prefix(store: PoolBlockStore, tokens: list[int], n: int) -> list[bytes]:
+    """Cache ``n`` full blocks of ``tokens`` in ``store`` with no reference;
+    their hashes."""
+    bs = store.layout.block_size
+    hashes = [bytes([i + 1]) * 16 for i in range(n)]
+    blocks = store.reserve(n)
+    assert blocks is not None
+    store.commit(blocks, hashes, tokens[: n * bs])
+    store.release(blocks)
+    return hashes
+
+
+async def handshake_push(transport: str):
+    """Push 3 blocks to a receiver that holds the first 2 (same hashes and
+    tokens): only the third is sent; the handler gets all three."""
+    bs = LAYOUT.block_size
+    tokens = list(range(100, 100 + 2 * bs + 1))
+    src, dst, handler = make_store(seed=1), make_store(seed=2), Handler()
+    free = (src.num_free, dst.num_free)
+    hashes = cache_prefix(dst, tokens, 2)
+    held = [dst.pool.block_for_hash(h) for h in hashes]
+    if transport == "inproc":
+        hub = InProcHub()
+        server = InProcKVServer(hub, "dst", dst, SMALL, handler=handler)
+        client = InProcKVClient(hub, SMALL)
+    else:
+        server = GrpcKVServer(dst, SMALL, handler=handler)
+        client = GrpcKVClient(SMALL)
+    await server.start()
+    ids = src.reserve(3)
+    blocks = KVBlocks("r", ids, [*hashes, None], tokens, [7], b"start")
+    try:
+        result = await client.push(server.address, src, blocks)
+        with pytest.raises(TransferError) as refused:
+            await client.push(server.address, src, dataclasses.replace(blocks, request_id="no"))
+    finally:
+        await client.close()
+        await server.stop()
+    assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert (result.held_blocks, result.bytes_sent) == (2, LAYOUT.block_bytes)
+    [push] = handler.pushes
+    assert push.block_ids[:2] == held and push.held_blocks == 2
+    assert (push.token_ids, push.next_token_ids, push.decode_start) == (tokens, [7], b"start")
+    assert torch.equal(dst.cache.read_blocks(push.block_ids[2:]), src.cache.read_blocks(ids[2:]))
+    assert dst.pool.block_for_hash(hashes[0]) == held[0]  # still cached, now referenced
+    dst.release(push.block_ids)
+    src.release(ids)
+    assert (src.num_free, dst.num_free) == free
+
+
+@pytest.mark.parametrize("transport", ["inproc", "grpc"])
+def test_a_push_sends_only_the_blocks_the_receiver_lacks(transport):
+    run(handshake_push(transport))
+
+
+def test_a_refused_push_reserves_nothing():
     async def go():
+        handler = Handler()
         pair = Pair(SMALL)
+        pair.server = InProcKVServer(pair.hub, "dst", pair.dst, SMALL, handler=handler)
         await pair.server.start()
-        waiting = asyncio.ensure_future(pair.server.committed("r"))
-        await asyncio.sleep(0)
-        assert not waiting.done()
-        blocks = dataclasses.replace(pair.blocks(3), next_token_ids=[42])
-        await pair.client.push(pair.server.address, pair.src, blocks)
-        assert await waiting == [42]
-        assert await pair.server.committed("r") == [42]  # committed already: no wait
-        held = pair.server.claim("r")  # the wait leaves the blocks to claim
-        assert held is not None and len(held) == 3
-        pair.dst.release(held)
+        blocks = pair.blocks(3, request_id="no")
+        with pytest.raises(TransferError) as err:
+            await pair.client.push(pair.server.address, pair.src, blocks)
+        assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert handler.pushes == [] and pair.dst.num_free == pair.free[1]
         pair.src.release(blocks.block_ids)
         await pair.server.stop()
-        assert pair.settled()
-
-    run(go())
-
-
-def test_a_discard_or_a_stop_ends_the_wait_for_a_commit():
-    async def go():
-        pair = Pair(SMALL)
-        await pair.server.start()
-        discarded = asyncio.ensure_future(pair.server.committed("gone"))
-        stopped = asyncio.ensure_future(pair.server.committed("never"))
-        await asyncio.sleep(0)
-        pair.server.discard("gone")
-        with pytest.raises(LookupError, match="discarded"):
-            await discarded
-        with pytest.raises(LookupError, match="discarded"):  # refused: no wait at all
-            await pair.server.committed("gone")
-        cancelled = asyncio.ensure_future(pair.server.committed("cancelled"))
-        await asyncio.sleep(0)
-        cancelled.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await cancelled
-        assert "cancelled" not in pair.server.service._waiters  # the caller's wait is gone
-        await pair.server.stop()
-        with pytest.raises(LookupError):
-            await stopped
         assert pair.settled()
 
     run(go())

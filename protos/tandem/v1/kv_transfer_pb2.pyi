@@ -25,7 +25,7 @@ class KVLayout(_message.Message):
     def __init__(self, model_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., wire_dtype: _Optional[str] = ...) -> None: ...
 
 class TransferHeader(_message.Message):
-    __slots__ = ("layout", "request_id", "num_blocks", "block_hashes", "token_ids", "total_bytes", "next_token_ids")
+    __slots__ = ("layout", "request_id", "num_blocks", "block_hashes", "token_ids", "total_bytes", "next_token_ids", "decode_start")
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -33,6 +33,7 @@ class TransferHeader(_message.Message):
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_START_FIELD_NUMBER: _ClassVar[int]
     layout: KVLayout
     request_id: str
     num_blocks: int
@@ -40,7 +41,8 @@ class TransferHeader(_message.Message):
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     total_bytes: int
     next_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., request_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., token_ids: _Optional[_Iterable[int]] = ..., total_bytes: _Optional[int] = ..., next_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    decode_start: bytes
+    def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., request_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., token_ids: _Optional[_Iterable[int]] = ..., total_bytes: _Optional[int] = ..., next_token_ids: _Optional[_Iterable[int]] = ..., decode_start: _Optional[bytes] = ...) -> None: ...
 
 class KVChunk(_message.Message):
     __slots__ = ("layer_start", "layer_end", "block_start", "block_end", "block_hashes", "crc32", "data")

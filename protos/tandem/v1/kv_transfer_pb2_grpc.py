@@ -50,8 +50,11 @@ class KVTransferServicer:
     """Missing associated documentation comment in .proto file."""
 
     def PushBlocks(self, request_iterator, context):
-        """Prefill to decode: header, chunks, commit. The reply names the blocks
-        now held for request_id on the receiver, leased until claimed.
+        """Prefill to decode: header, chunks, commit. The receiver answers the
+        header with initial metadata naming how many leading blocks of the
+        request it already holds ("tandem-kv-held-blocks"); the sender sends
+        chunks for the other blocks only. The reply names the blocks now held
+        for request_id on the receiver.
         FAILED_PRECONDITION: layout mismatch (the message names the field).
         RESOURCE_EXHAUSTED: not enough free blocks. DATA_LOSS: bad checksum.
         """

@@ -1,0 +1,155 @@
+"""The request path without Ray: a prefill worker pushes a request to a
+decode worker, which starts it when the push commits and sends every token,
+the first included, on the router's output stream. The push sends only the
+blocks the decode worker lacks; pushes for aborted requests or for a router
+with no stream are refused; every request leaves both pools as it found
+them."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import grpc
+import pytest
+
+from decode_pool.worker import DecodeRequest, DecodeWorker
+from engine import LLM, EngineConfig, SamplingParams
+from kv_transfer import TransferError
+from prefill_pool.worker import PrefillRequest, PrefillWorker
+
+pytestmark = pytest.mark.unit
+
+ROUTER = "router-a"
+
+
+class Outputs:
+    """A decode worker's output streams, with one router subscribed."""
+
+    def __init__(self) -> None:
+        self.frames: dict[str, list] = {}
+        self._owner: dict[str, str] = {}
+
+    def has_router(self, router_id: str) -> bool:
+        return router_id == ROUTER
+
+    def own(self, request_id: str, router_id: str) -> None:
+        self._owner[request_id] = router_id
+
+    def disown(self, request_id: str) -> None:
+        self._owner.pop(request_id, None)
+
+    def publish(self, outputs, events) -> None:
+        for out in outputs:
+            if out.request_id in self._owner:
+                self.frames.setdefault(out.request_id, []).append(out)
+
+    def close(self) -> None:
+        pass
+
+    async def finished(self, request_id: str) -> list:
+        while not any(o.finished for o in self.frames.get(request_id, [])):
+            await asyncio.sleep(0.01)
+        return self.frames[request_id]
+
+
+@contextlib.asynccontextmanager
+async def pair(llama_dir):
+    config = EngineConfig(model=str(llama_dir), num_kv_blocks=48)
+    p, d = PrefillWorker("p", config), DecodeWorker("d", config)
+    await p.start()
+    d.start_loop()
+    await d.kv_server.start()
+    d.outputs = Outputs()
+    free = (p.engine.block_pool.num_free, d.engine.block_pool.num_free)
+    try:
+        yield p, d
+        for w in (p, d):  # no request left running anywhere
+            assert await w.loop.acall(lambda e: e.request_ids()) == []
+        assert (p.engine.block_pool.num_free, d.engine.block_pool.num_free) == free
+    finally:
+        await p.stop()
+        await d.kv_server.stop(0)
+        d.stop_loop()
+
+
+def prefill_request(rid, prompt, params, d, router=ROUTER) -> PrefillRequest:
+    return PrefillRequest(rid, router, prompt, params, d.kv_server.address)
+
+
+def reference(llama_dir, prompt, params) -> list[int]:
+    return LLM(str(llama_dir), num_kv_blocks=48).generate([prompt], params)[0].token_ids
+
+
+def test_the_push_starts_the_request_and_its_first_token_leads_the_stream(llama_dir):
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompt = list(range(10, 50))
+    expected = reference(llama_dir, prompt, params)
+
+    async def run():
+        async with pair(llama_dir) as (p, d):
+            result = await p.prefill(prefill_request("r", prompt, params, d))
+            frames = await d.outputs.finished("r")
+            assert not result.aborted and result.kv_bytes > 0 and result.held_blocks == 0
+            assert frames[0].new_token_ids == expected[:1]
+            assert frames[0].num_output_tokens == 1 and frames[0].num_prompt_tokens == len(prompt)
+            assert [t for f in frames for t in f.new_token_ids] == expected
+            assert frames[-1].finish_reason == "length"
+
+    asyncio.run(run())
+
+
+def test_a_decode_worker_holding_the_prefix_is_sent_only_the_rest(llama_dir):
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    first = list(range(10, 60))
+    second = first + list(range(200, 210))
+    expected = reference(llama_dir, second, params)
+
+    async def run():
+        async with pair(llama_dir) as (p, d):
+            bs = d.engine.config.block_size
+            one = await p.prefill(prefill_request("one", first, params, d))
+            await d.outputs.finished("one")
+            two = await p.prefill(prefill_request("two", second, params, d))
+            frames = await d.outputs.finished("two")
+            # The decode worker cached the first prompt's full blocks.
+            assert two.held_blocks == len(first) // bs
+            assert two.kv_bytes < one.kv_bytes
+            assert [t for f in frames for t in f.new_token_ids] == expected
+
+    asyncio.run(run())
+
+
+def test_a_request_its_first_token_ends_is_one_finished_frame(llama_dir):
+    params = SamplingParams(temperature=0, max_tokens=1)
+    prompt = list(range(10, 30))
+    expected = reference(llama_dir, prompt, params)
+
+    async def run():
+        async with pair(llama_dir) as (p, d):
+            result = await p.prefill(prefill_request("r", prompt, params, d))
+            [frame] = await d.outputs.finished("r")
+            assert result.kv_bytes == 0  # no block moves
+            assert (frame.new_token_ids, frame.finish_reason) == (expected, "length")
+
+    asyncio.run(run())
+
+
+def test_pushes_for_an_aborted_request_or_a_router_without_a_stream_are_refused(llama_dir):
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    prompt = list(range(10, 40))
+
+    async def run():
+        async with pair(llama_dir) as (p, d):
+            await d.abort("late")  # the router gave up on this try before its push
+            with pytest.raises(TransferError) as late:
+                await p.prefill(prefill_request("late", prompt, params, d))
+            with pytest.raises(TransferError) as stranger:
+                await p.prefill(prefill_request("x", prompt, params, d, router="router-b"))
+            with pytest.raises(LookupError, match="aborted"):
+                await d.start_full(DecodeRequest("late", ROUTER, prompt, [], params))
+            assert late.value.code == grpc.StatusCode.CANCELLED
+            assert stranger.value.code == grpc.StatusCode.FAILED_PRECONDITION
+            assert d.outputs.frames == {}
+
+    asyncio.run(run())
