@@ -7,8 +7,9 @@ decode pools; tests use a fake with the same interface.
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from engine.sampling import SamplingParams
@@ -20,6 +21,9 @@ class GenerateInput:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    received_s: float = field(default_factory=time.perf_counter)
+    """When the router received the request (``time.perf_counter``): the one
+    clock TTFT is measured on, tokenization included."""
 
 
 @dataclass

@@ -157,7 +157,6 @@ class Call:
                     return
                 if self.first_token_time is None:
                     self.first_token_time = now
-                    metrics.ttft.observe(now - self.start)
                 else:
                     metrics.itl.observe(now - last)
                 last = now

@@ -117,12 +117,17 @@ def request_id_of(request: pb.GenerateRequest) -> str:
     return rid or uuid.uuid4().hex
 
 
-async def to_generate_input(request: pb.GenerateRequest, backend: Backend) -> GenerateInput:
-    """Validate and tokenize a request. Raises RequestError (INVALID_ARGUMENT)."""
+async def to_generate_input(
+    request: pb.GenerateRequest, backend: Backend, received_s: float | None = None
+) -> GenerateInput:
+    """Validate and tokenize a request received at ``received_s`` (perf_counter;
+    None: now). Raises RequestError (INVALID_ARGUMENT)."""
     rid = request_id_of(request)
     params = sampling_params(request, backend)
     ids = await prompt_token_ids(request, backend)
-    return GenerateInput(request_id=rid, prompt_token_ids=ids, params=params)
+    if received_s is None:
+        return GenerateInput(request_id=rid, prompt_token_ids=ids, params=params)
+    return GenerateInput(rid, ids, params, received_s)
 
 
 def chunk_message(delta: TokenDelta) -> pb.GenerateResponse:

@@ -171,6 +171,8 @@ class RouterMetrics:
 
     def observe_result(self, result: GenerateResult, e2e_s: float) -> None:
         self.e2e.observe(e2e_s)
+        if result.completion_tokens:
+            self.ttft.observe(result.ttft_s)  # the backend's clock: from the request's arrival
         if result.completion_tokens > 1:
             self.tpot.observe(result.mean_tpot_s)
         self.prompt_tokens.inc(result.prompt_tokens)

@@ -14,7 +14,7 @@ class Progress:
     def __init__(self, inp: GenerateInput) -> None:
         self.inp = inp
         self.workers = ("", "")
-        self.start = time.perf_counter()
+        self.start = inp.received_s
         self.first_time = self.last_time = 0.0
         self.token_ids: list[int] = []  # streamed to the client, in order
         self.num_output = 0

@@ -101,7 +101,7 @@ class TandemService(generate_pb2_grpc.TandemServicer):
         self, call: Call, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> None:
         call.admit()
-        inp = await to_generate_input(request, self.backend)
+        inp = await to_generate_input(request, self.backend, call.start)
         call.claim(inp)
         timeout_s = self.lifecycle.timeout_s(context.time_remaining())
         async with call.deadline(timeout_s), contextlib.aclosing(call.stream()) as items:
