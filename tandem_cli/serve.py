@@ -27,8 +27,8 @@ from worker.logfmt import configure_logging
 
 log = logging.getLogger(__name__)
 
-# ray.init() swaps 127.0.0.1 for the machine's interface address; another
-# loopback address keeps a local cluster on loopback (/work/shared/NOTES.md).
+# ray.init() swaps 127.0.0.1 (and "localhost") for the machine's interface
+# address; another loopback address keeps a local cluster on loopback.
 LOCAL_RAY_NODE_IP = "127.0.0.2"
 SERVE_FLAGS = (
     "model",

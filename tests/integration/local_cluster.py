@@ -1,6 +1,9 @@
 """A multi-node Ray cluster on one machine: every node its own ``ray start``
-process on its own loopback address (see ../shared/NOTES.md, "Ray on one
-machine"), so a test can stop one node and keep the others.
+process on its own loopback address (127.0.0.2, .3, ...; ``ray.init()`` would
+swap 127.0.0.1 for the machine's interface address), the head on a free port
+rather than Ray's default 6379, and ``RAY_AUTH_MODE=token`` with one token in
+every process of the cluster (Ray 2.60 refuses a second node without it), so
+a test can stop one node and keep the others.
 
 Each node is started with ``--block`` in a session of its own; stopping a
 node ends that session's processes (its raylet, agents and workers) and

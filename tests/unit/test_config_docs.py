@@ -1,5 +1,5 @@
 """Every option a user writes is documented: a docstring in the code and a
-row in the README's configuration reference."""
+row in the configuration reference (docs/configuration.md)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from router.config import ServeConfig, WorkerResources
 
 pytestmark = pytest.mark.unit
 
-README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+REFERENCE = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
 
 
 def _documented_fields(cls: type) -> set[str]:
@@ -31,11 +31,33 @@ def _documented_fields(cls: type) -> set[str]:
 
 
 @pytest.mark.parametrize("cls", [ServeConfig, WorkerResources])
-def test_every_serve_option_has_a_docstring_and_a_readme_row(cls):
+def test_every_serve_option_has_a_docstring_and_a_reference_row(cls):
     fields = set(cls.model_fields)
     assert fields - _documented_fields(cls) == set()
-    missing = [f for f in fields if f"| `{f}` |" not in README]
+    missing = [f for f in fields if f"| `{f}` |" not in REFERENCE]
     assert missing == []
+
+
+def _reference_keys() -> list[str]:
+    """The first cell of every row of the reference's ``| key | ... |`` tables."""
+    keys, in_key_table = [], False
+    for line in REFERENCE.splitlines():
+        if not line.startswith("|"):
+            in_key_table = False
+            continue
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if not in_key_table:
+            in_key_table = cells[0] == "key"
+        elif not set(cells[0]) <= {"-"}:
+            keys.append(cells[0].strip("`"))
+    return keys
+
+
+def test_every_reference_row_is_an_option():
+    options = set(ServeConfig.model_fields) | set(WorkerResources.model_fields)
+    keys = _reference_keys()
+    assert len(keys) == len(set(keys)), "a key has two rows"
+    assert set(keys) - options == set()
 
 
 def test_engine_options_have_docstrings():
