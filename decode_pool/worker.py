@@ -19,10 +19,10 @@ from dataclasses import dataclass
 
 from decode_pool.output_channel import OutputServer
 from engine.config import EngineConfig
-from engine.sampling import SamplingParams
-from engine.sequence import RequestOutput
 from kv_transfer import GrpcKVServer, TransferConfig
 from net.local_socket import host_identity
+from protocol.outputs import RequestOutput
+from protocol.sampling import SamplingParams
 from worker.base import EngineWorker, IndexSettings
 from worker.logfmt import log_event
 

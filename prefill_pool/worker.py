@@ -16,8 +16,6 @@ from dataclasses import dataclass, field
 
 from block_index import KVEvent
 from engine.config import EngineConfig
-from engine.sampling import SamplingParams
-from engine.sequence import RequestOutput
 from kv_transfer import (
     GrpcKVClient,
     GrpcKVServer,
@@ -27,6 +25,8 @@ from kv_transfer import (
     TransferError,
 )
 from kv_transfer.faults import FaultPlan, TransferFaults
+from protocol.outputs import RequestOutput
+from protocol.sampling import SamplingParams
 from worker.base import EngineWorker, IndexSettings
 from worker.logfmt import log_event
 

@@ -11,8 +11,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from engine.sampling import SamplingParams
-from engine.sequence import TokenLogprobs
+from protocol.outputs import TokenLogprobs
+from protocol.sampling import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from engine.sequence import RequestOutput, TokenLogprobs
+from protocol.outputs import RequestOutput, TokenLogprobs
 from protos.tandem.v1 import worker_pb2
 from router.backend import GenerateInput, GenerateResult, TokenDelta
 

@@ -15,10 +15,10 @@ from block_index import EventPublisher, KVEvent
 from engine.config import EngineConfig
 from engine.engine_loop import EngineLoop
 from engine.llm_engine import LLMEngine
-from engine.sequence import RequestOutput
 from engine.spec.decoder import spec_stats
 from kv_transfer import PoolBlockStore, TransferConfig
 from kv_transfer.quantized import QuantizedBlockStore
+from protocol.outputs import RequestOutput
 from worker.cpu_binding import bind_process
 from worker.heap import freeze_startup_heap
 from worker.logfmt import LogFormat, configure_logging

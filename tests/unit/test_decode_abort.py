@@ -10,9 +10,10 @@ import asyncio
 import pytest
 
 from decode_pool.worker import DecodeRequest, DecodeWorker
-from engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from engine import LLM, EngineConfig, LLMEngine
 from engine.hashing import hash_blocks
 from kv_transfer import GrpcKVClient, KVBlocks, PoolBlockStore, TransferConfig
+from protocol.sampling import SamplingParams
 
 pytestmark = pytest.mark.unit
 
