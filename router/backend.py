@@ -48,7 +48,7 @@ class GenerateResult:
 
 
 class Backend(Protocol):
-    tokenizer: Any  # a Hugging Face tokenizer, or None (token-id prompts only)
+    tokenizer: Any  # a router.tokenizer.RouterTokenizer, or None (token-id prompts only)
     max_model_len: int
     vocab_size: int
 
