@@ -152,6 +152,15 @@ class RouterTokenizer:
             backend = Tokenizer.from_file(str(file))
         except Exception as e:  # the Rust side raises a bare Exception
             raise ValueError(f"{file}: not a valid tokenizers file: {e}") from None
+        try:
+            return cls._configured(backend, path, str(name_or_path))
+        except (KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{path}: malformed tokenizer settings: {e!r}") from None
+
+    @classmethod
+    def _configured(cls, backend: Tokenizer, path: Path, name_or_path: str) -> RouterTokenizer:
+        """``backend`` with the settings of the other files in ``path``, read as
+        transformers' ``_from_pretrained`` and ``TokenizersBackend`` read them."""
         init = _read_json(path / TOKENIZER_CONFIG_FILE)
         init.pop("tokenizer_class", None)
         init.pop("init_inputs", None)
@@ -223,7 +232,7 @@ class RouterTokenizer:
                 init.get("clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output")
             ),
             split_special_tokens=bool(init.get("split_special_tokens", False)),
-            name_or_path=str(name_or_path),
+            name_or_path=name_or_path,
         )
 
     # -- encoding -------------------------------------------------------------

@@ -460,6 +460,13 @@ def test_a_directory_without_tokenizer_json(tmp_path):
     (tmp_path / "tokenizer.json").write_text("{not json")
     with pytest.raises(ValueError, match="not a valid tokenizers file"):
         RouterTokenizer.from_pretrained(tmp_path)
+    shutil.copy(default_tokenizer_path() / "tokenizer.json", tmp_path / "tokenizer.json")
+    (tmp_path / "tokenizer_config.json").write_text('{"chat_template": [{"template": "x"}]}')
+    with pytest.raises(ValueError, match="malformed tokenizer settings"):
+        RouterTokenizer.from_pretrained(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="expected a JSON object"):
+        RouterTokenizer.from_pretrained(tmp_path)
 
 
 def test_loading_and_encoding_do_not_import_torch_or_transformers():
