@@ -55,7 +55,7 @@ def _prompts(n: int, seed: int) -> list[list[int]]:
 
 def _bare(engine, streams: int, seed: int) -> dict:
     """The median decode step, and CPU time per step of the whole run."""
-    from engine import SamplingParams
+    from protocol.sampling import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=OUT_TOKENS, ignore_eos=True)
     for i, p in enumerate(_prompts(streams, seed)):
@@ -80,8 +80,9 @@ def _worker_main(conn, tree: str) -> None:
 
 async def _serve_worker(conn) -> None:
     from decode_pool.worker import DecodeRequest, DecodeWorker
-    from engine import EngineConfig, LLMEngine, SamplingParams
+    from engine import EngineConfig, LLMEngine
     from kv_transfer import TransferConfig
+    from protocol.sampling import SamplingParams
 
     config = EngineConfig(num_threads=1, kv_cache_memory_bytes=256 << 20)
     worker = DecodeWorker("decode-bench", config, TransferConfig(), host="127.0.0.1")

@@ -37,9 +37,10 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig
 
-from engine import EngineConfig, LLMEngine, SamplingParams
+from engine import EngineConfig, LLMEngine
 from engine.default_model import default_model_path
 from engine.kernels import PackedWeight
+from protocol.sampling import SamplingParams
 
 NEW_TOKENS = 64
 

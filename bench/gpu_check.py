@@ -33,12 +33,13 @@ import time
 
 import torch
 
-from engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from engine import LLM, EngineConfig, LLMEngine
 from engine.config import ModelSpec
 from engine.default_model import make_random_checkpoint, tiny_config
 from engine.device import resolve_device, synchronize
 from engine.kv_cache import BlockPool, KVCache
 from kv_transfer import GrpcKVClient, GrpcKVServer, KVBlocks, PoolBlockStore, TransferConfig
+from protocol.sampling import SamplingParams
 
 LLAMA_1B = dict(
     hidden_size=2048,

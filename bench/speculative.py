@@ -44,11 +44,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 
-from engine import EngineConfig, LLMEngine, SamplingParams
+from engine import EngineConfig, LLMEngine
 from engine.config import SpeculativeConfig
 from engine.kv_cache import BlockPool, KVCache
 from kv_transfer import GrpcKVClient, GrpcKVServer, KVBlocks, PoolBlockStore
 from kv_transfer.quantized import QuantizedBlockStore, dequantize, quantize
+from protocol.sampling import SamplingParams
 
 K = 4
 

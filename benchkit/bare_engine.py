@@ -6,7 +6,8 @@ import time
 
 import torch
 
-from engine import LLMEngine, SamplingParams
+from engine import LLMEngine
+from protocol.sampling import SamplingParams
 
 
 def random_prompts(n: int, length: int, seed: int) -> list[list[int]]:

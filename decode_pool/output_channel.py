@@ -35,10 +35,10 @@ from collections.abc import Callable
 
 from block_index import KVEvent
 from decode_pool import output_wire as wire
-from engine.sequence import RequestOutput
 from net.local_socket import listen_local
 from net.security import ClusterSecurity
 from net.sockets import accept_forever, recv_exact, tune
+from protocol.outputs import RequestOutput
 from protos.tandem.v1 import worker_pb2
 
 log = logging.getLogger(__name__)

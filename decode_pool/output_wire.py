@@ -19,8 +19,8 @@ from __future__ import annotations
 import struct
 from collections.abc import Iterator
 
-from engine.sequence import RequestOutput
 from net.security import MAC_BYTES, ClusterSecurity
+from protocol.outputs import RequestOutput
 from protos.tandem.v1 import generate_pb2, worker_pb2
 
 MAGIC = b"TOS1"

@@ -23,10 +23,10 @@ import grpc
 from decode_pool.output_channel import OutputServer
 from decode_pool.start import BadStart, DecodeStart
 from engine.config import EngineConfig
-from engine.sampling import SamplingParams
-from engine.sequence import RequestOutput
 from kv_transfer import CommittedPush, GrpcKVServer, TransferConfig, TransferError
 from net.local_socket import host_identity
+from protocol.outputs import RequestOutput
+from protocol.sampling import SamplingParams
 from worker.base import EngineWorker, IndexSettings
 from worker.logfmt import log_event
 

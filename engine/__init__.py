@@ -14,8 +14,8 @@ if TYPE_CHECKING:
     from engine.config import EngineConfig, ModelSpec
     from engine.llm import LLM, GenerationOutput
     from engine.llm_engine import KVExport, LLMEngine
-    from engine.sampling import SamplingParams
-    from engine.sequence import RequestOutput
+    from protocol.outputs import RequestOutput
+    from protocol.sampling import SamplingParams
 
 _WHERE = {
     "EngineConfig": "engine.config",
@@ -24,8 +24,8 @@ _WHERE = {
     "GenerationOutput": "engine.llm",
     "KVExport": "engine.llm_engine",
     "LLMEngine": "engine.llm_engine",
-    "SamplingParams": "engine.sampling",
-    "RequestOutput": "engine.sequence",
+    "SamplingParams": "protocol.sampling",  # torch-free, shared with the router
+    "RequestOutput": "protocol.outputs",
 }
 
 __all__ = [

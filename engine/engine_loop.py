@@ -21,7 +21,7 @@ from concurrent.futures import Future
 from typing import TypeVar
 
 from engine.llm_engine import LLMEngine
-from engine.sequence import RequestOutput
+from protocol.outputs import RequestOutput
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

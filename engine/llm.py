@@ -8,8 +8,8 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.sampling import SamplingParams
-from engine.sequence import TokenLogprobs
+from protocol.outputs import TokenLogprobs
+from protocol.sampling import SamplingParams
 
 Prompt = str | Seq[int]
 

@@ -33,10 +33,12 @@ from engine.loader import (
     resolve_model_dir,
 )
 from engine.models.llama import LlamaModel
-from engine.sampling import SampledToken, Sampler, SampleRequest, SamplingParams, seed_for_token
+from engine.sampling import SampledToken, Sampler, SampleRequest, seed_for_token
 from engine.scheduler import ScheduledSeq, Scheduler
-from engine.sequence import RequestOutput, SeqStatus, Sequence, TokenLogprobs
+from engine.sequence import SeqStatus, Sequence
 from engine.spec import SpecDecoder
+from protocol.outputs import RequestOutput, TokenLogprobs
+from protocol.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 

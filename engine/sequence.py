@@ -1,4 +1,8 @@
-"""A request inside one engine: its tokens, blocks and progress."""
+"""A request inside one engine: its tokens, blocks and progress.
+
+``RequestOutput`` and ``TokenLogprobs`` (what a step produced) are torch-free
+and live in protocol/outputs.py; they are re-exported here.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +13,10 @@ import torch
 
 from engine.detokenizer import IncrementalDetokenizer
 from engine.hashing import BlockHash, hash_blocks
-from engine.sampling import SamplingParams
+from protocol.outputs import RequestOutput, TokenLogprobs
+from protocol.sampling import SamplingParams
+
+__all__ = ["RequestOutput", "SeqStatus", "Sequence", "TokenLogprobs"]
 
 
 class SeqStatus(enum.Enum):
@@ -17,32 +24,6 @@ class SeqStatus(enum.Enum):
     RUNNING = "running"
     PREFILLED = "prefilled"  # prefill-only: first token sampled, blocks held for export
     FINISHED = "finished"
-
-
-@dataclass
-class TokenLogprobs:
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]
-
-
-@dataclass
-class RequestOutput:
-    """What one step produced for one request (deltas, not totals)."""
-
-    request_id: str
-    new_token_ids: list[int]
-    text_delta: str
-    finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" | None
-    logprobs: list[TokenLogprobs] | None
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    num_output_tokens: int
-
-    @classmethod
-    def aborted(cls, request_id: str) -> RequestOutput:
-        return cls(request_id, [], "", True, "abort", None, 0, 0, 0)
 
 
 @dataclass(eq=False)

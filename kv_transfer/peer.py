@@ -258,7 +258,7 @@ class _Handler:
         return output_ids + self._run().get(request_id, [])
 
     def _params(self, params: dict):
-        from engine import SamplingParams
+        from protocol.sampling import SamplingParams
 
         return SamplingParams(**params)
 

@@ -140,7 +140,7 @@ def _drain(engine) -> None:
 
 def _measure_prefill(engine, lengths: Sequence[int], rng: random.Random, tag: str) -> float:
     """Seconds of the steps until every prompt of the batch has its first token."""
-    from engine import SamplingParams
+    from protocol.sampling import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     vocab = engine.spec.vocab_size
@@ -164,7 +164,7 @@ def _measure_decode(
 ) -> float:
     """Least seconds of one decode step with `batch` sequences at context ~ctx.
     The prompts share a cached prefix so that setting up costs one prefill."""
-    from engine import SamplingParams
+    from protocol.sampling import SamplingParams
 
     vocab = engine.spec.vocab_size
     prefix = [rng.randrange(vocab) for _ in range(ctx - 1)]

@@ -20,8 +20,6 @@ from dataclasses import dataclass, field
 from block_index import KVEvent
 from decode_pool.start import DecodeStart
 from engine.config import EngineConfig
-from engine.sampling import SamplingParams
-from engine.sequence import RequestOutput
 from kv_transfer import (
     GrpcKVClient,
     GrpcKVServer,
@@ -31,6 +29,8 @@ from kv_transfer import (
     TransferError,
 )
 from kv_transfer.faults import FaultPlan, TransferFaults
+from protocol.outputs import RequestOutput
+from protocol.sampling import SamplingParams
 from worker.base import EngineWorker, IndexSettings
 from worker.logfmt import log_event
 

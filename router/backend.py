@@ -12,8 +12,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from engine.sampling import SamplingParams
-from engine.sequence import TokenLogprobs
+from protocol.outputs import TokenLogprobs
+from protocol.sampling import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ class GenerateResult:
 
 class Backend(Protocol):
     model_name: str  # the served model name (GetModelInfo, /v1/models)
-    tokenizer: Any  # a Hugging Face tokenizer, or None (token-id prompts only)
+    tokenizer: Any  # a router.tokenizer.RouterTokenizer, or None (token-id prompts only)
     max_model_len: int  # known once started
     vocab_size: int  # known once started
     block_size: int  # tokens per KV-cache block

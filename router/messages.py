@@ -10,7 +10,7 @@ import uuid
 
 import grpc
 
-from engine.sampling import SamplingParams
+from protocol.sampling import SamplingParams
 from protos.tandem.v1 import generate_pb2 as pb
 
 from .backend import Backend, GenerateInput, GenerateResult, TokenDelta

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from engine.sequence import TokenLogprobs
+from protocol.outputs import TokenLogprobs
 from protos.tandem.v1 import worker_pb2
 from router.backend import GenerateInput, GenerateResult, TokenDelta
 

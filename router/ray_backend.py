@@ -92,11 +92,11 @@ class RayBackend:
         self._missing: dict[str, int] = {}  # role -> dead workers not replaced yet
 
     async def start(self) -> None:
-        from transformers import AutoTokenizer
+        from router.tokenizer import RouterTokenizer
 
         model_dir = resolve_model_dir(self.config.model)  # builds the default model once
         with contextlib.suppress(OSError, ValueError):
-            self.tokenizer = AutoTokenizer.from_pretrained(self.config.tokenizer or model_dir)
+            self.tokenizer = RouterTokenizer.from_pretrained(self.config.tokenizer or model_dir)
         if not self.colocated:
             await self.prefill.scale_to(self.config.prefill)
         await self.decode.scale_to(self.config.decode)

@@ -25,9 +25,9 @@ from collections.abc import Awaitable, Callable
 
 import ray
 
+from protocol.workers import WorkerHealth
 from router.failover import FailoverStats
 from router.pool_manager import WorkerHandle, WorkerPool
-from worker.base import WorkerHealth
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ import asyncio
 import threading
 from collections.abc import AsyncIterator
 
-from engine.sequence import TokenLogprobs
+from protocol.outputs import TokenLogprobs
 from router.backend import GenerateInput, GenerateResult, TokenDelta
 
 

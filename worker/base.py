@@ -15,10 +15,11 @@ from block_index import EventPublisher, KVEvent
 from engine.config import EngineConfig
 from engine.engine_loop import EngineLoop
 from engine.llm_engine import LLMEngine
-from engine.sequence import RequestOutput
 from engine.spec.decoder import spec_stats
 from kv_transfer import PoolBlockStore, TransferConfig
 from kv_transfer.quantized import QuantizedBlockStore
+from protocol.outputs import RequestOutput
+from protocol.workers import WorkerHealth
 from worker.cpu_binding import bind_process
 from worker.heap import freeze_startup_heap
 from worker.logfmt import LogFormat, configure_logging
@@ -44,18 +45,6 @@ class BufferedEvents:
 
     def close(self) -> None:
         self.drain()
-
-
-@dataclass(frozen=True)
-class WorkerHealth:
-    """A worker's answer to a health check (its engine thread answered too)."""
-
-    name: str
-    incarnation: str  # new each time the actor process starts (Ray restarts it)
-    started: bool  # start() has run in this incarnation
-    free_blocks: int
-    initial_free_blocks: int
-    num_requests: int
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,8 @@ import torch
 from engine.config import SpeculativeConfig
 from engine.sampling import SampledToken, probs_from_logits, seed_for_token
 from engine.scheduler import ScheduledSeq
-from engine.sequence import RequestOutput, Sequence, TokenLogprobs
+from engine.sequence import Sequence
+from protocol.outputs import RequestOutput, TokenLogprobs
 
 from .proposer import NgramProposer, Proposal, Proposer
 from .verify import Verdict, verify_greedy, verify_sampled

@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from engine.sequence import TokenLogprobs
+from protocol.outputs import TokenLogprobs
 from router.backend import GenerateResult, TokenDelta
 
 Kind = Literal["completion", "chat"]

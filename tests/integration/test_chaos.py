@@ -21,8 +21,9 @@ import uuid
 import pytest
 import ray
 
-from engine import LLM, SamplingParams
+from engine import LLM
 from kv_transfer.faults import TransferFaults
+from protocol.sampling import SamplingParams
 from router.client import TandemClient, collect
 from router.config import ServeConfig
 from router.pool_manager import WorkerHandle

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from engine import LLM, SamplingParams
+from engine import LLM
+from protocol.sampling import SamplingParams
 from tests.integration.local_cluster import LocalRayCluster, ray_cli_available
 
 pytestmark = [

@@ -18,10 +18,10 @@ from block_index import KVEvent
 from decode_pool import output_channel
 from decode_pool import output_wire as wire
 from decode_pool.output_channel import OutputServer
-from engine.sequence import RequestOutput
 from kv_transfer import TransferConfig
 from net.local_socket import host_identity
 from net.security import ClusterSecurity
+from protocol.outputs import RequestOutput
 from protos.tandem.v1 import worker_pb2
 from router.decode_streams import LOST, DecodeStreams
 from router.pool_manager import WorkerHandle

@@ -14,7 +14,8 @@ import contextlib
 import grpc
 import pytest
 
-from engine import LLM, SamplingParams
+from engine import LLM
+from protocol.sampling import SamplingParams
 from router.client import TandemClient
 from router.config import ServeConfig
 from tandem_cli.deployment import Deployment

@@ -7,7 +7,8 @@ import asyncio
 
 import pytest
 
-from engine import LLM, SamplingParams
+from engine import LLM
+from protocol.sampling import SamplingParams
 from router.client import TandemClient
 from router.config import ServeConfig
 from tandem_cli.deployment import Deployment

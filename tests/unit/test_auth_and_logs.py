@@ -101,11 +101,10 @@ def test_chat_templates_file_tokenizer_fallback(tmp_path):
 
 
 def test_the_default_model_ships_a_chat_template():
-    from transformers import AutoTokenizer
-
     from engine.default_model import default_tokenizer_path
+    from router.tokenizer import RouterTokenizer
 
-    tok = AutoTokenizer.from_pretrained(default_tokenizer_path())
+    tok = RouterTokenizer.from_pretrained(default_tokenizer_path())
     template = ChatTemplate(tok)
     assert template.origin == "tokenizer"
     text = template.render([ChatMessage(role="user", content="hi")])

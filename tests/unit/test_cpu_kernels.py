@@ -11,10 +11,11 @@ import torch
 import torch.nn.functional as F
 
 import engine.kernels as kernels
-from engine import LLM, SamplingParams
+from engine import LLM
 from engine.attention import PrefillSlice, build_metadata, paged_attention
 from engine.kv_cache import KVCache, KVLayout
 from engine.models.llama import _rms_norm, _rotate
+from protocol.sampling import SamplingParams
 
 pytestmark = pytest.mark.unit
 

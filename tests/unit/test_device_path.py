@@ -8,10 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import EngineConfig, LLMEngine, SamplingParams
+from engine import EngineConfig, LLMEngine
 from engine.device import host_buffer, resolve_device
 from engine.kv_cache import BlockPool, KVCache, KVLayout
 from kv_transfer import PoolBlockStore
+from protocol.sampling import SamplingParams
 
 pytestmark = pytest.mark.unit
 

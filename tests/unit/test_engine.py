@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import EngineConfig, LLMEngine, SamplingParams
+from engine import EngineConfig, LLMEngine
+from protocol.sampling import SamplingParams
 
 pytestmark = pytest.mark.unit
 

@@ -7,8 +7,9 @@ import threading
 
 import pytest
 
-from engine import EngineConfig, LLMEngine, SamplingParams
+from engine import EngineConfig, LLMEngine
 from engine.engine_loop import EngineLoop
+from protocol.sampling import SamplingParams
 
 pytestmark = pytest.mark.unit
 

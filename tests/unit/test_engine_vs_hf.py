@@ -6,7 +6,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
-from engine import LLM, SamplingParams
+from engine import LLM
+from protocol.sampling import SamplingParams
 
 pytestmark = [pytest.mark.unit, pytest.mark.slow]
 

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 import engine.kernels as kernels
-from engine import LLM, SamplingParams
+from engine import LLM
 from engine.models import llama
+from protocol.sampling import SamplingParams
 
 pytestmark = pytest.mark.unit
 

@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from engine import EngineConfig, LLMEngine, SamplingParams
+from engine import EngineConfig, LLMEngine
+from protocol.sampling import SamplingParams
 
 pytestmark = pytest.mark.unit
 

@@ -11,9 +11,10 @@ from engine.sampling import (
     SampledToken,
     Sampler,
     SampleRequest,
-    SamplingParams,
+    make_generator,
     probs_from_logits,
 )
+from protocol.sampling import SamplingParams
 
 pytestmark = pytest.mark.unit
 
@@ -21,7 +22,7 @@ EOS = 5
 
 
 def _req(params: SamplingParams, prompt=(), output=(), seeded: bool = True) -> SampleRequest:
-    gen = params.make_generator() if seeded else None
+    gen = make_generator(params) if seeded else None
     return SampleRequest(params, list(prompt), list(output), gen)
 
 
@@ -150,7 +151,7 @@ def test_empirical_frequencies_match_distribution():
     params = SamplingParams(temperature=0.8, top_k=5, top_p=0.95, seed=1234)
     expected = probs_from_logits(logits, params)
     assert (expected == 0).sum() >= 1  # truncation is in play
-    sampler, gen = Sampler(6, [EOS]), params.make_generator()
+    sampler, gen = Sampler(6, [EOS]), make_generator(params)
     n = 4000
     batch = [SampleRequest(params, [], [], gen) for _ in range(n)]
     drawn = [s.token_id for s in sampler(logits.expand(n, 6).contiguous(), batch)]

@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import EngineConfig, LLMEngine, SamplingParams
+from engine import EngineConfig, LLMEngine
 from engine.config import SpeculativeConfig
+from protocol.sampling import SamplingParams
 
 pytestmark = pytest.mark.unit
 

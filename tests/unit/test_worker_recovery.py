@@ -8,12 +8,12 @@ import asyncio
 import pytest
 import ray
 
+from protocol.workers import WorkerHealth
 from router.decode_streams import LOST
 from router.failover import FailoverStats, WorkerLost
 from router.pool_manager import WorkerHandle
 from router.watchdog import Watchdog
 from router.worker_recovery import WorkerRecovery
-from worker.base import WorkerHealth
 
 pytestmark = pytest.mark.unit
 
