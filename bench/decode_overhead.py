@@ -79,9 +79,10 @@ def _worker_main(conn, tree: str) -> None:
 
 
 async def _serve_worker(conn) -> None:
-    from decode_pool.worker import DecodeRequest, DecodeWorker
+    from decode_pool.worker import DecodeWorker
     from engine import EngineConfig, LLMEngine
     from kv_transfer import TransferConfig
+    from protocol.requests import DecodeRequest
     from protocol.sampling import SamplingParams
 
     config = EngineConfig(num_threads=1, kv_cache_memory_bytes=256 << 20)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from decode_pool.worker import DecodeRequest, DecodeWorker
+from decode_pool.worker import DecodeWorker
+from protocol.requests import DecodeRequest
 from worker.base import WorkerActor
 
 

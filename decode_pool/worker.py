@@ -1,7 +1,7 @@
 """The decode worker (a plain class; the Ray actor wraps it).
 
 A prefill worker pushes a request's KV blocks here (kv_transfer/), with
-what the request needs to start (decode_pool/start.py). In the push's
+what the request needs to start (protocol/decode_start.py). In the push's
 handshake this worker takes the leading blocks its prefix cache holds
 already, so only the rest is sent. Once the push commits, the request joins
 continuous batching and its first token (the prefill's) goes out as the
@@ -21,25 +21,16 @@ from dataclasses import dataclass
 import grpc
 
 from decode_pool.output_channel import OutputServer
-from decode_pool.start import BadStart, DecodeStart
 from engine.config import EngineConfig
 from kv_transfer import CommittedPush, GrpcKVServer, TransferConfig, TransferError
 from net.local_socket import host_identity
+from protocol.decode_start import BadStart, DecodeStart
 from protocol.outputs import RequestOutput
-from protocol.sampling import SamplingParams
+from protocol.requests import DecodeRequest
 from worker.base import EngineWorker, IndexSettings
 from worker.logfmt import log_event
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class DecodeRequest:
-    request_id: str
-    router_id: str
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]  # tokens streamed before this try (after a failover)
-    params: SamplingParams
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from kv_transfer.faults import TransferFaults
-from prefill_pool.worker import PrefillRequest, PrefillResult, PrefillWorker
+from prefill_pool.worker import PrefillWorker
+from protocol.requests import PrefillRequest, PrefillResult
 from worker.base import WorkerActor
 
 

@@ -3,7 +3,7 @@
 A request's prompt joins the engine's batch (chunked under the token
 budget), its first token is sampled, then its KV blocks are pushed to the
 decode worker the router named, with that token and what the decode needs
-to start the request (decode_pool/start.py), and released here. The decode
+to start the request (protocol/decode_start.py), and released here. The decode
 worker answers the push's header with the leading blocks it holds already;
 only the rest is sent. Full blocks stay in this worker's prefix cache. The
 request's tokens reach the router from the decode worker alone: this call
@@ -15,10 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
 
-from block_index import KVEvent
-from decode_pool.start import DecodeStart
 from engine.config import EngineConfig
 from kv_transfer import (
     GrpcKVClient,
@@ -29,37 +26,13 @@ from kv_transfer import (
     TransferError,
 )
 from kv_transfer.faults import FaultPlan, TransferFaults
+from protocol.decode_start import DecodeStart
 from protocol.outputs import RequestOutput
-from protocol.sampling import SamplingParams
+from protocol.requests import PrefillRequest, PrefillResult
 from worker.base import EngineWorker, IndexSettings
 from worker.logfmt import log_event
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class PrefillRequest:
-    request_id: str
-    router_id: str  # whose output stream the decode worker sends the tokens to
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    decode_kv_address: str  # where to push the blocks
-    pull_from: str | None = None  # KV address of a worker holding more of the prefix
-    pull_hashes: list[bytes] = field(default_factory=list)  # the blocks to fetch from it
-    output_token_ids: list[int] = field(default_factory=list)
-    """Tokens already streamed to the client (a failover resumes the request):
-    computed with the prompt; the token sampled here is the next one."""
-
-
-@dataclass(frozen=True)
-class PrefillResult:
-    request_id: str
-    aborted: bool  # the request was dropped here: nothing was pushed
-    kv_bytes: int
-    held_blocks: int  # leading blocks the decode worker held already: not pushed
-    prefill_s: float  # queue + compute, seconds
-    transfer_s: float
-    cache_events: list[KVEvent] = field(default_factory=list)  # for the router's index
 
 
 class PrefillWorker(EngineWorker):

@@ -25,10 +25,9 @@ from collections.abc import AsyncIterator
 import grpc
 
 from block_index import BlockIndex, InMemoryIndex, KVEvent
-from decode_pool.worker import DecodeRequest
 from engine.hashing import root_hash
 from engine.loader import resolve_model_dir
-from prefill_pool.worker import PrefillRequest, PrefillResult
+from protocol.requests import DecodeRequest, PrefillRequest, PrefillResult
 from protos.tandem.v1 import worker_pb2
 from router.backend import GenerateInput, GenerateResult, TokenDelta
 from router.config import ServeConfig

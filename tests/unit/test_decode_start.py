@@ -13,10 +13,11 @@ import contextlib
 import grpc
 import pytest
 
-from decode_pool.worker import DecodeRequest, DecodeWorker
+from decode_pool.worker import DecodeWorker
 from engine import LLM, EngineConfig, SamplingParams
 from kv_transfer import TransferError
-from prefill_pool.worker import PrefillRequest, PrefillWorker
+from prefill_pool.worker import PrefillWorker
+from protocol.requests import DecodeRequest, PrefillRequest
 
 pytestmark = pytest.mark.unit
 

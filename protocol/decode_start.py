@@ -12,8 +12,8 @@ import dataclasses
 import json
 from dataclasses import dataclass
 
-from engine.sampling import SamplingParams
-from engine.sequence import RequestOutput, TokenLogprobs
+from protocol.outputs import RequestOutput, TokenLogprobs
+from protocol.sampling import SamplingParams
 
 
 class BadStart(ValueError):

@@ -1,0 +1,53 @@
+"""The router's calls to the workers, one per try: a prefill worker's
+``prefill`` (disaggregated) or a decode worker's ``start_full`` (colocated,
+or a short tail after a prefix the decode worker holds)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from protocol.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from block_index.base import KVEvent
+
+
+@dataclass(frozen=True)
+class DecodeRequest:
+    """Prefill and decode a request on one decode worker."""
+
+    request_id: str
+    router_id: str  # whose output stream gets the tokens
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # tokens streamed before this try (after a failover)
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class PrefillRequest:
+    """Prefill a request and push it, with its KV, to a decode worker."""
+
+    request_id: str
+    router_id: str  # whose output stream the decode worker sends the tokens to
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    decode_kv_address: str  # where to push the blocks
+    pull_from: str | None = None  # KV address of a worker holding more of the prefix
+    pull_hashes: list[bytes] = field(default_factory=list)  # the blocks to fetch from it
+    output_token_ids: list[int] = field(default_factory=list)
+    """Tokens already streamed to the client (a failover resumes the request):
+    computed with the prompt; the token sampled here is the next one."""
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    """What a prefill cost; the request's tokens come from the decode worker."""
+
+    request_id: str
+    aborted: bool  # the request was dropped here: nothing was pushed
+    kv_bytes: int
+    held_blocks: int  # leading blocks the decode worker held already: not pushed
+    prefill_s: float  # queue + compute, seconds
+    transfer_s: float
+    cache_events: list[KVEvent] = field(default_factory=list)  # for the router's index
