@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 
 from decode_pool.output_channel import OutputServer
+from engine.block_pool import Held, Holder
 from engine.config import EngineConfig
 from engine.logfmt import log_event
 from engine.sampling import SamplingParams
@@ -60,7 +61,8 @@ class DecodeWorker(EngineWorker):
         self.host = host
         self.transfer = transfer or TransferConfig()
         self.kv_server = GrpcKVServer(self.store, self.transfer, host=host, port=0)
-        # request id -> (prefix blocks of this pool pinned for it, lease timer)
+        # request id -> (prefix blocks of this pool its pin holder (_pin_holder)
+        # holds for it, lease timer)
         self._pinned: dict[str, tuple[list[int], asyncio.TimerHandle]] = {}
         self.outputs: OutputServer | None = None  # bound by start()
         self.addresses: WorkerAddresses | None = None
@@ -108,14 +110,14 @@ class DecodeWorker(EngineWorker):
                 if block is None:
                     break
                 blocks.append(block)
-            pool.take(blocks)
+            pool.acquire(_pin_holder(request_id), blocks)
             return blocks
 
         if self._was_aborted(request_id):
             return 0
         blocks = await self.loop.acall(pin)
         if self._was_aborted(request_id):  # aborted while pinning
-            await self.loop.acall(lambda e: e.block_pool.free(blocks))
+            await self.loop.acall(lambda e: e.block_pool.release(_pin_holder(request_id), blocks))
             return 0
         if blocks:
             timer = asyncio.get_running_loop().call_later(
@@ -139,22 +141,23 @@ class DecodeWorker(EngineWorker):
         except BaseException:
             self._disown(rid)
             raise
-        prefix = self._take_pins(rid)
+        prefix = Held(_pin_holder(rid), self._take_pins(rid))
         claimed = self.kv_server.claim(rid)
         if claimed is None or not next_tokens:
             self._disown(rid)
-            await self.loop.acall(lambda e: e.block_pool.free(prefix + (claimed or [])))
+            held = [prefix] if claimed is None else [prefix, claimed]
+            await self.loop.acall(lambda e: e.block_pool.release_held(held))
             why = "was aborted" if claimed is None else "came with no sampled token"
             raise LookupError(f"the KV push for request {rid!r} {why}")
-        blocks = prefix + claimed
+        blocks = [prefix, claimed]
         log_event(
             log,
             "decode_start",
             request_id=req.request_id,
             worker=self.name,
             prompt_tokens=len(req.prompt_token_ids),
-            reused_blocks=len(prefix),
-            received_blocks=len(claimed),
+            reused_blocks=len(prefix.block_ids),
+            received_blocks=len(claimed.block_ids),
         )
         added = self.loop.call(
             lambda e: e.add_prefilled_request(
@@ -166,7 +169,7 @@ class DecodeWorker(EngineWorker):
         except BaseException:
             self._disown(req.request_id)
             if added.cancel():  # it had not run (we were cancelled): the blocks are ours
-                self.loop.call(lambda e: e.block_pool.free(blocks))
+                self.loop.call(lambda e: e.block_pool.release_held(blocks))
             raise
 
     async def start_full(self, req: DecodeRequest) -> None:
@@ -200,7 +203,7 @@ class DecodeWorker(EngineWorker):
         self._disown(request_id)
         pinned = self._take_pins(request_id)
         if pinned:
-            await self.loop.acall(lambda e: e.block_pool.free(pinned))
+            await self.loop.acall(lambda e: e.block_pool.release(_pin_holder(request_id), pinned))
         self.kv_server.discard(request_id)
         return await super().abort(request_id)
 
@@ -220,7 +223,7 @@ class DecodeWorker(EngineWorker):
     def _unpin_soon(self, request_id: str) -> None:
         blocks = self._take_pins(request_id)
         if blocks:
-            self.loop.call(lambda e: e.block_pool.free(blocks))
+            self.loop.call(lambda e: e.block_pool.release(_pin_holder(request_id), blocks))
 
     def _own(self, req: DecodeRequest) -> None:
         if self.outputs is None or not self.outputs.has_router(req.router_id):
@@ -262,3 +265,8 @@ class DecodeWorker(EngineWorker):
             task = asyncio.ensure_future(self.abort(rid))
             self._background.add(task)
             task.add_done_callback(self._background.discard)
+
+
+def _pin_holder(request_id: str) -> Holder:
+    """Holds the prefix blocks reserve_prefix pins for a request."""
+    return Holder("pin", request_id)

@@ -15,6 +15,7 @@ import contextlib
 
 import grpc
 
+from engine.block_pool import Held
 from protos.tandem.v1 import kv_transfer_pb2 as pb
 
 from . import wire
@@ -127,7 +128,7 @@ class GrpcKVServer(KVTransferServer):
         if self._server is not None:
             await self._server.wait_for_termination()
 
-    def claim(self, request_id: str) -> list[int] | None:
+    def claim(self, request_id: str) -> Held | None:
         return self.service.claim(request_id)
 
     async def committed(self, request_id: str) -> list[int]:

@@ -1,9 +1,11 @@
 """The receiving half of a transfer, whatever moves the bytes.
 
-Header: check the layout, reserve the blocks. Chunks: check range, hashes,
-size and checksum, then write into the reserved blocks. Commit: check every
-(layer, block) arrived exactly once and index the blocks. Any error fails
-the transfer, which releases every reserved block exactly once.
+Header: check the layout, reserve the blocks (held by a lease holder of
+this transfer's own). Chunks: check range, hashes, size and checksum, then
+write into the reserved blocks. Commit: check every (layer, block) arrived
+exactly once and index the blocks; the holder keeps them for whoever takes
+them on. Any error fails the transfer, which releases every reserved block
+exactly once.
 
 ``on_message_async`` overlaps the checksum and copy of one chunk (in a
 worker thread; both release the GIL) with reading the next; blocks are
@@ -23,9 +25,11 @@ from typing import TYPE_CHECKING
 import grpc
 import numpy as np
 
+from engine.block_pool import Held, Holder
 from protos.tandem.v1 import kv_transfer_pb2 as pb
 
 from .interface import BlockSink, TransferError, TransferState
+from .lease import lease_holder
 from .wire import COMMIT, Chunk, Malformed, Message, layout_from_proto
 
 if TYPE_CHECKING:
@@ -39,6 +43,7 @@ class KVReceiver:
         self.sink = sink
         self.state = TransferState.PENDING
         self.request_id = ""
+        self.holder: Holder | None = None  # of the reserved blocks, from the header on
         self.block_ids: list[int] = []
         self.block_hashes: list[bytes] = []
         self.token_ids: list[int] = []
@@ -84,10 +89,11 @@ class KVReceiver:
             raise TransferError(_INVALID, f"{len(header.token_ids)} token_ids for {n} blocks")
         if header.total_bytes and header.total_bytes != n * self.sink.layout.block_bytes:
             raise TransferError(_INVALID, f"total_bytes {header.total_bytes} does not fit layout")
-        blocks = self.sink.reserve(n)
+        holder = lease_holder("recv", header.request_id)
+        blocks = self.sink.reserve(holder, n)
         if blocks is None:
             raise TransferError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"no room for {n} blocks")
-        self.block_ids = blocks
+        self.holder, self.block_ids = holder, blocks
         self.request_id = header.request_id
         self.block_hashes = list(header.block_hashes) or [b""] * n
         self.token_ids = list(header.token_ids)
@@ -194,8 +200,14 @@ class KVReceiver:
             self.block_ids[chunk.block_start : chunk.block_end], chunk.layer_start, chunk.data
         )
 
-    def commit(self) -> list[int]:
-        """Index the blocks; the caller owns one reference to each afterwards."""
+    @property
+    def held(self) -> Held:
+        """The reserved blocks and their holder (after the header)."""
+        assert self.holder is not None, "no header yet"
+        return Held(self.holder, self.block_ids)
+
+    def commit(self) -> Held:
+        """Index the blocks; they are the caller's to release or hand over."""
         if self.state is not TransferState.TRANSFERRING or self._seen is None:
             raise TransferError(_INVALID, "commit before header")
         if self._inflight is not None:
@@ -205,7 +217,7 @@ class KVReceiver:
             raise TransferError(_INVALID, f"commit with {missing} (layer, block) parts missing")
         self.sink.commit(self.block_ids, self.block_hashes, self.token_ids)
         self.state = TransferState.SUCCEEDED
-        return self.block_ids
+        return self.held
 
     def fail(self) -> None:
         """Release every reserved block; safe to call more than once."""
@@ -216,10 +228,12 @@ class KVReceiver:
             if inflight is not None and not inflight.done():
                 # A thread still copies into the blocks: release them after it.
                 loop = asyncio.get_running_loop()
-                blocks, release = self.block_ids, self.sink.release
-                inflight.add_done_callback(lambda _: loop.call_soon_threadsafe(release, blocks))
+                held, release = self.held, self.sink.release
+                inflight.add_done_callback(
+                    lambda _: loop.call_soon_threadsafe(release, held.holder, held.block_ids)
+                )
             else:
-                self.sink.release(self.block_ids)
+                self.sink.release(self.held.holder, self.block_ids)
         if self.state is not TransferState.SUCCEEDED:
             self.state = TransferState.FAILED
 

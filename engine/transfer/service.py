@@ -20,10 +20,11 @@ from collections.abc import Callable, Iterator, Sequence
 
 import grpc
 
+from engine.block_pool import Held
 from protos.tandem.v1 import kv_transfer_pb2 as pb
 
 from .interface import TransferConfig, TransferError, TransferState
-from .lease import Lease, LeaseTable
+from .lease import Lease, LeaseTable, lease_holder
 from .pool_store import PoolBlockStore
 from .receiver import KVReceiver
 from .sender import KVSender
@@ -41,7 +42,7 @@ class KVTransferService:
         self.config = config or TransferConfig()
         self.leases = LeaseTable(clock)
         # request id -> (blocks, tokens sampled after them, lease until claimed)
-        self._committed: dict[str, tuple[list[int], list[int], Lease]] = {}
+        self._committed: dict[str, tuple[Held, list[int], Lease]] = {}
         self._waiters: dict[str, asyncio.Future[list[int]]] = {}
         self._open_pushes: dict[str, IncomingPush] = {}
         self._refused: dict[str, float] = {}  # discarded request id -> until when
@@ -53,22 +54,22 @@ class KVTransferService:
     def open_pull(self, request: pb.PullRequest, cancel: Callable[[], None]) -> OutgoingPull:
         return OutgoingPull(self, request, cancel)
 
-    def claim(self, request_id: str) -> list[int] | None:
-        held = self._committed.pop(request_id, None)
-        if held is None:
+    def claim(self, request_id: str) -> Held | None:
+        committed = self._committed.pop(request_id, None)
+        if committed is None:
             return None
-        block_ids, _, lease = held
+        held, _, lease = committed
         lease.cancel()
-        return block_ids
+        return held
 
     async def committed(self, request_id: str) -> list[int]:
         """Wait until a push for ``request_id`` has committed and its call has
         ended (``IncomingPush.close``); the tokens it carries after its KV
         (``next_token_ids``). A push committed already returns at once. Raises
         LookupError if the request is discarded first, or the service closes."""
-        held = self._committed.get(request_id)
-        if held is not None:
-            return list(held[1])
+        committed = self._committed.get(request_id)
+        if committed is not None:
+            return list(committed[1])
         if request_id in self._refused:
             raise LookupError(f"request {request_id!r} was discarded")
         if request_id in self._waiters:
@@ -95,9 +96,9 @@ class KVTransferService:
         """The request is gone: free the blocks a push for it holds (committed
         or in flight), and refuse a push for it that has not begun yet."""
         self._wake(request_id, None)
-        blocks = self.claim(request_id)
-        if blocks is not None:
-            self.store.release(blocks)
+        held = self.claim(request_id)
+        if held is not None:
+            self.store.release(held.holder, held.block_ids)
             return
         push = self._open_pushes.get(request_id)
         if push is not None:
@@ -132,13 +133,13 @@ class KVTransferService:
                 if until <= now:
                     del self._refused[request_id]
 
-    def _hold(self, request_id: str, block_ids: list[int], next_token_ids: list[int]) -> None:
+    def _hold(self, request_id: str, held: Held, next_token_ids: list[int]) -> None:
         def expire() -> None:
             if self._committed.pop(request_id, None) is not None:
-                self.store.release(block_ids)
+                self.store.release(held.holder, held.block_ids)
 
         lease = self.leases.grant(self.config.lease_s, expire)
-        self._committed[request_id] = (block_ids, next_token_ids, lease)
+        self._committed[request_id] = (held, next_token_ids, lease)
 
 
 class IncomingPush:
@@ -178,7 +179,7 @@ class IncomingPush:
         if not done:
             return None
         self._service._open_pushes.pop(request_id, None)
-        self._service._hold(request_id, self.receiver.block_ids, self.receiver.next_token_ids)
+        self._service._hold(request_id, self.receiver.held, self.receiver.next_token_ids)
         return pb.PushReply(
             request_id=request_id,
             block_ids=self.receiver.block_ids,
@@ -195,9 +196,9 @@ class IncomingPush:
         if self._service._open_pushes.get(request_id) is self:
             del self._service._open_pushes[request_id]
         self.receiver.fail()
-        held = self._service._committed.get(request_id) if request_id else None
-        if held is not None and self.state is TransferState.SUCCEEDED:
-            self._service._wake(request_id, held[1])
+        committed = self._service._committed.get(request_id) if request_id else None
+        if committed is not None and self.state is TransferState.SUCCEEDED:
+            self._service._wake(request_id, committed[1])
 
     def abandon(self) -> None:
         """Its request was cancelled: free the blocks and end the call."""
@@ -238,10 +239,17 @@ class OutgoingPull:
                 f"puller {getattr(request.layout, field)!r}",
             )
         self._cancel = cancel
-        block_ids, token_ids = store.pin_hashes(request.block_hashes)
+        holder = lease_holder("send", request.request_id)
+        block_ids, token_ids = store.pin_hashes(holder, request.block_hashes)
         hashes: Sequence[bytes] = request.block_hashes[: len(block_ids)]
         self.sender = KVSender(
-            store, request.request_id, block_ids, hashes, token_ids, service.config.chunk_bytes
+            store,
+            holder,
+            request.request_id,
+            block_ids,
+            hashes,
+            token_ids,
+            service.config.chunk_bytes,
         )
         self._lease = service.leases.grant(service.config.lease_s, self._expire)
 

@@ -11,8 +11,10 @@ import pytest
 
 from decode_pool.worker import DecodeRequest, DecodeWorker
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from engine.block_pool import Holder
 from engine.hashing import hash_blocks
 from engine.transfer import GrpcKVClient, KVBlocks, PoolBlockStore, TransferConfig
+from tests.pool_checks import leftover_holders
 
 pytestmark = pytest.mark.unit
 
@@ -26,16 +28,18 @@ def test_calls_after_abort_are_refused(llama_dir):
             tokens = list(range(10, 10 + 2 * bs))
             hashes = hash_blocks(tokens, bs, worker.engine.root_hash)
 
-            def cache_two(engine):  # two cached blocks with no reference
+            def cache_two(engine):  # two cached blocks with no holder
                 pool = engine.block_pool
-                blocks = pool.allocate(2)
+                earlier = Holder("request", "earlier")
+                blocks = pool.allocate(earlier, 2)
                 for j, (b, h) in enumerate(zip(blocks, hashes, strict=True)):
                     pool.cache(b, h, tokens[j * bs : (j + 1) * bs])
-                pool.free(blocks)
+                pool.release(earlier)
 
             await worker.loop.acall(cache_two)
             free = worker.engine.block_pool.num_free
             assert await worker.reserve_prefix("live", hashes) == 2  # pins for a live request
+            assert worker.engine.block_pool.holders() == [Holder("pin", "live")]
             await worker.abort("live")
             await worker.abort("late")
             assert await worker.reserve_prefix("late", hashes) == 0
@@ -44,6 +48,7 @@ def test_calls_after_abort_are_refused(llama_dir):
                 await worker.start_decode(req)
             with pytest.raises(LookupError, match="aborted"):
                 await worker.start_full(req)
+            assert leftover_holders(worker.engine.block_pool) == []
             assert worker.engine.block_pool.num_free == free
         finally:
             worker.stop_loop()
@@ -95,12 +100,13 @@ def test_a_decode_started_before_its_kv_waits_for_the_push(llama_dir):
             def request(rid: str) -> DecodeRequest:
                 return DecodeRequest(rid, "router", prompt, [], params)
 
-            async def push(rid: str, next_tokens: list[int]) -> None:
+            async def push(rid: str, next_tokens: list[int], skip: int = 0) -> None:
                 sender.add_request(rid, prompt, params, True)
                 first = sender.step()[0]
                 export = sender.export_kv(rid, with_data=False)
                 known = export.prompt_token_ids + export.output_token_ids
-                blocks = KVBlocks(rid, export.block_ids, [None] * 2, known[:-1], next_tokens)
+                ids, hashes = export.block_ids[skip:], [None] * (2 - skip)
+                blocks = KVBlocks(rid, ids, hashes, known[skip * bs : -1], next_tokens)
                 assert next_tokens in ([], first.new_token_ids)
                 await client.push(worker.kv_server.address, source, blocks)
                 sender.abort(rid)
@@ -116,6 +122,7 @@ def test_a_decode_started_before_its_kv_waits_for_the_push(llama_dir):
             await push("t", [])
             with pytest.raises(LookupError, match="no sampled token"):
                 await tokenless
+            assert leftover_holders(worker.engine.block_pool) == []
             assert worker.engine.block_pool.num_free == free
 
             expected = LLM(str(llama_dir), num_kv_blocks=32).generate([prompt], params)[0].token_ids
@@ -127,7 +134,26 @@ def test_a_decode_started_before_its_kv_waits_for_the_push(llama_dir):
                 await asyncio.sleep(0.01)
             decoded = [t for o in outputs.outputs for t in o.new_token_ids]
             assert expected[:1] + decoded == expected
+            assert leftover_holders(worker.engine.block_pool) == []
             assert worker.engine.block_pool.num_free == free
+
+            # Its first block is cached now: pinned for the next request, which gets
+            # only the rest pushed; the pin and the push's lease become its blocks.
+            prefix = hash_blocks(prompt, bs, worker.engine.root_hash)[:1]
+            assert await worker.reserve_prefix("p", prefix) == 1
+            assert worker.engine.block_pool.holders() == [Holder("pin", "p")]
+            outputs.outputs.clear()
+            started = asyncio.ensure_future(worker.start_decode(request("p")))
+            await asyncio.sleep(0.05)
+            await push("p", expected[:1], skip=1)
+            await started
+            while not any(o.finished for o in outputs.outputs):
+                await asyncio.sleep(0.01)
+            decoded = [t for o in outputs.outputs for t in o.new_token_ids]
+            assert expected[:1] + decoded == expected
+            assert leftover_holders(worker.engine.block_pool) == []
+            assert worker.engine.block_pool.num_free == free
+            assert leftover_holders(sender.block_pool) == []
         finally:
             await client.close()
             await worker.kv_server.stop(0)

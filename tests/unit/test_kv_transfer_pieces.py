@@ -18,8 +18,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from engine.block_pool import BlockPool, Holder
 from engine.hashing import hash_blocks, root_hash
-from engine.kv_cache import BlockPool, KVCache, KVLayout
+from engine.kv_cache import KVCache, KVLayout
 from engine.transfer import (
     InProcHub,
     InProcKVClient,
@@ -31,16 +32,18 @@ from engine.transfer import (
     datachannel,
     wire,
 )
-from engine.transfer.lease import LeaseTable
+from engine.transfer.lease import LeaseTable, lease_holder
 from engine.transfer.receiver import KVReceiver
 from engine.transfer.security import ClusterSecurity
 from engine.transfer.sender import KVSender
 from protos import codegen
 from protos.tandem.v1 import kv_transfer_pb2 as pb
+from tests.pool_checks import leftover_holders
 
 pytestmark = pytest.mark.unit
 
 LAYOUT = KVLayout("fp", "float32", 3, 4, 2, 8)  # 512 bytes per block and layer
+SENDER = Holder("request", "r")  # the sending side's blocks, as a prefilled request holds them
 
 
 def make_store(num_blocks: int = 32, seed: int = 0, layout: KVLayout = LAYOUT) -> PoolBlockStore:
@@ -107,13 +110,19 @@ class Pair:
         self.client = InProcKVClient(self.hub, config, message_filter)
         self.free = (self.src.num_free, self.dst.num_free)
 
-    def blocks(self, n: int, request_id: str = "r") -> KVBlocks:
-        ids = self.src.reserve(n)
+    def blocks(self, n: int) -> KVBlocks:
+        ids = self.src.reserve(SENDER, n)
         assert ids is not None
-        return KVBlocks(request_id, ids, [None] * n, [])
+        return KVBlocks("r", ids, [None] * n, [])
 
     def settled(self) -> bool:
-        return (self.src.num_free, self.dst.num_free) == self.free
+        return _settled(self.src, self.dst, self.free)
+
+
+def _settled(src: PoolBlockStore, dst: PoolBlockStore, free: tuple[int, int]) -> bool:
+    """No holder left in either pool, and both back to their free counts."""
+    no_holders = leftover_holders(src.pool) == leftover_holders(dst.pool) == []
+    return no_holders and (src.num_free, dst.num_free) == free
 
 
 def run(coro):
@@ -129,14 +138,18 @@ def test_push_claim_copies_blocks_exactly():
         await pair.server.start()
         blocks = pair.blocks(5)
         result = await pair.client.push(pair.server.address, pair.src, blocks)
+        assert pair.src.holders() == [SENDER]  # the push's pins are gone
         claimed = pair.server.claim("r")
-        assert claimed == result.remote_block_ids and pair.server.claim("r") is None
+        assert claimed.block_ids == result.remote_block_ids and pair.server.claim("r") is None
+        assert claimed.holder.kind == "lease" and claimed.holder.id.startswith("recv:r#")
+        assert pair.dst.holders() == [claimed.holder]  # until the claimer hands them on
         assert torch.equal(
-            pair.dst.cache.read_blocks(claimed), pair.src.cache.read_blocks(blocks.block_ids)
+            pair.dst.cache.read_blocks(claimed.block_ids),
+            pair.src.cache.read_blocks(blocks.block_ids),
         )
         assert result.bytes_sent == 5 * LAYOUT.block_bytes
-        pair.dst.release(claimed)
-        pair.src.release(blocks.block_ids)
+        pair.dst.release(claimed.holder)
+        pair.src.release(SENDER)
         await pair.server.stop()
         assert pair.settled()
 
@@ -160,7 +173,7 @@ def test_layout_mismatch_names_the_field(layout, field):
             await pair.client.push(pair.server.address, pair.src, blocks)
         assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
         assert field in err.value.message
-        pair.src.release(blocks.block_ids)
+        pair.src.release(SENDER)
         assert pair.settled()
 
     run(go())
@@ -209,7 +222,7 @@ def test_broken_transfers_free_every_reserved_block(message_filter, code):
             await pair.client.push(pair.server.address, pair.src, blocks)
         assert err.value.code == code
         assert pair.server.claim("r") is None
-        pair.src.release(blocks.block_ids)
+        pair.src.release(SENDER)
         assert pair.settled()
 
     run(go())
@@ -224,8 +237,10 @@ def test_duplicate_request_id_is_refused_without_touching_the_first():
         with pytest.raises(TransferError) as err:
             await pair.client.push(pair.server.address, pair.src, blocks)
         assert err.value.code == grpc.StatusCode.ALREADY_EXISTS
-        pair.dst.release(pair.server.claim("r"))
-        pair.src.release(blocks.block_ids)
+        first = pair.server.claim("r")
+        assert pair.dst.holders() == [first.holder]  # the refused push released its own
+        pair.dst.release(first.holder)
+        pair.src.release(SENDER)
         assert pair.settled()
 
     run(go())
@@ -239,9 +254,10 @@ def test_unclaimed_push_is_released_when_its_lease_expires():
         await pair.server.start()
         await pair.client.push(pair.server.address, pair.src, blocks)
         assert pair.dst.num_free == pair.free[1] - 3
+        assert [h.kind for h in pair.dst.holders()] == ["lease"]
         assert service.leases.expire_all() == 1
-        assert pair.server.claim("r") is None
-        pair.src.release(blocks.block_ids)
+        assert pair.server.claim("r") is None and pair.dst.holders() == []
+        pair.src.release(SENDER)
         await pair.server.stop()
         assert pair.settled()
 
@@ -256,14 +272,14 @@ def test_discard_frees_a_committed_push_and_refuses_a_later_one():
         await pair.client.push(pair.server.address, pair.src, blocks)
         pair.server.discard("r")  # committed, never claimed: freed at once
         assert pair.server.claim("r") is None
-        assert pair.dst.num_free == pair.free[1]
+        assert pair.dst.num_free == pair.free[1] and pair.dst.holders() == []
         pair.server.discard("late")  # cancelled before its push began
         with pytest.raises(TransferError) as err:
             await pair.client.push(
                 pair.server.address, pair.src, dataclasses.replace(blocks, request_id="late")
             )
         assert err.value.code == grpc.StatusCode.CANCELLED
-        pair.src.release(blocks.block_ids)
+        pair.src.release(SENDER)
         await pair.server.stop()
         assert pair.settled()
 
@@ -282,9 +298,9 @@ def test_committed_waits_for_the_commit_and_hands_over_the_next_tokens():
         assert await waiting == [42]
         assert await pair.server.committed("r") == [42]  # committed already: no wait
         held = pair.server.claim("r")  # the wait leaves the blocks to claim
-        assert held is not None and len(held) == 3
-        pair.dst.release(held)
-        pair.src.release(blocks.block_ids)
+        assert held is not None and len(held.block_ids) == 3
+        pair.dst.release(held.holder)
+        pair.src.release(SENDER)
         await pair.server.stop()
         assert pair.settled()
 
@@ -319,26 +335,29 @@ def test_a_discard_or_a_stop_ends_the_wait_for_a_commit():
 
 def test_pull_pins_only_while_streaming_and_returns_the_held_prefix():
     async def go():
-        holder, puller = make_store(seed=3), make_store(seed=4)
+        keeper, puller = make_store(seed=3), make_store(seed=4)
         hub = InProcHub()
-        server = InProcKVServer(hub, "holder", holder, SMALL)
+        server = InProcKVServer(hub, "keeper", keeper, SMALL)
         await server.start()
         tokens = list(range(100, 100 + 3 * LAYOUT.block_size))
         hashes = hash_blocks(tokens, LAYOUT.block_size, root_hash("fp", LAYOUT.block_size))
-        ids = holder.reserve(3)
-        holder.commit(ids, hashes, tokens)
-        holder.release(ids)  # cached, ref 0
-        free = (holder.num_free, puller.num_free)
+        ids = keeper.reserve(SENDER, 3)
+        keeper.commit(ids, hashes, tokens)
+        keeper.release(SENDER)  # cached, no holder
+        free = (keeper.num_free, puller.num_free)
         client = InProcKVClient(hub, SMALL)
         result = await client.pull(server.address, puller, [*hashes[:2], b"x" * 16, hashes[2]])
         assert result.block_hashes == hashes[:2]
         assert torch.equal(
-            puller.cache.read_blocks(result.block_ids), holder.cache.read_blocks(ids[:2])
+            puller.cache.read_blocks(result.block_ids), keeper.cache.read_blocks(ids[:2])
         )
         assert puller.pool.block_for_hash(hashes[0]) == result.block_ids[0]  # indexed
-        puller.release(result.block_ids)
+        assert keeper.holders() == []  # pinned only while streaming
+        assert puller.holders() == [result.holder] and result.holder.kind == "lease"
+        assert puller.pool.held_by(result.holder) == result.block_ids
+        puller.release(result.holder)
         await server.stop()
-        assert (holder.num_free, puller.num_free) == free
+        assert _settled(keeper, puller, free)
 
     run(go())
 
@@ -418,9 +437,10 @@ class DataPair:
     def __init__(self, n: int, chunk_bytes: int = 1024, frame_filter=None) -> None:
         self.src, self.dst = make_store(seed=1), make_store(seed=2)
         self.free = (self.src.num_free, self.dst.num_free)
-        self.src_ids = self.src.reserve(n)
-        self.src.pin(self.src_ids)  # as a client's push does
-        self.sender = KVSender(self.src, "r", self.src_ids, [None] * n, [], chunk_bytes)
+        self.src_ids = self.src.reserve(SENDER, n)
+        lease = lease_holder("send", "r")
+        self.src.pin(lease, self.src_ids)  # as a client's push does
+        self.sender = KVSender(self.src, lease, "r", self.src_ids, [None] * n, [], chunk_bytes)
         self.receiver = KVReceiver(self.dst)
         self.receiver.on_header(self.sender.header())
         self.registry = _Registry()
@@ -449,7 +469,10 @@ class DataPair:
 
     def close(self) -> None:
         self.sender.close()
-        self.src.release(self.src_ids)
+        self.src.release(SENDER)
+
+    def settled(self) -> bool:
+        return _settled(self.src, self.dst, self.free)
 
 
 def test_data_channel_fills_the_reserved_blocks():
@@ -457,14 +480,14 @@ def test_data_channel_fills_the_reserved_blocks():
         pair = DataPair(5)
         await asyncio.to_thread(pair.run)
         await pair.receiver.drain()
-        blocks = pair.receiver.commit()
+        held = pair.receiver.commit()
         assert torch.equal(
-            pair.dst.cache.read_blocks(blocks), pair.src.cache.read_blocks(pair.src_ids)
+            pair.dst.cache.read_blocks(held.block_ids), pair.src.cache.read_blocks(pair.src_ids)
         )
         assert pair.sender.bytes_sent == pair.receiver.bytes_received == 5 * LAYOUT.block_bytes
-        pair.dst.release(blocks)
+        pair.dst.release(held.holder)
         pair.close()
-        assert (pair.src.num_free, pair.dst.num_free) == pair.free
+        assert pair.settled()
 
     run(go())
 
@@ -487,7 +510,7 @@ def test_broken_data_connection_fails_and_frees_the_blocks(frame_filter, code):
         assert err.value.code == code
         pair.receiver.fail()
         pair.close()
-        assert (pair.src.num_free, pair.dst.num_free) == pair.free
+        assert pair.settled()
 
     run(go())
 
@@ -499,7 +522,7 @@ def test_failing_before_the_data_connection_arrives_frees_the_blocks():
         assert pair.incoming.done.done() and pair.registry.unregistered == b"t" * 16
         assert not pair.incoming.attach(socket.socketpair()[0])
         pair.close()
-        assert (pair.src.num_free, pair.dst.num_free) == pair.free
+        assert pair.settled()
 
     run(go())
 
@@ -512,13 +535,14 @@ def test_failing_mid_connection_frees_the_blocks_only_after_the_thread_stops():
         serving = asyncio.get_running_loop().run_in_executor(None, pair.incoming.serve, b)
         pair.receiver.fail()  # the thread may still write into the blocks: release deferred
         assert pair.dst.num_free == pair.free[1] - 4
+        assert pair.dst.holders() == [pair.receiver.holder]
         await serving
         with pytest.raises(TransferError):
             pair.incoming.done.result()
         await asyncio.sleep(0)  # the deferred release runs on the loop
         a.close()
         pair.close()
-        assert (pair.src.num_free, pair.dst.num_free) == pair.free
+        assert pair.settled()
 
     run(go())
 
