@@ -34,10 +34,11 @@ import time
 import torch
 
 from engine import LLM, EngineConfig, LLMEngine
+from engine.block_pool import BlockPool, Holder
 from engine.config import ModelSpec
 from engine.default_model import make_random_checkpoint, tiny_config
 from engine.device import resolve_device, synchronize
-from engine.kv_cache import BlockPool, KVCache
+from engine.kv_cache import KVCache
 from kv_transfer import GrpcKVClient, GrpcKVServer, KVBlocks, PoolBlockStore, TransferConfig
 from protocol.sampling import SamplingParams
 
@@ -150,7 +151,7 @@ async def _push(src: PoolBlockStore, dst: PoolBlockStore, blocks: list[int], rep
             start = time.perf_counter()
             result = await client.push(server.address, src, request)
             rates.append(result.bytes_sent / (time.perf_counter() - start))
-            dst.release(server.claim(f"r{i}"))
+            dst.release(server.claim(f"r{i}").holder)
     finally:
         await client.close()
         await server.stop()
@@ -168,7 +169,8 @@ def transfer_check(ckpt: Path, device, dtype: str, mib: int, reps: int) -> dict:
     dst = PoolBlockStore(BlockPool(n, 16), KVCache(layout, n, device))
     for t in src.cache.layers:
         t.normal_()
-    blocks = src.reserve(n)
+    bench = Holder("lease", "gpu-check")
+    blocks = src.reserve(bench, n)
     rates = asyncio.run(_push(src, dst, blocks, reps))
     # Baseline: the same bytes device -> host -> device with plain torch copies.
     data = src.cache.read_blocks(blocks)
@@ -177,7 +179,7 @@ def transfer_check(ckpt: Path, device, dtype: str, mib: int, reps: int) -> dict:
     dst.cache.write_blocks(blocks, data.cpu())
     synchronize(device)
     copy_rate = data.numel() * data.element_size() / (time.perf_counter() - start)
-    src.release(blocks)
+    src.release(bench)
     best = max(rates)
     return {
         "bytes": n * layout.block_bytes,

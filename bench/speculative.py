@@ -45,8 +45,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 
 from engine import EngineConfig, LLMEngine
+from engine.block_pool import BlockPool, Holder
 from engine.config import SpeculativeConfig
-from engine.kv_cache import BlockPool, KVCache
+from engine.kv_cache import KVCache
 from kv_transfer import GrpcKVClient, GrpcKVServer, KVBlocks, PoolBlockStore
 from kv_transfer.quantized import QuantizedBlockStore, dequantize, quantize
 from protocol.sampling import SamplingParams
@@ -159,12 +160,13 @@ async def _push_once(layout, wire: str | None, num_blocks: int) -> tuple[int, fl
     server, client = GrpcKVServer(dst), GrpcKVClient()
     await server.start()
     try:
-        ids = src.reserve(num_blocks)
+        bench = Holder("lease", "bench")
+        ids = src.reserve(bench, num_blocks)
         t0 = time.perf_counter()
         result = await client.push(server.address, src, KVBlocks("r", ids, [None] * num_blocks, []))
         elapsed = time.perf_counter() - t0
-        dst.release(server.claim("r"))
-        src.release(ids)
+        dst.release(server.claim("r").holder)
+        src.release(bench)
     finally:
         await client.close()
         await server.stop()

@@ -110,7 +110,7 @@ class DecodeWorker(EngineWorker):
         rid = push.request_id
         start = DecodeStart.decode(push.decode_start)  # checked at the header
         if self._was_aborted(rid) or not self._own(rid, start.router_id):
-            self.loop.call(lambda e: e.block_pool.free(push.block_ids))
+            self.loop.call(lambda e: e.block_pool.release_held([push.blocks]))
             return
         tokens = push.token_ids + push.next_token_ids
         prompt, outputs = tokens[: start.num_prompt_tokens], tokens[start.num_prompt_tokens :]
@@ -122,17 +122,17 @@ class DecodeWorker(EngineWorker):
             worker=self.name,
             prompt_tokens=start.num_prompt_tokens,
             reused_blocks=push.held_blocks,
-            received_blocks=len(push.block_ids) - push.held_blocks,
+            received_blocks=len(push.blocks.block_ids) - push.held_blocks,
         )
 
         def begin(engine) -> None:
             assert self.outputs is not None
             self.outputs.publish([first], [])
             if first.finished:
-                engine.block_pool.free(push.block_ids)
+                engine.block_pool.release_held([push.blocks])
                 return
             try:
-                engine.add_prefilled_request(rid, prompt, outputs, start.params, push.block_ids)
+                engine.add_prefilled_request(rid, prompt, outputs, start.params, [push.blocks])
             except Exception as exc:  # the engine freed the blocks
                 log.warning("request %s could not start: %s", rid, exc)
                 self.outputs.publish([RequestOutput.aborted(rid)], [])
@@ -221,3 +221,4 @@ class DecodeWorker(EngineWorker):
             task = asyncio.ensure_future(self.abort(rid))
             self._background.add(task)
             task.add_done_callback(self._background.discard)
+

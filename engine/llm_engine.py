@@ -2,8 +2,9 @@
 
 add_request -> step() ... -> outputs; abort at any time. A prefill-only
 request stops after its first token and keeps its blocks until
-``export_kv`` / ``release``; ``add_prefilled_request`` attaches blocks
-that arrived from another engine and continues decoding there.
+``export_kv`` / ``release``; ``add_prefilled_request`` takes over blocks
+that arrived from another engine (their holder's references become the
+request's) and continues decoding there.
 """
 
 from __future__ import annotations
@@ -19,13 +20,14 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import PrefillSlice, build_metadata
+from engine.block_pool import BlockPool, Held, Holder
 from engine.config import EngineConfig, ModelSpec
 from engine.cuda_graphs import BATCH_SIZES, DecodeGraphRunner
 from engine.detokenizer import IncrementalDetokenizer
 from engine.device import resolve_device
 from engine.hashing import BlockHash, root_hash
 from engine.kernels import select as select_kernels
-from engine.kv_cache import BlockPool, KVCache, KVLayout
+from engine.kv_cache import KVCache, KVLayout
 from engine.loader import (
     load_hf_config,
     load_weights,
@@ -41,6 +43,9 @@ from protocol.outputs import RequestOutput, TokenLogprobs
 from protocol.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
+
+# Holds the block decode graphs point their padding rows at, for the engine's lifetime.
+SCRATCH = Holder("scratch", "decode-graphs")
 
 
 @dataclass
@@ -139,7 +144,7 @@ class LLMEngine:
         """Run decode-only steps at fixed shapes (see cuda_graphs.py), as CUDA
         graphs when ``use_graphs`` and the device is a GPU, else eagerly. Sets
         one block aside for the padding rows; call before adding requests."""
-        scratch = self.block_pool.allocate(1)
+        scratch = self.block_pool.allocate(SCRATCH, 1)
         if scratch is None:
             raise RuntimeError("no free block to set aside for decode graphs")
         bs = self.config.block_size
@@ -465,26 +470,30 @@ class LLMEngine:
         prompt_token_ids: Seq[int],
         output_token_ids: Seq[int],
         params: SamplingParams,
-        block_ids: Seq[int],
+        blocks: Seq[Held],
     ) -> None:
         """Continue a request whose KV for all but the last token is already in
-        ``block_ids`` of this pool. The request owns one reference to each
-        block from now on (also when this call fails)."""
+        this pool: its block table is the blocks of ``blocks`` in order, and
+        their holders' references become the request's (when this call fails,
+        they are released)."""
         try:
             seq = self._new_seq(request_id, prompt_token_ids, params, False, output_token_ids[:-1])
         except Exception:
-            self.block_pool.free(block_ids)
+            self.block_pool.release_held(blocks)
             raise
+        for part in blocks:
+            self.block_pool.transfer(part.holder, seq.holder, part.block_ids)
+            seq.block_table += part.block_ids
         seq.output_token_ids = list(output_token_ids)
         seq.num_computed = seq.num_tokens - 1
-        seq.block_table = list(block_ids)
         if seq.detokenizer is not None and output_token_ids:
             seq.detokenizer.add(output_token_ids[-1])  # the sender already emitted its text
         expected = -(-seq.num_computed // self.config.block_size)
-        if len(block_ids) != expected or not output_token_ids:
-            self.abort(request_id)
+        if len(seq.block_table) != expected or not output_token_ids:
+            del self._seqs[request_id]  # never queued: not the scheduler's to remove
+            self.scheduler.free_blocks(seq)
             raise ValueError(
-                f"{len(block_ids)} blocks for {seq.num_computed} computed tokens; "
+                f"{len(seq.block_table)} blocks for {seq.num_computed} computed tokens; "
                 f"expected {expected} and at least one output token"
             )
         self._cache_full_blocks(seq)
@@ -497,7 +506,8 @@ class LLMEngine:
             raise ValueError(f"KV layout differs in {field}")
         if export.data is None:
             raise ValueError("export has no data")
-        blocks = self.block_pool.allocate(len(export.block_ids))
+        holder = Holder("lease", f"import:{export.request_id}")
+        blocks = self.block_pool.allocate(holder, len(export.block_ids))
         if blocks is None:
             raise RuntimeError(f"no room for {len(export.block_ids)} blocks")
         self.kv_cache.write_blocks(blocks, export.data)
@@ -506,5 +516,5 @@ class LLMEngine:
             export.prompt_token_ids,
             export.output_token_ids,
             params,
-            blocks,
+            [Held(holder, blocks)],
         )

@@ -9,8 +9,9 @@ continuous batching are the same loop:
 1. Running sequences, oldest first, each get their tokens and the blocks
    to hold them. When blocks run out, cached blocks are evicted first
    (the pool does that), then the youngest running sequence is preempted:
-   its blocks are freed and it goes back to the front of the queue, to
-   be recomputed (its full blocks often survive in the prefix cache).
+   its holder's blocks are released and it goes back to the front of the
+   queue, to be recomputed (its full blocks often survive in the prefix
+   cache).
 2. If nothing was preempted, waiting sequences are admitted in order,
    reusing the longest cached prefix, while budget and blocks last.
 """
@@ -20,8 +21,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from engine.block_pool import BlockPool
 from engine.hashing import BlockHash
-from engine.kv_cache import BlockPool
 from engine.sequence import SeqStatus, Sequence
 
 
@@ -67,7 +68,9 @@ class Scheduler:
         self.free_blocks(seq)
 
     def free_blocks(self, seq: Sequence) -> None:
-        self.pool.free(seq.block_table)
+        """Release everything the sequence's holder holds and forget its progress."""
+        if seq.block_table:
+            self.pool.release(seq.holder)
         seq.block_table = []
         seq.block_hashes = []
         seq.num_computed = 0
@@ -92,7 +95,7 @@ class Scheduler:
                 self._preempt(seq)
                 preempted = True
                 break
-            seq.block_table += self.pool.allocate(need)
+            seq.block_table += self.pool.allocate(seq.holder, need)
             out.append(ScheduledSeq(seq, n))
             budget -= n
             i += 1
@@ -123,12 +126,12 @@ class Scheduler:
             usable = (len(tokens) - 1) // bs  # keep one token to compute: it gives the logits
             hashes = seq.full_block_hashes(usable, bs, self.root)
             chunks = [tokens[j * bs : (j + 1) * bs] for j in range(usable)]
-            matched = self.pool.match_prefix(hashes, chunks)
+            matched = self.pool.match_prefix(seq.holder, hashes, chunks)
         seq.block_table = list(matched)
         seq.block_hashes = hashes[: len(matched)]
         seq.num_computed = len(matched) * self.block_size
         n = min(seq.num_tokens - seq.num_computed, budget)
-        blocks = self.pool.allocate(self._blocks_needed(seq, n))
+        blocks = self.pool.allocate(seq.holder, self._blocks_needed(seq, n))
         if blocks is None:
             self.free_blocks(seq)
             return 0

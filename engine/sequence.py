@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
+from engine.block_pool import Holder
 from engine.detokenizer import IncrementalDetokenizer
 from engine.hashing import BlockHash, hash_blocks
 from protocol.outputs import RequestOutput, TokenLogprobs
@@ -34,7 +36,7 @@ class Sequence:
     arrival: int  # admission order; the youngest is preempted first
     prefill_only: bool = False
     output_token_ids: list[int] = field(default_factory=list)
-    block_table: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)  # what ``holder`` holds, in order
     block_hashes: list[BlockHash] = field(default_factory=list)  # of full, computed blocks
     _hash_cache: list[BlockHash] = field(default_factory=list)  # of full blocks of its tokens
     num_computed: int = 0  # tokens whose KV is in the cache
@@ -46,6 +48,11 @@ class Sequence:
     # Proposed tokens after the last one, verified by this step (engine/spec/);
     # never part of num_tokens and never hashed.
     spec_token_ids: list[int] = field(default_factory=list)
+
+    @cached_property
+    def holder(self) -> Holder:
+        """The holder of its blocks in the pool."""
+        return Holder("request", self.request_id)
 
     @property
     def num_tokens(self) -> int:

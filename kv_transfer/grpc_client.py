@@ -33,6 +33,7 @@ from .interface import (
     TransferError,
     TransferState,
 )
+from .lease import lease_holder
 from .receiver import KVReceiver
 from .sender import KVSender
 
@@ -68,9 +69,10 @@ class GrpcKVClient(KVTransferClient):
     async def _push(
         self, address: str, source: BlockSource, blocks: KVBlocks, timeout_s: float | None
     ) -> PushResult:
-        source.pin(blocks.block_ids)
+        holder = lease_holder("send", blocks.request_id)
         sender = KVSender(
             source,
+            holder,
             blocks.request_id,
             blocks.block_ids,
             blocks.block_hashes,
@@ -79,6 +81,7 @@ class GrpcKVClient(KVTransferClient):
             blocks.next_token_ids,
             blocks.decode_start,
         )
+        source.pin(holder, blocks.block_ids)  # once the sender, which releases them, exists
         timeout = timeout_s or self.config.timeout_s
         token = secrets.token_bytes(TOKEN_BYTES) if self.config.data_channel else None
         metadata = self.config.security.metadata()
@@ -196,14 +199,16 @@ class GrpcKVClient(KVTransferClient):
             await receiver.drain()
             if receiver.state is TransferState.PENDING:
                 raise TransferError(grpc.StatusCode.INTERNAL, "pull stream without header")
-            block_ids = receiver.commit()
+            held = receiver.commit()
         except grpc.aio.AioRpcError as e:
             raise TransferError(e.code(), e.details() or "") from e
         finally:
             receiver.fail()
             if not call.done():
                 call.cancel()
-        return PullResult(block_ids, receiver.block_hashes, receiver.bytes_received)
+        return PullResult(
+            held.block_ids, receiver.block_hashes, receiver.bytes_received, held.holder
+        )
 
     async def close(self) -> None:
         for channel in self._channels.values():

@@ -15,6 +15,7 @@ import contextlib
 
 import grpc
 
+from engine.block_pool import Held
 from protos.tandem.v1 import kv_transfer_pb2 as pb
 
 from . import wire
@@ -136,7 +137,7 @@ class GrpcKVServer(KVTransferServer):
         if self._server is not None:
             await self._server.wait_for_termination()
 
-    def claim(self, request_id: str) -> list[int] | None:
+    def claim(self, request_id: str) -> Held | None:
         return self.service.claim(request_id)
 
     def discard(self, request_id: str) -> None:
@@ -185,7 +186,7 @@ class GrpcKVServer(KVTransferServer):
     def _accept(
         self, push: IncomingPush, context: grpc.aio.ServicerContext
     ) -> tuple[tuple[str, str], ...]:
-        held = ((HELD_BLOCKS_KEY, str(push.receiver.held)),)
+        held = ((HELD_BLOCKS_KEY, str(push.receiver.held_blocks)),)
         token = None
         for key, value in context.invocation_metadata() or ():
             if key == DATA_TOKEN_KEY and isinstance(value, str):

@@ -10,6 +10,7 @@ from itertools import chain
 
 import grpc
 
+from engine.block_pool import Held
 from protos.tandem.v1 import kv_transfer_pb2 as pb
 
 from . import wire
@@ -27,6 +28,7 @@ from .interface import (
     TransferError,
     TransferState,
 )
+from .lease import lease_holder
 from .pool_store import PoolBlockStore
 from .receiver import KVReceiver
 from .sender import KVSender
@@ -67,7 +69,7 @@ class InProcKVServer(KVTransferServer):
         self.hub.services.pop(self.address, None)
         await self.service.close()
 
-    def claim(self, request_id: str) -> list[int] | None:
+    def claim(self, request_id: str) -> Held | None:
         return self.service.claim(request_id)
 
     def discard(self, request_id: str) -> None:
@@ -102,9 +104,10 @@ class InProcKVClient(KVTransferClient):
         self, address: str, source: BlockSource, blocks: KVBlocks, *, timeout_s: float | None = None
     ) -> PushResult:
         service = self.hub.lookup(address)
-        source.pin(blocks.block_ids)
+        holder = lease_holder("send", blocks.request_id)
         sender = KVSender(
             source,
+            holder,
             blocks.request_id,
             blocks.block_ids,
             blocks.block_hashes,
@@ -113,6 +116,7 @@ class InProcKVClient(KVTransferClient):
             blocks.next_token_ids,
             blocks.decode_start,
         )
+        source.pin(holder, blocks.block_ids)  # once the sender, which releases them, exists
         cancelled = _Cancelled()
         push = service.open_push(cancelled)
         reply = None
@@ -123,7 +127,7 @@ class InProcKVClient(KVTransferClient):
                     if msg is not None:
                         reply = push.on_message(wire.decode(msg))
                     if push.state is TransferState.TRANSFERRING and not sender.skipped:
-                        sender.skip(push.receiver.held)  # before the first chunk
+                        sender.skip(push.receiver.held_blocks)  # before the first chunk
                     await cancelled.check()
         except TimeoutError as e:
             raise TransferError(grpc.StatusCode.DEADLINE_EXCEEDED, "push timed out") from e
@@ -159,10 +163,12 @@ class InProcKVClient(KVTransferClient):
                 for msg in pull.messages():
                     receiver.on_message(wire.decode(msg))
                     await cancelled.check()
-            block_ids = receiver.commit()
+            held = receiver.commit()
         except TimeoutError as e:
             raise TransferError(grpc.StatusCode.DEADLINE_EXCEEDED, "pull timed out") from e
         finally:
             pull.close(receiver.state is TransferState.SUCCEEDED)
             receiver.fail()
-        return PullResult(block_ids, receiver.block_hashes, receiver.bytes_received)
+        return PullResult(
+            held.block_ids, receiver.block_hashes, receiver.bytes_received, held.holder
+        )

@@ -3,7 +3,10 @@ mover's interface.
 
 A mover (gRPC, in-process, later shared memory or RDMA) only ever touches a
 pool through ``BlockSource`` (the sending side) and ``BlockSink`` (the
-receiving side), never the engine. Every mover reports failures as a
+receiving side), never the engine. Every block a transfer reserves, pins or
+receives is held by a "lease" holder of its own (``lease.lease_holder``);
+whoever ends up with a transfer's blocks gets them as a ``Held``: that
+holder and the block ids. Every mover reports failures as a
 ``TransferError`` carrying a gRPC status code, so callers see one error type
 whatever moved the bytes.
 """
@@ -18,6 +21,7 @@ from typing import Protocol
 
 import grpc
 
+from engine.block_pool import Held, Holder
 from engine.kv_cache import KVLayout
 from net.security import ClusterSecurity
 
@@ -124,9 +128,14 @@ class PushResult:
 
 @dataclass(frozen=True)
 class PullResult:
-    block_ids: list[int]  # in the local sink; the caller owns one reference each
+    block_ids: list[int]  # in the local sink, held by ``holder`` for the caller
     block_hashes: list[bytes]
     bytes_received: int
+    holder: Holder
+
+    @property
+    def held(self) -> Held:
+        return Held(self.holder, self.block_ids)
 
 
 @dataclass(frozen=True)
@@ -134,7 +143,7 @@ class CommittedPush:
     """A push the receiver committed, handed to its ``PushHandler``."""
 
     request_id: str
-    block_ids: list[int]  # in the receiver's pool; the handler owns one reference each
+    blocks: Held  # the transfer's holder and its blocks; the handler takes them on
     token_ids: list[int]  # the tokens whose KV the blocks hold
     next_token_ids: list[int]  # sampled after them
     decode_start: bytes
@@ -158,8 +167,8 @@ class BlockSink(Protocol):
 
     layout: KVLayout
 
-    def reserve(self, n: int) -> list[int] | None:
-        """``n`` fresh blocks owned by the caller, or None if too few are free."""
+    def reserve(self, holder: Holder, n: int) -> list[int] | None:
+        """``n`` fresh blocks held by ``holder``, or None if too few are free."""
 
     def write(self, block_ids: Sequence[int], layer_start: int, data: memoryview) -> None:
         """Copy a chunk's payload (see kv_transfer.proto) into the blocks."""
@@ -170,14 +179,16 @@ class BlockSink(Protocol):
         block_hashes: Sequence[bytes | None],
         token_ids: Sequence[int],
     ) -> None:
-        """Index the full blocks in the prefix cache; the caller keeps its refs."""
+        """Index the full blocks in the prefix cache; their holder keeps them."""
 
-    def release(self, block_ids: Sequence[int]) -> None:
-        """Drop the caller's reference to each block."""
+    def release(self, holder: Holder, block_ids: Sequence[int] | None = None) -> None:
+        """Drop ``holder``'s reference to each block (None: to all it holds)."""
 
-    def hold_prefix(self, block_hashes: Sequence[bytes], token_ids: Sequence[int]) -> list[int]:
+    def hold_prefix(
+        self, holder: Holder, block_hashes: Sequence[bytes], token_ids: Sequence[int]
+    ) -> list[int]:
         """The longest run of leading blocks the pool holds already (hashes
-        and tokens equal), one reference each for the caller."""
+        and tokens equal); ``holder`` takes a reference to each."""
 
     # Optional, for movers that write into the blocks without a staging copy:
     # def buffers(self, block_ids, layer_start, layer_end) -> list[memoryview] | None:
@@ -192,10 +203,12 @@ class BlockSource(Protocol):
 
     layout: KVLayout
 
-    def pin(self, block_ids: Sequence[int]) -> None:
-        """Take a reference so the blocks cannot be freed while being read."""
+    def pin(self, holder: Holder, block_ids: Sequence[int]) -> None:
+        """``holder`` takes a reference, so the blocks cannot be freed while being read."""
 
-    def pin_hashes(self, block_hashes: Sequence[bytes]) -> tuple[list[int], list[int]]:
+    def pin_hashes(
+        self, holder: Holder, block_hashes: Sequence[bytes]
+    ) -> tuple[list[int], list[int]]:
         """Pin the longest held prefix of ``block_hashes``: (block ids, token ids)."""
 
     def read_into(
@@ -203,7 +216,8 @@ class BlockSource(Protocol):
     ) -> None:
         """Gather a chunk's payload (see kv_transfer.proto) into ``out``."""
 
-    def unpin(self, block_ids: Sequence[int]) -> None: ...
+    def release(self, holder: Holder, block_ids: Sequence[int] | None = None) -> None:
+        """As ``BlockSink.release``: unpin."""
 
     # Optional, for movers that send from the blocks without a gather copy:
     # def buffers(self, block_ids, layer_start, layer_end) -> list[memoryview] | None:
@@ -248,9 +262,10 @@ class KVTransferServer(ABC):
         """Stop serving and release every block held for a transfer."""
 
     @abstractmethod
-    def claim(self, request_id: str) -> list[int] | None:
-        """Take the blocks a push committed for ``request_id`` (the caller owns
-        one reference each), or None if there is none (never came, expired)."""
+    def claim(self, request_id: str) -> Held | None:
+        """Take the blocks a push committed for ``request_id``: their lease
+        holder keeps them, no longer timed, until the caller releases them or
+        hands them over. None if there is none (never came, expired)."""
 
     @abstractmethod
     def discard(self, request_id: str) -> None:

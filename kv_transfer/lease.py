@@ -5,6 +5,9 @@ without progress, not total time: a 1 GiB transfer never expires while
 bytes flow, and a dead peer or an abandoned transfer frees its blocks after
 ``ttl_s``. The owner of the lease releases the blocks itself on the normal
 paths and cancels the lease; ``on_expire`` runs only if that never happens.
+
+The blocks themselves are held in the pool by a "lease" holder per
+transfer (``lease_holder``), whatever the timer does.
 """
 
 from __future__ import annotations
@@ -12,6 +15,16 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable
+
+from engine.block_pool import Holder
+
+_transfer_ids = itertools.count()
+
+
+def lease_holder(role: str, request_id: str) -> Holder:
+    """A new holder for the blocks of one transfer: ``role`` ("send" or
+    "recv"), the request it is for, and a number no other transfer has."""
+    return Holder("lease", f"{role}:{request_id}#{next(_transfer_ids)}")
 
 
 class Lease:

@@ -18,8 +18,9 @@ from typing import Any
 import grpc
 import torch
 
+from engine.block_pool import BlockPool, Holder
 from engine.hashing import hash_blocks, root_hash
-from engine.kv_cache import BlockPool, KVCache, KVLayout
+from engine.kv_cache import KVCache, KVLayout
 
 from .grpc_client import GrpcKVClient
 from .grpc_server import GrpcKVServer
@@ -90,6 +91,10 @@ class Peer:
             self.kill()
 
 
+# Holds the blocks the driving process allocates, claims and releases by id.
+DRIVER = Holder("lease", "peer-driver")
+
+
 def _main(conn, spec: PeerSpec) -> None:
     torch.set_num_threads(spec.num_threads)
     asyncio.run(_Handler(spec).serve(conn))
@@ -146,14 +151,22 @@ class _Handler:
     async def do_num_free(self) -> int:
         return self.store.num_free
 
+    async def do_holders(self) -> list[str]:
+        return [str(holder) for holder in self.store.holders()]
+
     async def do_allocate(self, n: int) -> list[int] | None:
-        return self.store.reserve(n)
+        return self.store.reserve(DRIVER, n)
 
     async def do_release(self, block_ids: list[int]) -> None:
-        self.store.release(block_ids)
+        self.store.release(DRIVER, block_ids)
 
     async def do_claim(self, request_id: str) -> list[int] | None:
-        return self.server.claim(request_id)
+        """The claimed blocks, handed over to the driver's holder."""
+        held = self.server.claim(request_id)
+        if held is None:
+            return None
+        with self.store.lock:
+            return self.store.pool.transfer(held.holder, DRIVER, held.block_ids)
 
     async def do_digest(self, block_ids: list[int]) -> int:
         data = self.store.cache.read_blocks(block_ids).cpu()
@@ -166,11 +179,11 @@ class _Handler:
         tokens = torch.randint(0, 30000, (n * bs,), generator=torch.Generator().manual_seed(seed))
         tokens_list = tokens.tolist()
         hashes = hash_blocks(tokens_list, bs, root_hash(layout.model_fingerprint, bs))
-        blocks = self.store.reserve(n)
+        blocks = self.store.reserve(DRIVER, n)
         assert blocks is not None
         self.store.commit(blocks, hashes, tokens_list)
         digest = await self.do_digest(blocks)
-        self.store.release(blocks)
+        self.store.release(DRIVER, blocks)
         return list(hashes), tokens_list, digest
 
     # ---- transfers ----
@@ -219,7 +232,10 @@ class _Handler:
                 await client.close()
 
     async def do_pull(self, address: str, block_hashes: list[bytes]) -> tuple[list[int], int]:
+        """Pull into this pool: the blocks, held by the driver's holder, and the bytes."""
         result = await self.client.pull(address, self.store, block_hashes)
+        with self.store.lock:
+            self.store.pool.transfer(result.holder, DRIVER, result.block_ids)
         return result.block_ids, result.bytes_received
 
     # ---- engine ----
@@ -249,11 +265,11 @@ class _Handler:
     async def do_decode_pushed(
         self, request_id: str, prompt: list[int], output_ids: list[int], params: dict
     ) -> list[int]:
-        block_ids = self.server.claim(request_id)
-        if block_ids is None:
+        held = self.server.claim(request_id)
+        if held is None:
             raise TransferError(grpc.StatusCode.NOT_FOUND, f"no push for {request_id}")
         self.engine.add_prefilled_request(
-            request_id, prompt, output_ids, self._params(params), block_ids
+            request_id, prompt, output_ids, self._params(params), [held]
         )
         return output_ids + self._run().get(request_id, [])
 

@@ -1,5 +1,9 @@
 """``BlockSink`` and ``BlockSource`` over a BlockPool and its KVCache.
 
+Every pool call names the holder of the references (a transfer's lease
+holder, see lease.py): reserved, pinned and received blocks are held by
+it, and released by it.
+
 Thread-safety: pool bookkeeping runs under ``lock``. Pass the lock the engine
 uses around its own pool calls when the engine runs in another thread than
 the transfer server; with both on one asyncio loop no lock is needed. Tensor
@@ -21,9 +25,10 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from engine.block_pool import BlockPool, Holder
 from engine.device import host_buffer
 from engine.hashing import BlockHash
-from engine.kv_cache import BlockPool, KVCache
+from engine.kv_cache import KVCache
 
 from .wire import tensor_view
 
@@ -55,11 +60,15 @@ class PoolBlockStore:
         with self.lock:
             return self.pool.num_free
 
+    def holders(self) -> list[Holder]:
+        with self.lock:
+            return self.pool.holders()
+
     # BlockSink
 
-    def reserve(self, n: int) -> list[int] | None:
+    def reserve(self, holder: Holder, n: int) -> list[int] | None:
         with self.lock:
-            return self.pool.allocate(n)
+            return self.pool.allocate(holder, n)
 
     def write(self, block_ids: Sequence[int], layer_start: int, data: memoryview) -> None:
         idx, src = self._index(block_ids), self._layers_view(block_ids, data)
@@ -82,24 +91,28 @@ class PoolBlockStore:
                 if block_hash and len(tokens) == bs:
                     self.pool.cache(block, BlockHash(block_hash), tokens)
 
-    def hold_prefix(self, block_hashes: Sequence[bytes], token_ids: Sequence[int]) -> list[int]:
+    def hold_prefix(
+        self, holder: Holder, block_hashes: Sequence[bytes], token_ids: Sequence[int]
+    ) -> list[int]:
         bs = self.layout.block_size
         token_blocks = [token_ids[i * bs : (i + 1) * bs] for i in range(len(block_hashes))]
         hashes = [BlockHash(h) for h in block_hashes]
         with self.lock:
-            return self.pool.match_prefix(hashes, token_blocks)
+            return self.pool.match_prefix(holder, hashes, token_blocks)
 
-    def release(self, block_ids: Sequence[int]) -> None:
+    def release(self, holder: Holder, block_ids: Sequence[int] | None = None) -> None:
         with self.lock:
-            self.pool.free(block_ids)
+            self.pool.release(holder, block_ids)
 
     # BlockSource
 
-    def pin(self, block_ids: Sequence[int]) -> None:
+    def pin(self, holder: Holder, block_ids: Sequence[int]) -> None:
         with self.lock:
-            self.pool.take(block_ids)
+            self.pool.acquire(holder, block_ids)
 
-    def pin_hashes(self, block_hashes: Sequence[bytes]) -> tuple[list[int], list[int]]:
+    def pin_hashes(
+        self, holder: Holder, block_hashes: Sequence[bytes]
+    ) -> tuple[list[int], list[int]]:
         with self.lock:
             blocks: list[int] = []
             tokens: list[int] = []
@@ -109,7 +122,7 @@ class PoolBlockStore:
                     break
                 blocks.append(block)
                 tokens.extend(self.pool.tokens_of(block) or ())
-            self.pool.take(blocks)
+            self.pool.acquire(holder, blocks)
             return blocks, tokens
 
     def read_into(
@@ -128,9 +141,6 @@ class PoolBlockStore:
         """A host buffer for chunks that cannot be read or written in place:
         page-locked when the cache is on a GPU."""
         return host_buffer(nbytes, self._device)
-
-    def unpin(self, block_ids: Sequence[int]) -> None:
-        self.release(block_ids)
 
     # Both
 

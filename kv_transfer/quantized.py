@@ -27,6 +27,7 @@ from collections.abc import Sequence
 
 import torch
 
+from engine.block_pool import Holder
 from engine.kv_cache import KVLayout
 
 from .pool_store import PoolBlockStore
@@ -112,8 +113,11 @@ class QuantizedBlockStore:
     def num_free(self) -> int:
         return self.inner.num_free
 
-    def reserve(self, n: int) -> list[int] | None:
-        return self.inner.reserve(n)
+    def holders(self) -> list[Holder]:
+        return self.inner.holders()
+
+    def reserve(self, holder: Holder, n: int) -> list[int] | None:
+        return self.inner.reserve(holder, n)
 
     def commit(
         self,
@@ -123,20 +127,21 @@ class QuantizedBlockStore:
     ) -> None:
         self.inner.commit(block_ids, block_hashes, token_ids)
 
-    def hold_prefix(self, block_hashes: Sequence[bytes], token_ids: Sequence[int]) -> list[int]:
-        return self.inner.hold_prefix(block_hashes, token_ids)
+    def hold_prefix(
+        self, holder: Holder, block_hashes: Sequence[bytes], token_ids: Sequence[int]
+    ) -> list[int]:
+        return self.inner.hold_prefix(holder, block_hashes, token_ids)
 
-    def release(self, block_ids: Sequence[int]) -> None:
-        self.inner.release(block_ids)
+    def release(self, holder: Holder, block_ids: Sequence[int] | None = None) -> None:
+        self.inner.release(holder, block_ids)
 
-    def pin(self, block_ids: Sequence[int]) -> None:
-        self.inner.pin(block_ids)
+    def pin(self, holder: Holder, block_ids: Sequence[int]) -> None:
+        self.inner.pin(holder, block_ids)
 
-    def pin_hashes(self, block_hashes: Sequence[bytes]) -> tuple[list[int], list[int]]:
-        return self.inner.pin_hashes(block_hashes)
-
-    def unpin(self, block_ids: Sequence[int]) -> None:
-        self.inner.unpin(block_ids)
+    def pin_hashes(
+        self, holder: Holder, block_hashes: Sequence[bytes]
+    ) -> tuple[list[int], list[int]]:
+        return self.inner.pin_hashes(holder, block_hashes)
 
     def read_into(
         self, block_ids: Sequence[int], layer_start: int, layer_end: int, out: memoryview

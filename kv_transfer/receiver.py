@@ -1,11 +1,12 @@
 """The receiving half of a transfer, whatever moves the bytes.
 
-Header: check the layout, take the leading blocks the pool already holds
-(a push's receiver, ``reuse_prefix``: their chunks are not sent), reserve
-the rest. Chunks: check range, hashes,
-size and checksum, then write into the reserved blocks. Commit: check every
-(layer, block) arrived exactly once and index the blocks. Any error fails
-the transfer, which releases every reserved block exactly once.
+Header: check the layout; take the leading blocks the pool already holds
+(a push's receiver, ``reuse_prefix``: their chunks are not sent) and
+reserve the rest, all held by a lease holder of this transfer's own.
+Chunks: check range, hashes, size and checksum, then write into the
+reserved blocks. Commit: check every (layer, block) arrived exactly once
+and index the blocks; the holder keeps them for whoever takes them on. Any
+error fails the transfer, which releases every block it holds exactly once.
 
 ``on_message_async`` overlaps the checksum and copy of one chunk (in a
 worker thread; both release the GIL) with reading the next; blocks are
@@ -25,9 +26,11 @@ from typing import TYPE_CHECKING
 import grpc
 import numpy as np
 
+from engine.block_pool import Held, Holder
 from protos.tandem.v1 import kv_transfer_pb2 as pb
 
 from .interface import BlockSink, TransferError, TransferState
+from .lease import lease_holder
 from .wire import COMMIT, Chunk, Malformed, Message, layout_from_proto
 
 if TYPE_CHECKING:
@@ -40,10 +43,11 @@ class KVReceiver:
     def __init__(self, sink: BlockSink, reuse_prefix: bool = False) -> None:
         self.sink = sink
         self.reuse_prefix = reuse_prefix
-        self.held = 0  # leading blocks the pool held already (no chunk brings them)
+        self.held_blocks = 0  # leading blocks the pool held already (no chunk brings them)
         self.decode_start = b""
         self.state = TransferState.PENDING
         self.request_id = ""
+        self.holder: Holder | None = None  # of the reserved blocks, from the header on
         self.block_ids: list[int] = []
         self.block_hashes: list[bytes] = []
         self.token_ids: list[int] = []
@@ -90,24 +94,25 @@ class KVReceiver:
         if header.total_bytes and header.total_bytes != n * self.sink.layout.block_bytes:
             raise TransferError(_INVALID, f"total_bytes {header.total_bytes} does not fit layout")
         hashes = list(header.block_hashes) or [b""] * n
-        held: list[int] = []
+        holder = lease_holder("recv", header.request_id)
+        prefix: list[int] = []
         if self.reuse_prefix and n > 1:  # the last block always comes
-            held = self.sink.hold_prefix(hashes[: n - 1], header.token_ids)
-        blocks = self.sink.reserve(n - len(held))
+            prefix = self.sink.hold_prefix(holder, hashes[: n - 1], header.token_ids)
+        blocks = self.sink.reserve(holder, n - len(prefix))
         if blocks is None:
-            self.sink.release(held)
+            self.sink.release(holder, prefix)
             raise TransferError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED, f"no room for {n - len(held)} blocks"
+                grpc.StatusCode.RESOURCE_EXHAUSTED, f"no room for {n - len(prefix)} blocks"
             )
-        self.block_ids = held + blocks
-        self.held = len(held)
+        self.holder, self.block_ids = holder, prefix + blocks
+        self.held_blocks = len(prefix)
         self.request_id = header.request_id
         self.block_hashes = hashes
         self.token_ids = list(header.token_ids)
         self.next_token_ids = list(header.next_token_ids)
         self.decode_start = header.decode_start
         self._seen = np.zeros((self.sink.layout.num_layers, n), dtype=bool)
-        self._seen[:, : self.held] = True
+        self._seen[:, : self.held_blocks] = True
         self.state = TransferState.TRANSFERRING
 
     async def on_message_async(self, msg: Message, executor: concurrent.futures.Executor) -> bool:
@@ -209,8 +214,14 @@ class KVReceiver:
             self.block_ids[chunk.block_start : chunk.block_end], chunk.layer_start, chunk.data
         )
 
-    def commit(self) -> list[int]:
-        """Index the blocks; the caller owns one reference to each afterwards."""
+    @property
+    def held(self) -> Held:
+        """The reserved blocks and their holder (after the header)."""
+        assert self.holder is not None, "no header yet"
+        return Held(self.holder, self.block_ids)
+
+    def commit(self) -> Held:
+        """Index the blocks; they are the caller's to release or hand over."""
         if self.state is not TransferState.TRANSFERRING or self._seen is None:
             raise TransferError(_INVALID, "commit before header")
         if self._inflight is not None:
@@ -220,7 +231,7 @@ class KVReceiver:
             raise TransferError(_INVALID, f"commit with {missing} (layer, block) parts missing")
         self.sink.commit(self.block_ids, self.block_hashes, self.token_ids)
         self.state = TransferState.SUCCEEDED
-        return self.block_ids
+        return self.held
 
     def fail(self) -> None:
         """Release every reserved block; safe to call more than once."""
@@ -231,10 +242,12 @@ class KVReceiver:
             if inflight is not None and not inflight.done():
                 # A thread still copies into the blocks: release them after it.
                 loop = asyncio.get_running_loop()
-                blocks, release = self.block_ids, self.sink.release
-                inflight.add_done_callback(lambda _: loop.call_soon_threadsafe(release, blocks))
+                held, release = self.held, self.sink.release
+                inflight.add_done_callback(
+                    lambda _: loop.call_soon_threadsafe(release, held.holder, held.block_ids)
+                )
             else:
-                self.sink.release(self.block_ids)
+                self.sink.release(self.held.holder, self.block_ids)
         if self.state is not TransferState.SUCCEEDED:
             self.state = TransferState.FAILED
 

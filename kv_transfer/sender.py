@@ -1,16 +1,18 @@
 """The sending half of a transfer, whatever moves the bytes.
 
-Takes blocks already pinned in the source and yields the encoded header and
-chunks; ``close`` unpins them exactly once, whether the transfer succeeded,
-failed or was abandoned. The header names every block; a push whose
-receiver answers that it holds the first k already (``skip``) sends chunks
-for the others only, numbered as in the header.
+Takes blocks already pinned in the source by the transfer's lease holder
+and yields the encoded header and chunks; ``close`` releases them exactly
+once, whether the transfer succeeded, failed or was abandoned. The header
+names every block; a push whose receiver answers that it holds the first k
+already (``skip``) sends chunks for the others only, numbered as in the
+header.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
+from engine.block_pool import Holder
 from protos.tandem.v1 import kv_transfer_pb2 as pb
 
 from .interface import BlockSource, TransferState, new_staging
@@ -21,6 +23,7 @@ class KVSender:
     def __init__(
         self,
         source: BlockSource,
+        holder: Holder,
         request_id: str,
         pinned_block_ids: Sequence[int],
         block_hashes: Sequence[bytes | None],
@@ -32,6 +35,7 @@ class KVSender:
         if len(block_hashes) != len(pinned_block_ids):
             raise ValueError(f"{len(block_hashes)} hashes for {len(pinned_block_ids)} blocks")
         self.source = source
+        self.holder = holder  # pins ``block_ids``
         self.state = TransferState.TRANSFERRING
         self.request_id = request_id
         self.block_ids = list(pinned_block_ids)
@@ -117,5 +121,5 @@ class KVSender:
     def close(self, succeeded: bool = False) -> None:
         """Unpin the blocks; safe to call more than once."""
         if self.state is TransferState.TRANSFERRING:
-            self.source.unpin(self.block_ids)
+            self.source.release(self.holder, self.block_ids)
             self.state = TransferState.SUCCEEDED if succeeded else TransferState.FAILED

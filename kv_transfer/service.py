@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import grpc
 
+from engine.block_pool import Held
 from protos.tandem.v1 import kv_transfer_pb2 as pb
 
 from .interface import (
@@ -30,7 +31,7 @@ from .interface import (
     TransferError,
     TransferState,
 )
-from .lease import Lease, LeaseTable
+from .lease import Lease, LeaseTable, lease_holder
 from .pool_store import PoolBlockStore
 from .receiver import KVReceiver
 from .sender import KVSender
@@ -49,8 +50,8 @@ class KVTransferService:
         self.config = config or TransferConfig()
         self.leases = LeaseTable(clock)
         self.handler = handler
-        # request id -> (blocks, lease until claimed): committed pushes, no handler
-        self._committed: dict[str, tuple[list[int], Lease]] = {}
+        # request id -> (blocks and their holder, lease until claimed): no handler
+        self._committed: dict[str, tuple[Held, Lease]] = {}
         self._open_pushes: dict[str, IncomingPush] = {}
         self._refused: dict[str, float] = {}  # discarded request id -> until when
         self._reaper: asyncio.Task[None] | None = None
@@ -61,20 +62,20 @@ class KVTransferService:
     def open_pull(self, request: pb.PullRequest, cancel: Callable[[], None]) -> OutgoingPull:
         return OutgoingPull(self, request, cancel)
 
-    def claim(self, request_id: str) -> list[int] | None:
-        held = self._committed.pop(request_id, None)
-        if held is None:
+    def claim(self, request_id: str) -> Held | None:
+        committed = self._committed.pop(request_id, None)
+        if committed is None:
             return None
-        block_ids, lease = held
+        held, lease = committed
         lease.cancel()
-        return block_ids
+        return held
 
     def discard(self, request_id: str) -> None:
         """The request is gone: free the blocks a push for it holds (committed
         or in flight), and refuse a push for it that has not begun yet."""
-        blocks = self.claim(request_id)
-        if blocks is not None:
-            self.store.release(blocks)
+        held = self.claim(request_id)
+        if held is not None:
+            self.store.release(held.holder, held.block_ids)
             return
         push = self._open_pushes.get(request_id)
         if push is not None:
@@ -113,22 +114,22 @@ class KVTransferService:
             self.handler.committed(
                 CommittedPush(
                     receiver.request_id,
-                    receiver.block_ids,
+                    receiver.held,
                     receiver.token_ids,
                     receiver.next_token_ids,
                     receiver.decode_start,
-                    receiver.held,
+                    receiver.held_blocks,
                 )
             )
             return
-        request_id, block_ids = receiver.request_id, receiver.block_ids
+        request_id, held = receiver.request_id, receiver.held
 
         def expire() -> None:
             if self._committed.pop(request_id, None) is not None:
-                self.store.release(block_ids)
+                self.store.release(held.holder, held.block_ids)
 
         lease = self.leases.grant(self.config.lease_s, expire)
-        self._committed[request_id] = (block_ids, lease)
+        self._committed[request_id] = (held, lease)
 
 
 class IncomingPush:
@@ -241,10 +242,17 @@ class OutgoingPull:
                 f"puller {getattr(request.layout, field)!r}",
             )
         self._cancel = cancel
-        block_ids, token_ids = store.pin_hashes(request.block_hashes)
+        holder = lease_holder("send", request.request_id)
+        block_ids, token_ids = store.pin_hashes(holder, request.block_hashes)
         hashes: Sequence[bytes] = request.block_hashes[: len(block_ids)]
         self.sender = KVSender(
-            store, request.request_id, block_ids, hashes, token_ids, service.config.chunk_bytes
+            store,
+            holder,
+            request.request_id,
+            block_ids,
+            hashes,
+            token_ids,
+            service.config.chunk_bytes,
         )
         self._lease = service.leases.grant(service.config.lease_s, self._expire)
 

@@ -16,6 +16,7 @@ import asyncio
 import logging
 import time
 
+from engine.block_pool import Held
 from engine.config import EngineConfig
 from kv_transfer import (
     GrpcKVClient,
@@ -79,12 +80,12 @@ class PrefillWorker(EngineWorker):
             "faults_injected": self.faults.injected,
         }
 
-    async def _pull_prefix(self, req: PrefillRequest) -> list[int]:
+    async def _pull_prefix(self, req: PrefillRequest) -> Held | None:
         """Fetch prefix blocks from the worker that holds them, into this pool's
-        prefix cache; returns them (referenced until the prompt is admitted).
-        A failed pull only costs the recompute."""
+        prefix cache; returns them (held by the pull's lease holder until the
+        prompt is admitted). A failed pull only costs the recompute."""
         if not req.pull_from or not req.pull_hashes:
-            return []
+            return None
         assert self._client is not None, "worker not started"
         try:
             pulled = await self._client.pull(
@@ -92,16 +93,16 @@ class PrefillWorker(EngineWorker):
             )
         except TransferError as exc:
             log.warning("pull for %s from %s failed: %s", req.request_id, req.pull_from, exc)
-            return []
+            return None
         self.kv_bytes_pulled += pulled.bytes_received
-        return pulled.block_ids
+        return pulled.held
 
     async def prefill(self, req: PrefillRequest) -> PrefillResult:
         rid = req.request_id
         first: asyncio.Future[RequestOutput] = asyncio.get_running_loop().create_future()
         self.listen(rid, lambda out: first.done() or first.set_result(out))
         start = time.perf_counter()
-        pulled: list[int] = []
+        pulled: Held | None = None
         try:
             pulled = await self._pull_prefix(req)
             await self.loop.acall(
@@ -115,8 +116,8 @@ class PrefillWorker(EngineWorker):
             raise
         finally:
             self.unlisten(rid)
-            if pulled:  # the request holds its own references by now
-                self.store.release(pulled)
+            if pulled is not None:  # the request holds its own references by now
+                self.store.release(pulled.holder, pulled.block_ids)
         prefilled = time.perf_counter()
         if out.finish_reason == "abort":  # the abort may have come before the add: drop it
             await asyncio.shield(self.loop.acall(lambda e: e.abort(rid)))

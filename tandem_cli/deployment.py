@@ -38,11 +38,15 @@ class Deployment:
         return self.run(self.backend.worker_stats())
 
     def leaked_blocks(self) -> dict[str, int]:
-        """Workers whose free block count differs from their starting one."""
+        """Workers with a block holder beyond the engine's own (a request, a
+        transfer lease, a pin), a request, or a free block count other than
+        their starting one: how many blocks they hold beyond the start."""
         return {
             name: s["initial_free_blocks"] - s["free_blocks"]
             for name, s in self.worker_stats().items()
-            if s["free_blocks"] != s["initial_free_blocks"] or s["num_requests"]
+            if s["num_holders"] != s["initial_num_holders"]
+            or s["free_blocks"] != s["initial_free_blocks"]
+            or s["num_requests"]
         }
 
     def wait_no_leaks(self, timeout_s: float = 30.0) -> dict[str, int]:

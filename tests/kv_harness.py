@@ -12,7 +12,8 @@ from typing import Any
 import grpc
 import torch
 
-from engine.kv_cache import BlockPool, KVCache, KVLayout
+from engine.block_pool import BlockPool, Holder
+from engine.kv_cache import KVCache, KVLayout
 from kv_transfer import GrpcKVServer, PoolBlockStore, TransferConfig, wire
 from kv_transfer.grpc_server import GRPC_OPTIONS, PUSH_METHOD
 from protos.tandem.v1 import kv_transfer_pb2 as pb
@@ -102,23 +103,25 @@ class KVServerHarness:
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
             return await call.code()
         # Committed: what a decode worker would claim, released here.
-        blocks = self.server.claim(reply.request_id)
-        if blocks is not None:
-            self.store.release(blocks)
+        held = self.server.claim(reply.request_id)
+        if held is not None:
+            self.store.release(held.holder, held.block_ids)
         return grpc.StatusCode.OK
 
-    def free_blocks_settle(self, timeout_s: float = 15) -> int:
-        """The free block count once every in-flight release has run."""
+    def settle(self, timeout_s: float = 15) -> tuple[list[Holder], int]:
+        """(holders left, free block count) once every in-flight release has
+        run: ([], initial_free) when nothing leaked."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            free = self.thread.run(self._free())
-            if free == self.initial_free:
-                return free
+            state = self.thread.run(self._state())
+            if state == ([], self.initial_free):
+                return state
             time.sleep(0.02)
-        return self.thread.run(self._free())
+        return self.thread.run(self._state())
 
-    async def _free(self) -> int:
-        return self.store.num_free
+    async def _state(self) -> tuple[list[Holder], int]:
+        self.store.pool.verify()
+        return self.store.holders(), self.store.num_free
 
     def close(self) -> None:
         try:

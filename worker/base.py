@@ -71,6 +71,7 @@ class EngineWorker:
         self._aio: asyncio.AbstractEventLoop | None = None
         self._listeners: dict[str, Callable[[RequestOutput], None]] = {}
         self.initial_free_blocks = self.engine.block_pool.num_free
+        self.initial_num_holders = self.engine.block_pool.num_holders  # the engine's own
         self.incarnation = uuid.uuid4().hex
         self.started = False
 
@@ -141,6 +142,8 @@ class EngineWorker:
             "free_blocks": engine.block_pool.num_free,
             "total_blocks": engine.block_pool.num_blocks,
             "initial_free_blocks": self.initial_free_blocks,
+            "num_holders": engine.block_pool.num_holders,
+            "initial_num_holders": self.initial_num_holders,
             "num_requests": len(engine.request_ids()),
             "num_running": len(engine.scheduler.running),
             "num_waiting": len(engine.scheduler.waiting),

@@ -16,8 +16,8 @@ A step with speculation (``LLMEngine.step``):
    are appended one at a time, so eos, stop token ids, stop strings,
    max_tokens and max_model_len end the request exactly where plain decoding
    would, and the tokens after are dropped. Only the accepted positions
-   count as computed; blocks that hold nothing but rejected positions go
-   back to the pool at once, and only full blocks of accepted tokens enter
+   count as computed; blocks that hold nothing but rejected positions are
+   released by the request at once, and only full blocks of accepted tokens enter
    the prefix cache.
 
 Back-off: a sequence whose proposals were all rejected skips speculation
@@ -199,7 +199,7 @@ class SpecDecoder:
             if out.finished:
                 return merged
         keep = -(-seq.num_computed // engine.config.block_size)
-        engine.block_pool.free(seq.block_table[keep:])
+        engine.block_pool.release(seq.holder, seq.block_table[keep:])
         del seq.block_table[keep:]
         assert merged is not None
         return merged

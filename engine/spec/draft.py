@@ -2,7 +2,8 @@
 proposes k tokens, one batched pass of its own per token.
 
 The draft keeps its own block pool and KV cache, and per request the tokens
-whose KV its cache holds. Each round it first catches up on the tokens it
+whose KV its cache holds; a request's draft blocks are held by a "draft"
+holder of that pool, released with the request. Each round it first catches up on the tokens it
 has not seen (the whole context the first time, e.g. after a KV transfer
 from a prefill worker; then the tokens the target accepted or corrected),
 which also gives the first proposal, then feeds back its own proposals.
@@ -22,10 +23,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.block_pool import BlockPool, Holder
 from engine.config import EngineConfig, ModelSpec
 from engine.device import resolve_device
 from engine.kernels import select as select_kernels
-from engine.kv_cache import BlockPool, KVCache, KVLayout
+from engine.kv_cache import KVCache, KVLayout
 from engine.loader import load_hf_config, load_weights, model_fingerprint, resolve_model_dir
 from engine.models.llama import LlamaModel
 from engine.sampling import DRAFT_STREAM, probs_from_logits, seed_for_token
@@ -121,8 +123,8 @@ class DraftProposer:
 
     def release(self, request_id: str) -> None:
         state = self._states.pop(request_id, None)
-        if state is not None:
-            self.pool.free(state.block_table)
+        if state is not None and state.block_table:
+            self.pool.release(_holder(request_id))
 
     @property
     def num_free_blocks(self) -> int:
@@ -139,7 +141,7 @@ class DraftProposer:
         positions = len(tokens) + k - 1  # positions [0, T - 1 + k - 1] get KV this round
         need = -(-positions // self.block_size) - len(state.block_table)
         if need > 0:
-            blocks = self.pool.allocate(need)
+            blocks = self.pool.allocate(_holder(seq.request_id), need)
             if blocks is None:
                 self.release(seq.request_id)
                 return None
@@ -155,6 +157,10 @@ class DraftProposer:
         q = probs_from_logits(logits, params)
         rows.append(q)
         return int(torch.multinomial(q, 1, generator=seq.generator))
+
+
+def _holder(request_id: str) -> Holder:
+    return Holder("draft", request_id)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -4,8 +4,9 @@ TCP data channel, against one in-process server (secret on) on 127.0.0.1.
 A valid push is built, then broken: messages truncated, dropped, duplicated,
 reordered or replaced by garbage; chunks mislabelled (span, hashes, checksum)
 or oversized; headers with absurd sizes. Every call must end with a precise
-status, never UNKNOWN/INTERNAL or a hang; the server's pool must return to
-its starting free block count; and a valid push must still work afterwards.
+status, never UNKNOWN/INTERNAL or a hang; the server's pool must be left
+with no block holder and return to its starting free block count; and a
+valid push must still work afterwards.
 
 Examples: ``TANDEM_FUZZ_EXAMPLES`` (default 60 per test).
 """
@@ -183,10 +184,10 @@ def _mutate(messages: list[bytes], kind: str, rng: random.Random) -> list[bytes]
 
 
 def _assert_still_serves(h: KVServerHarness) -> None:
-    assert h.free_blocks_settle() == h.initial_free
+    assert h.settle() == ([], h.initial_free)
     _, messages = _valid_push(3, seed=0, with_hashes=False)
     assert h.raw_push(messages) == grpc.StatusCode.OK
-    assert h.free_blocks_settle() == h.initial_free
+    assert h.settle() == ([], h.initial_free)
 
 
 @FUZZ_SETTINGS
@@ -302,9 +303,9 @@ async def _push_frames(h: KVServerHarness, n: int, frames: list[bytes]) -> grpc.
         reply = await call
     except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
         return await call.code()
-    blocks = h.server.claim(reply.request_id)
-    if blocks is not None:
-        h.store.release(blocks)
+    held = h.server.claim(reply.request_id)
+    if held is not None:
+        h.store.release(held.holder, held.block_ids)
     return grpc.StatusCode.OK
 
 
@@ -365,4 +366,4 @@ def test_fuzzed_pulls_get_a_precise_status_and_leak_nothing(grpc_only, cached_ha
     assert not any(isinstance(m, wire.Malformed) for m in messages)
     if status == grpc.StatusCode.OK:
         assert isinstance(messages[0], pb.TransferHeader)
-    assert grpc_only.free_blocks_settle() == grpc_only.initial_free
+    assert grpc_only.settle() == ([], grpc_only.initial_free)

@@ -1,8 +1,8 @@
 """Cluster secret, TLS and message limits of the KV endpoints (gRPC and the
 raw data channel), each server in this process on 127.0.0.1.
 
-Every test checks that the receiving pool's free block count returns to its
-start: a refused peer never holds a block.
+Every test checks that the receiving pool is left with no block holder and
+its free block count back at its start: a refused peer never holds a block.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import grpc
 import pytest
 import torch
 
+from engine.block_pool import Holder
 from kv_transfer import GrpcKVClient, KVBlocks, TransferConfig, TransferError, datachannel, wire
 from net.security import SECRET_KEY, ClusterSecurity
 from tests.kv_harness import LAYOUT, KVServerHarness, header, make_store
@@ -25,27 +26,28 @@ from tests.tls_certs import tls_files
 pytestmark = pytest.mark.integration
 
 SECRET = b"correct horse battery staple"
+SENDER = Holder("request", "sender")  # the sending pool's blocks
 
 
 def _push(harness: KVServerHarness, config: TransferConfig, n: int = 3, rid: str = "r"):
     """Push ``n`` blocks from a fresh sender pool with a client of ``config``;
     checks the data arrived, releases it, returns the push result."""
     src = make_store(32, seed=7)
-    ids = src.reserve(n)[::-1]  # one payload view per block: many small TLS records
+    ids = src.reserve(SENDER, n)[::-1]  # one payload view per block: many small TLS records
     client = GrpcKVClient(config)
     try:
         result = harness.thread.run(
             client.push(harness.server.address, src, KVBlocks(rid, ids, [None] * n, []))
         )
         claimed = harness.server.claim(rid)
-        assert claimed == result.remote_block_ids
-        got = harness.store.cache.read_blocks(claimed)
+        assert claimed.block_ids == result.remote_block_ids
+        got = harness.store.cache.read_blocks(claimed.block_ids)
         assert torch.equal(got, src.cache.read_blocks(ids))
-        harness.store.release(claimed)
+        harness.store.release(claimed.holder)
     finally:
         harness.thread.run(client.close())
-        src.release(ids)
-    assert src.num_free == 32
+        src.release(SENDER)
+    assert src.holders() == [] and src.num_free == 32
     return result
 
 
@@ -59,7 +61,7 @@ def _dropped(conn: socket.socket) -> bool:
 
 def _status_of_push(harness: KVServerHarness, config: TransferConfig) -> grpc.StatusCode:
     src = make_store(16, seed=7)
-    ids = src.reserve(2)
+    ids = src.reserve(SENDER, 2)
     client = GrpcKVClient(config)
     try:
         harness.thread.run(
@@ -69,7 +71,7 @@ def _status_of_push(harness: KVServerHarness, config: TransferConfig) -> grpc.St
         return e.code
     finally:
         harness.thread.run(client.close())
-        src.release(ids)
+        src.release(SENDER)
     return grpc.StatusCode.OK
 
 
@@ -86,10 +88,10 @@ def test_a_push_without_the_cluster_secret_is_refused(data_channel):
                 harness.thread.run(client.pull(harness.server.address, make_store(), [bytes(32)]))
             harness.thread.run(client.close())
             assert err.value.code == grpc.StatusCode.UNAUTHENTICATED
-        assert harness.free_blocks_settle() == harness.initial_free
+        assert harness.settle() == ([], harness.initial_free)
         result = _push(harness, secured)  # the peer that knows it gets through
         assert result.bytes_sent == 3 * LAYOUT.block_bytes
-        assert harness.free_blocks_settle() == harness.initial_free
+        assert harness.settle() == ([], harness.initial_free)
     finally:
         harness.close()
 
@@ -132,7 +134,7 @@ def test_a_data_connection_without_the_secrets_mac_is_dropped():
             call.cancel()
 
         harness.thread.run(go())
-        assert harness.free_blocks_settle() == harness.initial_free
+        assert harness.settle() == ([], harness.initial_free)
         _push(harness, TransferConfig(security=ClusterSecurity(SECRET)))  # still serves
     finally:
         harness.close()
@@ -154,11 +156,11 @@ def test_tls_kv_endpoints_refuse_plaintext_and_strangers(cluster_certs, data_cha
             tls, security=ClusterSecurity(SECRET, tls_files(cluster_certs[1]))
         )
         assert _status_of_push(harness, stranger) == grpc.StatusCode.UNAVAILABLE
-        assert harness.free_blocks_settle() == harness.initial_free
+        assert harness.settle() == ([], harness.initial_free)
         for n in (1, 5, 17):  # 5 once lost its tail to a RST (an unread TLS session ticket)
             result = _push(harness, tls, n, rid=f"r{n}")
             assert result.bytes_sent == n * LAYOUT.block_bytes
-        assert harness.free_blocks_settle() == harness.initial_free
+        assert harness.settle() == ([], harness.initial_free)
     finally:
         harness.close()
 
@@ -193,7 +195,7 @@ def test_tls_data_channel_refuses_a_plaintext_connection(cluster_certs):
         _push(
             harness, TransferConfig(security=ClusterSecurity(SECRET, tls_files(cluster_certs[0])))
         )
-        assert harness.free_blocks_settle() == harness.initial_free
+        assert harness.settle() == ([], harness.initial_free)
     finally:
         harness.close()
 
@@ -206,7 +208,7 @@ def test_kv_messages_over_the_limit_are_refused():
         assert len(huge) > limit.max_message_bytes
         status = harness.raw_push([huge])
         assert status == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert harness.free_blocks_settle() == harness.initial_free
+        assert harness.settle() == ([], harness.initial_free)
         _push(harness, limit)
     finally:
         harness.close()
@@ -225,37 +227,38 @@ def test_a_client_runs_at_most_max_concurrent_pushes_at_once():
     class CountingStore(type(make_store())):
         active = peak = 0
 
-        def pin(self, block_ids):
+        def pin(self, holder, block_ids):
             CountingStore.active += 1
             CountingStore.peak = max(CountingStore.peak, CountingStore.active)
-            super().pin(block_ids)
+            super().pin(holder, block_ids)
 
-        def unpin(self, block_ids):
-            CountingStore.active -= 1
-            super().unpin(block_ids)
+        def release(self, holder, block_ids=None):
+            if holder.kind == "lease":  # a push's pins, not the test's own blocks
+                CountingStore.active -= 1
+            super().release(holder, block_ids)
 
     plain = make_store(64)
     src = CountingStore(plain.pool, plain.cache)
     client = GrpcKVClient(TransferConfig(max_concurrent_pushes=2))
 
     async def burst() -> list:
-        ids = [src.reserve(2) for _ in range(8)]
+        ids = [src.reserve(Holder("request", f"b{i}"), 2) for i in range(8)]
         pushes = [
             client.push(harness.server.address, src, KVBlocks(f"b{i}", b, [b"", b""], []))
             for i, b in enumerate(ids)
         ]
         results = await asyncio.gather(*pushes)
-        for i, b in enumerate(ids):
-            harness.store.release(harness.server.claim(f"b{i}"))
-            src.release(b)
+        for i in range(len(ids)):
+            harness.store.release(harness.server.claim(f"b{i}").holder)
+            src.release(Holder("request", f"b{i}"))
         return results
 
     try:
         results = harness.thread.run(burst())
         assert len(results) == 8
-        assert CountingStore.peak == 2
-        assert src.num_free == 64
-        assert harness.free_blocks_settle() == harness.initial_free
+        assert CountingStore.peak == 2 and CountingStore.active == 0
+        assert src.holders() == [] and src.num_free == 64
+        assert harness.settle() == ([], harness.initial_free)
     finally:
         harness.thread.run(client.close())
         harness.close()

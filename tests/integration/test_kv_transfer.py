@@ -18,7 +18,8 @@ import grpc
 import pytest
 import torch
 
-from engine.kv_cache import BlockPool, KVCache, KVLayout
+from engine.block_pool import BlockPool
+from engine.kv_cache import KVCache, KVLayout
 from kv_transfer import (
     GrpcKVServer,
     PoolBlockStore,
@@ -85,7 +86,8 @@ def pools_return_to_start(request):
     before = {name: p.call("num_free") for name, p in peers.items()}
     yield
     for name, p in peers.items():
-        assert wait_until(lambda p=p, name=name: p.call("num_free") == before[name]), name
+        assert wait_until(lambda p=p: p.call("holders") == []), (name, p.call("holders"))
+        assert p.call("num_free") == before[name], name
 
 
 def test_push_256_mib_arrives_intact(peers):
@@ -151,7 +153,8 @@ def test_sender_killed_mid_stream_frees_reserved_blocks(peers):
         doomed.submit("push", receiver.address, "killed", blocks, None, None, 4)
         assert wait_until(lambda: receiver.call("num_free") == start - 32)
         doomed.kill()
-        assert wait_until(lambda: receiver.call("num_free") == start)
+        assert wait_until(lambda: receiver.call("holders") == [])
+        assert receiver.call("num_free") == start
         assert receiver.call("claim", "killed") is None
     finally:
         doomed.close()
@@ -166,7 +169,8 @@ def test_lease_expiry_frees_stalled_and_unclaimed_transfers(peers):
         stalled.submit("push", short.address, "stalled", blocks, None, None, 4)
         assert wait_until(lambda: short.call("num_free") == start - 32)
         # The sender is alive but silent: only the lease can free the blocks.
-        assert wait_until(lambda: short.call("num_free") == start)
+        assert wait_until(lambda: short.call("holders") == [])
+        assert short.call("num_free") == start
         assert stalled.process.is_alive()
     finally:
         stalled.close()
@@ -175,7 +179,8 @@ def test_lease_expiry_frees_stalled_and_unclaimed_transfers(peers):
     blocks = sender.call("allocate", 8)
     try:
         sender.call("push", short.address, "unclaimed", blocks)
-        assert wait_until(lambda: short.call("num_free") == start)  # never claimed
+        assert wait_until(lambda: short.call("holders") == [])  # never claimed
+        assert short.call("num_free") == start
         assert short.call("claim", "unclaimed") is None
     finally:
         sender.call("release", blocks)
@@ -208,14 +213,14 @@ def test_data_connection_is_offered_and_an_abandoned_one_frees_the_blocks():
             await call.write(wire.encode_header(header))
             metadata = dict(await call.initial_metadata())
             port = int(metadata[datachannel.DATA_PORT_KEY])
-            assert store.num_free == 12
+            assert store.num_free == 12 and [h.kind for h in store.holders()] == ["lease"]
             with socket.create_connection(("127.0.0.1", port), timeout=10) as stray:
                 stray.sendall(b"TKV1" + bytes(16) + bytes(32))  # a wrong token
                 assert stray.recv(1) == b""  # dropped
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await call  # the lease expires: blocks freed, call ended
             assert err.value.code() == grpc.StatusCode.ABORTED
-            assert store.num_free == 16
+            assert store.holders() == [] and store.num_free == 16
             assert server.claim("abandoned") is None
         finally:
             await channel.close()
@@ -241,6 +246,7 @@ def test_decode_after_push_continues_like_one_engine(llama_dir):
             assert len(first) == 1
             split = decode.call("decode_pushed", f"r{i}", prompt, first, params)
             assert split == alone
+        assert prefill.call("holders") == decode.call("holders") == []
         assert (prefill.call("num_free"), decode.call("num_free")) == free
     finally:
         prefill.close()

@@ -16,6 +16,7 @@ from engine.attention import PrefillSlice, build_metadata, paged_attention
 from engine.kv_cache import KVCache, KVLayout
 from engine.models.llama import _rms_norm, _rotate
 from protocol.sampling import SamplingParams
+from tests.pool_checks import leftover_holders
 
 pytestmark = pytest.mark.unit
 
@@ -352,6 +353,7 @@ def test_engine_output_equals_the_pytorch_path(checkpoint_factory, arch):
         llm = LLM(model_dir, num_kv_blocks=128, max_num_batched_tokens=64, cpu_kernels=setting)
         free = llm.engine.block_pool.num_free
         results[setting] = llm.generate(prompts, params)
+        assert leftover_holders(llm.engine.block_pool) == []
         assert llm.engine.block_pool.num_free == free
     for on, off in zip(results["on"], results["off"], strict=True):
         assert on.token_ids == off.token_ids

@@ -18,6 +18,7 @@ from engine import LLM, EngineConfig, SamplingParams
 from kv_transfer import TransferError
 from prefill_pool.worker import PrefillWorker
 from protocol.requests import DecodeRequest, PrefillRequest
+from tests.pool_checks import leftover_holders
 
 pytestmark = pytest.mark.unit
 
@@ -65,8 +66,9 @@ async def pair(llama_dir):
     free = (p.engine.block_pool.num_free, d.engine.block_pool.num_free)
     try:
         yield p, d
-        for w in (p, d):  # no request left running anywhere
+        for w in (p, d):  # no request left running, no block holder left
             assert await w.loop.acall(lambda e: e.request_ids()) == []
+            assert leftover_holders(w.engine.block_pool) == []
         assert (p.engine.block_pool.num_free, d.engine.block_pool.num_free) == free
     finally:
         await p.stop()

@@ -9,10 +9,13 @@ import pytest
 import torch
 
 from engine import EngineConfig, LLMEngine
+from engine.block_pool import BlockPool, Held, Holder
 from engine.device import host_buffer, resolve_device
-from engine.kv_cache import BlockPool, KVCache, KVLayout
+from engine.kv_cache import KVCache, KVLayout
+from engine.llm_engine import SCRATCH
 from kv_transfer import PoolBlockStore
 from protocol.sampling import SamplingParams
+from tests.pool_checks import leftover_holders
 
 pytestmark = pytest.mark.unit
 
@@ -60,6 +63,8 @@ def test_fixed_shape_decode_matches_the_dynamic_path(llama_dir, device):
     engine.enable_decode_graphs(use_graphs=device == "cuda")
     start = engine.block_pool.num_free
     assert _generate(engine, _prompts()) == reference
+    assert leftover_holders(engine.block_pool, own=[SCRATCH]) == []
+    assert engine.block_pool.held_by(SCRATCH) == [engine.decode_graphs.scratch_block]
     assert engine.block_pool.num_free == start
     shapes = engine.decode_graphs._shapes
     assert {b for b, _ in shapes} >= {8}  # six sequences padded to eight
@@ -93,10 +98,12 @@ def test_low_precision_blocks_round_trip_through_staging(dtype, device):
     size = 3 * len(blocks) * src.layout.block_bytes_per_layer
     staging = src.staging_buffer(size)  # pinned host memory for a GPU cache
     src.read_into(blocks, 0, 3, staging)
-    targets = dst.reserve(3)
+    lease = Holder("lease", "recv:r#0")
+    targets = dst.reserve(lease, 3)
     dst.write(targets, 0, staging)
     assert torch.equal(src_cache.read_blocks(blocks), dst_cache.read_blocks(targets))
-    dst.release(targets)
+    dst.release(lease)
+    assert dst.holders() == []
     if device == "cuda":
         assert torch.frombuffer(staging, dtype=torch.uint8).is_pinned()
 
@@ -125,11 +132,13 @@ def test_low_precision_engine_hands_its_kv_to_another_through_the_store(llama_di
     staging = src.staging_buffer(layers * n * src.layout.block_bytes_per_layer)
     src.read_into(export.block_ids, 0, layers, staging)
     prefill.release("r")
-    blocks = dst.reserve(n)
+    lease = Holder("lease", "recv:r#0")
+    blocks = dst.reserve(lease, n)
     dst.write(blocks, 0, staging)
-    decode.add_prefilled_request("r", prompt, first, params, blocks)
+    decode.add_prefilled_request("r", prompt, first, params, [Held(lease, blocks)])
     rest = []
     while decode.has_unfinished():
         rest += [t for o in decode.step() for t in o.new_token_ids]
     assert first + rest == alone
+    assert leftover_holders(prefill.block_pool) == leftover_holders(decode.block_pool) == []
     assert (prefill.block_pool.num_free, decode.block_pool.num_free) == start

@@ -1,6 +1,6 @@
 """Step-level engine behaviour: KV export/import, prefix cache, aborts,
-preemption. Every test checks that the pool returns to its starting
-free count."""
+preemption. Every test checks that no block holder is left in the pool and
+that it returns to its starting free count."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from engine import EngineConfig, LLMEngine
+from engine.block_pool import Held, Holder, HolderError
 from protocol.sampling import SamplingParams
+from tests.pool_checks import leftover_holders
 
 pytestmark = pytest.mark.unit
 
@@ -36,6 +38,7 @@ def engine(llama_dir):
 def pool_returns_to_start(engine):
     before = engine.block_pool.num_free
     yield
+    assert leftover_holders(engine.block_pool) == []
     assert engine.block_pool.num_free == before
 
 
@@ -60,6 +63,7 @@ def test_export_import_continues_like_one_engine(engine, llama_dir):
     rest = _run(decoder)
     for rid in prompts:
         assert first[rid] + rest[rid] == alone[rid]
+    assert leftover_holders(decoder.block_pool) == []
     assert decoder.block_pool.num_free == decoder_free
 
 
@@ -72,7 +76,52 @@ def test_import_refuses_a_different_layout(engine, llama_dir):
     free = other.block_pool.num_free
     with pytest.raises(ValueError, match="block_size"):
         other.import_kv(export, GREEDY)
+    assert leftover_holders(other.block_pool) == []
     assert other.block_pool.num_free == free
+
+
+def _received(engine: LLMEngine, rid: str, prompt: list[int]) -> tuple[Held, list[int]]:
+    """Prefill ``prompt`` here, then copy its blocks into fresh ones held by a
+    transfer's lease, as a push would: (the lease's blocks, the known tokens)."""
+    engine.add_request(rid, prompt, GREEDY, prefill_only=True)
+    _run(engine)
+    export = engine.export_kv(rid)
+    engine.release(rid)
+    lease = Holder("lease", f"recv:{rid}#1")
+    blocks = engine.block_pool.allocate(lease, len(export.block_ids))
+    engine.kv_cache.write_blocks(blocks, export.data)
+    return Held(lease, blocks), export.prompt_token_ids + export.output_token_ids
+
+
+def test_a_prefilled_request_takes_over_its_transfers_blocks(engine):
+    prompt = _prompt(40, 3)
+    engine.add_request("whole", prompt, GREEDY)
+    whole = _run(engine)["whole"]
+    held, known = _received(engine, "r", prompt)
+    engine.add_prefilled_request("r", prompt, known[len(prompt) :], GREEDY, [held])
+    pool = engine.block_pool
+    request = engine._seqs["r"].holder
+    assert pool.holders() == [request] and pool.held_by(request) == held.block_ids
+    with pytest.raises(HolderError, match="holds no blocks"):
+        pool.release(held.holder)  # the lease has nothing left to release
+    assert known[len(prompt) :] + _run(engine)["r"] == whole
+
+
+def test_a_refused_prefilled_request_releases_what_it_was_handed(engine):
+    prompt = _prompt(40, 4)
+    held, known = _received(engine, "r", prompt)
+    engine.add_request("dup", [1, 2], GREEDY)
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_prefilled_request("dup", prompt, known[len(prompt) :], GREEDY, [held])
+    assert engine.block_pool.holders() == []  # dup is waiting: it holds nothing yet
+    engine.abort("dup")
+    held, known = _received(engine, "r", prompt)
+    short = Held(held.holder, held.block_ids[:-1])
+    with pytest.raises(ValueError, match="expected 3"):
+        engine.add_prefilled_request("r", prompt, known[len(prompt) :], GREEDY, [short])
+    assert engine.block_pool.holders() == [held.holder]  # the block it was not handed
+    assert "r" not in engine.request_ids()
+    engine.block_pool.release(held.holder)
 
 
 def test_prefix_cache_reuses_blocks_and_output_is_unchanged(engine):
@@ -114,7 +163,7 @@ def test_preemption_under_block_pressure_gives_the_same_tokens(llama_dir):
             eng.add_request(rid, p, GREEDY)
     assert _run(small) == _run(big)
     assert small.scheduler.num_preemptions > 0
-    assert small.block_pool.num_free == 12
+    assert leftover_holders(small.block_pool) == [] and small.block_pool.num_free == 12
 
 
 def test_bad_requests_are_refused_with_the_field_named(engine):

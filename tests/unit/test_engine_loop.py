@@ -8,8 +8,10 @@ import threading
 import pytest
 
 from engine import EngineConfig, LLMEngine
+from engine.block_pool import Holder
 from engine.engine_loop import EngineLoop
 from protocol.sampling import SamplingParams
+from tests.pool_checks import leftover_holders
 
 pytestmark = pytest.mark.unit
 
@@ -35,8 +37,9 @@ def test_the_pool_lock_is_free_during_the_forward_pass(llama_dir):
         # What a transfer does from its own thread while the step computes.
         assert loop.lock.acquire(timeout=5)
         try:
-            reserved = engine.block_pool.allocate(2)
-            engine.block_pool.free(reserved)
+            lease = Holder("lease", "recv:t#0")
+            assert engine.block_pool.allocate(lease, 2) is not None
+            engine.block_pool.release(lease)
         finally:
             loop.lock.release()
         go_on.set()
@@ -47,4 +50,5 @@ def test_the_pool_lock_is_free_during_the_forward_pass(llama_dir):
         go_on.set()
         loop.stop()
     assert [o.num_output_tokens for o in outputs] == [1, 2]
+    assert leftover_holders(engine.block_pool) == []
     assert engine.block_pool.num_free == 32

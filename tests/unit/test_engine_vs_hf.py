@@ -8,6 +8,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 
 from engine import LLM
 from protocol.sampling import SamplingParams
+from tests.pool_checks import leftover_holders
 
 pytestmark = [pytest.mark.unit, pytest.mark.slow]
 
@@ -60,6 +61,7 @@ def test_greedy_equals_hf(checkpoint_factory, arch, max_batched_tokens, cpu_kern
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, logprobs=0)
     free_before = llm.engine.block_pool.num_free
     outputs = llm.generate(prompts, params)
+    assert leftover_holders(llm.engine.block_pool) == []
     assert llm.engine.block_pool.num_free == free_before
     for out, (hf_tokens, hf_logprobs) in zip(outputs, _hf_greedy(model_dir, prompts), strict=True):
         assert out.token_ids == hf_tokens

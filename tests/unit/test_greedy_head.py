@@ -14,6 +14,7 @@ import engine.kernels as kernels
 from engine import LLM
 from engine.models import llama
 from protocol.sampling import SamplingParams
+from tests.pool_checks import leftover_holders
 
 pytestmark = pytest.mark.unit
 
@@ -233,6 +234,7 @@ def test_the_engine_screens_plain_greedy_rows_only(llama_dir, ops, monkeypatch):
     free = llm.engine.block_pool.num_free
     screened = [o.token_ids for o in llm.generate(prompts, greedy)]
     assert len(calls) >= 16 and llm.engine.block_pool.num_free == free
+    assert leftover_holders(llm.engine.block_pool) == []
 
     calls.clear()
     with_logprobs = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1)

@@ -10,7 +10,8 @@ import grpc
 import pytest
 import torch
 
-from engine.kv_cache import BlockPool, KVCache, KVLayout
+from engine.block_pool import BlockPool, Holder
+from engine.kv_cache import KVCache, KVLayout
 from kv_transfer import (
     GrpcKVClient,
     GrpcKVServer,
@@ -102,14 +103,18 @@ def test_bfloat16_pool_round_trips_through_fp8():
     assert ((y - x).abs() <= x.abs() * 0.07 + 0.01).all()
 
 
+SENDER = Holder("request", "r")
+
+
 async def _push(client, server, src, dst, n: int):
     free = (src.num_free, dst.num_free)
-    ids = src.reserve(n)
+    ids = src.reserve(SENDER, n)
     result = await client.push(server.address, src, KVBlocks("r", ids, [None] * n, []))
     claimed = server.claim("r")
-    x, y = src.cache.read_blocks(ids), dst.cache.read_blocks(claimed)
-    dst.release(claimed)
-    src.release(ids)
+    x, y = src.cache.read_blocks(ids), dst.cache.read_blocks(claimed.block_ids)
+    dst.release(claimed.holder)
+    src.release(SENDER)
+    assert src.holders() == dst.holders() == []
     assert (src.num_free, dst.num_free) == free
     return result, x, y
 
@@ -146,13 +151,14 @@ def test_a_pool_with_another_wire_encoding_refuses_at_the_header(src_wire, dst_w
         server, client = InProcKVServer(hub, "d", dst), InProcKVClient(hub)
         await server.start()
         free = (src.num_free, dst.num_free)
-        ids = src.reserve(2)
+        ids = src.reserve(SENDER, 2)
         with pytest.raises(TransferError) as err:
             await client.push(server.address, src, KVBlocks("r", ids, [None, None], []))
-        src.release(ids)
+        src.release(SENDER)
         await server.stop()
         assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
         assert "wire_dtype" in err.value.message
+        assert src.holders() == dst.holders() == []
         assert (src.num_free, dst.num_free) == free
 
     asyncio.run(go())

@@ -18,8 +18,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from engine.block_pool import BlockPool, Holder
 from engine.hashing import hash_blocks, root_hash
-from engine.kv_cache import BlockPool, KVCache, KVLayout
+from engine.kv_cache import KVCache, KVLayout
 from kv_transfer import (
     CommittedPush,
     GrpcKVClient,
@@ -34,17 +35,19 @@ from kv_transfer import (
     datachannel,
     wire,
 )
-from kv_transfer.lease import LeaseTable
+from kv_transfer.lease import LeaseTable, lease_holder
 from kv_transfer.receiver import KVReceiver
 from kv_transfer.sender import KVSender
 from net import sockets
 from net.security import ClusterSecurity
 from protos import codegen
 from protos.tandem.v1 import kv_transfer_pb2 as pb
+from tests.pool_checks import leftover_holders
 
 pytestmark = pytest.mark.unit
 
 LAYOUT = KVLayout("fp", "float32", 3, 4, 2, 8)  # 512 bytes per block and layer
+SENDER = Holder("request", "r")  # the sending side's blocks, as a prefilled request holds them
 
 
 def make_store(num_blocks: int = 32, seed: int = 0, layout: KVLayout = LAYOUT) -> PoolBlockStore:
@@ -112,12 +115,18 @@ class Pair:
         self.free = (self.src.num_free, self.dst.num_free)
 
     def blocks(self, n: int, request_id: str = "r") -> KVBlocks:
-        ids = self.src.reserve(n)
+        ids = self.src.reserve(SENDER, n)
         assert ids is not None
         return KVBlocks(request_id, ids, [None] * n, [])
 
     def settled(self) -> bool:
-        return (self.src.num_free, self.dst.num_free) == self.free
+        return _settled(self.src, self.dst, self.free)
+
+
+def _settled(src: PoolBlockStore, dst: PoolBlockStore, free: tuple[int, int]) -> bool:
+    """No holder left in either pool, and both back to their free counts."""
+    no_holders = leftover_holders(src.pool) == leftover_holders(dst.pool) == []
+    return no_holders and (src.num_free, dst.num_free) == free
 
 
 def run(coro):
@@ -133,14 +142,18 @@ def test_push_claim_copies_blocks_exactly():
         await pair.server.start()
         blocks = pair.blocks(5)
         result = await pair.client.push(pair.server.address, pair.src, blocks)
+        assert pair.src.holders() == [SENDER]  # the push's pins are gone
         claimed = pair.server.claim("r")
-        assert claimed == result.remote_block_ids and pair.server.claim("r") is None
+        assert claimed.block_ids == result.remote_block_ids and pair.server.claim("r") is None
+        assert claimed.holder.kind == "lease" and claimed.holder.id.startswith("recv:r#")
+        assert pair.dst.holders() == [claimed.holder]  # until the claimer hands them on
         assert torch.equal(
-            pair.dst.cache.read_blocks(claimed), pair.src.cache.read_blocks(blocks.block_ids)
+            pair.dst.cache.read_blocks(claimed.block_ids),
+            pair.src.cache.read_blocks(blocks.block_ids),
         )
         assert result.bytes_sent == 5 * LAYOUT.block_bytes
-        pair.dst.release(claimed)
-        pair.src.release(blocks.block_ids)
+        pair.dst.release(claimed.holder)
+        pair.src.release(SENDER)
         await pair.server.stop()
         assert pair.settled()
 
@@ -164,7 +177,7 @@ def test_layout_mismatch_names_the_field(layout, field):
             await pair.client.push(pair.server.address, pair.src, blocks)
         assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
         assert field in err.value.message
-        pair.src.release(blocks.block_ids)
+        pair.src.release(SENDER)
         assert pair.settled()
 
     run(go())
@@ -213,7 +226,7 @@ def test_broken_transfers_free_every_reserved_block(message_filter, code):
             await pair.client.push(pair.server.address, pair.src, blocks)
         assert err.value.code == code
         assert pair.server.claim("r") is None
-        pair.src.release(blocks.block_ids)
+        pair.src.release(SENDER)
         assert pair.settled()
 
     run(go())
@@ -228,8 +241,10 @@ def test_duplicate_request_id_is_refused_without_touching_the_first():
         with pytest.raises(TransferError) as err:
             await pair.client.push(pair.server.address, pair.src, blocks)
         assert err.value.code == grpc.StatusCode.ALREADY_EXISTS
-        pair.dst.release(pair.server.claim("r"))
-        pair.src.release(blocks.block_ids)
+        first = pair.server.claim("r")
+        assert pair.dst.holders() == [first.holder]  # the refused push released its own
+        pair.dst.release(first.holder)
+        pair.src.release(SENDER)
         assert pair.settled()
 
     run(go())
@@ -243,9 +258,10 @@ def test_unclaimed_push_is_released_when_its_lease_expires():
         await pair.server.start()
         await pair.client.push(pair.server.address, pair.src, blocks)
         assert pair.dst.num_free == pair.free[1] - 3
+        assert [h.kind for h in pair.dst.holders()] == ["lease"]
         assert service.leases.expire_all() == 1
-        assert pair.server.claim("r") is None
-        pair.src.release(blocks.block_ids)
+        assert pair.server.claim("r") is None and pair.dst.holders() == []
+        pair.src.release(SENDER)
         await pair.server.stop()
         assert pair.settled()
 
@@ -260,14 +276,14 @@ def test_discard_frees_a_committed_push_and_refuses_a_later_one():
         await pair.client.push(pair.server.address, pair.src, blocks)
         pair.server.discard("r")  # committed, never claimed: freed at once
         assert pair.server.claim("r") is None
-        assert pair.dst.num_free == pair.free[1]
+        assert pair.dst.num_free == pair.free[1] and pair.dst.holders() == []
         pair.server.discard("late")  # cancelled before its push began
         with pytest.raises(TransferError) as err:
             await pair.client.push(
                 pair.server.address, pair.src, dataclasses.replace(blocks, request_id="late")
             )
         assert err.value.code == grpc.StatusCode.CANCELLED
-        pair.src.release(blocks.block_ids)
+        pair.src.release(SENDER)
         await pair.server.stop()
         assert pair.settled()
 
@@ -293,10 +309,11 @@ def cache_prefix(store: PoolBlockStore, tokens: list[int], n: int) -> list[bytes
     their hashes."""
     bs = store.layout.block_size
     hashes = [bytes([i + 1]) * 16 for i in range(n)]
-    blocks = store.reserve(n)
+    holder = Holder("request", "cached")
+    blocks = store.reserve(holder, n)
     assert blocks is not None
     store.commit(blocks, hashes, tokens[: n * bs])
-    store.release(blocks)
+    store.release(holder)
     return hashes
 
 
@@ -317,7 +334,7 @@ async def handshake_push(transport: str):
         server = GrpcKVServer(dst, SMALL, handler=handler)
         client = GrpcKVClient(SMALL)
     await server.start()
-    ids = src.reserve(3)
+    ids = src.reserve(SENDER, 3)
     blocks = KVBlocks("r", ids, [*hashes, None], tokens, [7], b"start")
     try:
         result = await client.push(server.address, src, blocks)
@@ -329,13 +346,15 @@ async def handshake_push(transport: str):
     assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
     assert (result.held_blocks, result.bytes_sent) == (2, LAYOUT.block_bytes)
     [push] = handler.pushes
-    assert push.block_ids[:2] == held and push.held_blocks == 2
+    assert push.blocks.block_ids[:2] == held and push.held_blocks == 2
     assert (push.token_ids, push.next_token_ids, push.decode_start) == (tokens, [7], b"start")
-    assert torch.equal(dst.cache.read_blocks(push.block_ids[2:]), src.cache.read_blocks(ids[2:]))
+    received = push.blocks.block_ids[2:]
+    assert torch.equal(dst.cache.read_blocks(received), src.cache.read_blocks(ids[2:]))
     assert dst.pool.block_for_hash(hashes[0]) == held[0]  # still cached, now referenced
-    dst.release(push.block_ids)
-    src.release(ids)
+    dst.release(push.blocks.holder)
+    src.release(SENDER)
     assert (src.num_free, dst.num_free) == free
+    assert src.pool.holders() == dst.pool.holders() == []
 
 
 @pytest.mark.parametrize("transport", ["inproc", "grpc"])
@@ -354,7 +373,7 @@ def test_a_refused_push_reserves_nothing():
             await pair.client.push(pair.server.address, pair.src, blocks)
         assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
         assert handler.pushes == [] and pair.dst.num_free == pair.free[1]
-        pair.src.release(blocks.block_ids)
+        pair.src.release(SENDER)
         await pair.server.stop()
         assert pair.settled()
 
@@ -363,26 +382,29 @@ def test_a_refused_push_reserves_nothing():
 
 def test_pull_pins_only_while_streaming_and_returns_the_held_prefix():
     async def go():
-        holder, puller = make_store(seed=3), make_store(seed=4)
+        keeper, puller = make_store(seed=3), make_store(seed=4)
         hub = InProcHub()
-        server = InProcKVServer(hub, "holder", holder, SMALL)
+        server = InProcKVServer(hub, "keeper", keeper, SMALL)
         await server.start()
         tokens = list(range(100, 100 + 3 * LAYOUT.block_size))
         hashes = hash_blocks(tokens, LAYOUT.block_size, root_hash("fp", LAYOUT.block_size))
-        ids = holder.reserve(3)
-        holder.commit(ids, hashes, tokens)
-        holder.release(ids)  # cached, ref 0
-        free = (holder.num_free, puller.num_free)
+        ids = keeper.reserve(SENDER, 3)
+        keeper.commit(ids, hashes, tokens)
+        keeper.release(SENDER)  # cached, no holder
+        free = (keeper.num_free, puller.num_free)
         client = InProcKVClient(hub, SMALL)
         result = await client.pull(server.address, puller, [*hashes[:2], b"x" * 16, hashes[2]])
         assert result.block_hashes == hashes[:2]
         assert torch.equal(
-            puller.cache.read_blocks(result.block_ids), holder.cache.read_blocks(ids[:2])
+            puller.cache.read_blocks(result.block_ids), keeper.cache.read_blocks(ids[:2])
         )
         assert puller.pool.block_for_hash(hashes[0]) == result.block_ids[0]  # indexed
-        puller.release(result.block_ids)
+        assert keeper.holders() == []  # pinned only while streaming
+        assert puller.holders() == [result.holder] and result.holder.kind == "lease"
+        assert puller.pool.held_by(result.holder) == result.block_ids
+        puller.release(result.holder)
         await server.stop()
-        assert (holder.num_free, puller.num_free) == free
+        assert _settled(keeper, puller, free)
 
     run(go())
 
@@ -462,9 +484,10 @@ class DataPair:
     def __init__(self, n: int, chunk_bytes: int = 1024, frame_filter=None) -> None:
         self.src, self.dst = make_store(seed=1), make_store(seed=2)
         self.free = (self.src.num_free, self.dst.num_free)
-        self.src_ids = self.src.reserve(n)
-        self.src.pin(self.src_ids)  # as a client's push does
-        self.sender = KVSender(self.src, "r", self.src_ids, [None] * n, [], chunk_bytes)
+        self.src_ids = self.src.reserve(SENDER, n)
+        lease = lease_holder("send", "r")
+        self.src.pin(lease, self.src_ids)  # as a client's push does
+        self.sender = KVSender(self.src, lease, "r", self.src_ids, [None] * n, [], chunk_bytes)
         self.receiver = KVReceiver(self.dst)
         self.receiver.on_header(self.sender.header())
         self.registry = _Registry()
@@ -493,7 +516,10 @@ class DataPair:
 
     def close(self) -> None:
         self.sender.close()
-        self.src.release(self.src_ids)
+        self.src.release(SENDER)
+
+    def settled(self) -> bool:
+        return _settled(self.src, self.dst, self.free)
 
 
 def test_data_channel_fills_the_reserved_blocks():
@@ -501,14 +527,14 @@ def test_data_channel_fills_the_reserved_blocks():
         pair = DataPair(5)
         await asyncio.to_thread(pair.run)
         await pair.receiver.drain()
-        blocks = pair.receiver.commit()
+        held = pair.receiver.commit()
         assert torch.equal(
-            pair.dst.cache.read_blocks(blocks), pair.src.cache.read_blocks(pair.src_ids)
+            pair.dst.cache.read_blocks(held.block_ids), pair.src.cache.read_blocks(pair.src_ids)
         )
         assert pair.sender.bytes_sent == pair.receiver.bytes_received == 5 * LAYOUT.block_bytes
-        pair.dst.release(blocks)
+        pair.dst.release(held.holder)
         pair.close()
-        assert (pair.src.num_free, pair.dst.num_free) == pair.free
+        assert pair.settled()
 
     run(go())
 
@@ -531,7 +557,7 @@ def test_broken_data_connection_fails_and_frees_the_blocks(frame_filter, code):
         assert err.value.code == code
         pair.receiver.fail()
         pair.close()
-        assert (pair.src.num_free, pair.dst.num_free) == pair.free
+        assert pair.settled()
 
     run(go())
 
@@ -543,7 +569,7 @@ def test_failing_before_the_data_connection_arrives_frees_the_blocks():
         assert pair.incoming.done.done() and pair.registry.unregistered == b"t" * 16
         assert not pair.incoming.attach(socket.socketpair()[0])
         pair.close()
-        assert (pair.src.num_free, pair.dst.num_free) == pair.free
+        assert pair.settled()
 
     run(go())
 
@@ -556,13 +582,14 @@ def test_failing_mid_connection_frees_the_blocks_only_after_the_thread_stops():
         serving = asyncio.get_running_loop().run_in_executor(None, pair.incoming.serve, b)
         pair.receiver.fail()  # the thread may still write into the blocks: release deferred
         assert pair.dst.num_free == pair.free[1] - 4
+        assert pair.dst.holders() == [pair.receiver.holder]
         await serving
         with pytest.raises(TransferError):
             pair.incoming.done.result()
         await asyncio.sleep(0)  # the deferred release runs on the loop
         a.close()
         pair.close()
-        assert (pair.src.num_free, pair.dst.num_free) == pair.free
+        assert pair.settled()
 
     run(go())
 

@@ -11,6 +11,7 @@ import pytest
 
 from engine import EngineConfig, LLMEngine
 from protocol.sampling import SamplingParams
+from tests.pool_checks import leftover_holders
 
 pytestmark = pytest.mark.unit
 
@@ -39,6 +40,7 @@ def engine():
 def pool_returns_to_start(engine):
     before = engine.block_pool.num_free
     yield
+    assert leftover_holders(engine.block_pool) == []
     assert engine.block_pool.num_free == before
     assert engine.request_ids() == []
 

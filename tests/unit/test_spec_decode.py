@@ -8,8 +8,10 @@ import pytest
 import torch
 
 from engine import EngineConfig, LLMEngine
+from engine.block_pool import Holder
 from engine.config import SpeculativeConfig
 from protocol.sampling import SamplingParams
+from tests.pool_checks import leftover_holders
 
 pytestmark = pytest.mark.unit
 
@@ -34,7 +36,7 @@ def _engine(model, spec: SpeculativeConfig | None, **options) -> LLMEngine:
 
 
 def _run(engine: LLMEngine, prompts, params) -> dict[str, dict]:
-    """Run to completion; check every pool is back to its start."""
+    """Run to completion; check no pool has a holder left and each is back to its start."""
     free = engine.block_pool.num_free
     draft = getattr(engine.speculator, "proposer", None)
     draft_free = getattr(draft, "num_free_blocks", None)
@@ -49,8 +51,10 @@ def _run(engine: LLMEngine, prompts, params) -> dict[str, dict]:
             r["text"] += o.text_delta
             r["lp"] += [x.logprob for x in o.logprobs or []]
             r["reason"] = o.finish_reason
+    assert leftover_holders(engine.block_pool) == []
     assert engine.block_pool.num_free == free
     if draft_free is not None:
+        assert leftover_holders(draft.pool) == []
         assert draft.num_free_blocks == draft_free
     return out
 
@@ -157,8 +161,12 @@ def test_abort_mid_speculation_frees_target_and_draft_blocks(llama_dir):
     for _ in range(4):
         engine.step()
     assert draft.num_free_blocks < draft_free
+    for rid, state in draft._states.items():  # each request's draft blocks, by its holder
+        assert draft.pool.held_by(Holder("draft", rid)) == state.block_table
+    assert {h.kind for h in draft.pool.holders()} == {"draft"}
     for i in range(len(_prompts())):
         engine.abort(f"a{i}")
+    assert leftover_holders(engine.block_pool) == leftover_holders(draft.pool) == []
     assert engine.block_pool.num_free == free
     assert draft.num_free_blocks == draft_free
 
@@ -195,6 +203,7 @@ def test_worker_stats_count_acceptance_and_quantized_store(llama_dir):
     assert stats["spec_accepted_tokens"] == worker.engine.speculator.num_accepted > 0
     assert stats["spec_proposed_tokens"] >= stats["spec_accepted_tokens"]
     assert stats["free_blocks"] == stats["initial_free_blocks"]
+    assert stats["num_holders"] == stats["initial_num_holders"] == 0
 
 
 def test_serve_config_enables_speculation_in_the_decode_pool_only():
@@ -216,7 +225,8 @@ def test_serve_config_enables_speculation_in_the_decode_pool_only():
 @pytest.mark.parametrize("method", ["ngram", "draft"])
 def test_rejected_positions_give_their_blocks_back_every_step(llama_dir, draft_dir, method):
     """After each step a sequence holds blocks for its computed tokens only, and
-    the pool's used blocks are exactly those the sequences hold."""
+    the pool's holders are exactly the running sequences, each holding its
+    block table."""
     engine = _engine(llama_dir, SpeculativeConfig(method, 4, draft_model=str(draft_dir)))
     bs = engine.config.block_size
     for i, p in enumerate(_prompts()):
@@ -226,12 +236,15 @@ def test_rejected_positions_give_their_blocks_back_every_step(llama_dir, draft_d
         engine.step()
         steps += 1
         held = set()
+        pool = engine.block_pool
         for seq in engine.scheduler.running:
             assert len(seq.block_table) == -(-seq.num_computed // bs)
             assert not seq.spec_token_ids
+            assert pool.held_by(seq.holder) == seq.block_table
             held.update(seq.block_table)
-        pool = engine.block_pool
+        assert set(leftover_holders(pool)) == {s.holder for s in engine.scheduler.running}
         assert pool.num_blocks - pool.num_free == len(held)
     s = engine.speculator
     assert s.num_proposed > s.num_accepted  # there were rejections
+    assert leftover_holders(engine.block_pool) == []
     assert engine.block_pool.num_free == engine.block_pool.num_blocks

@@ -1,0 +1,302 @@
+"""The block pool: the one owner of KV block references, and the prefix cache.
+
+Every reference to a block belongs to a ``Holder``, a (kind, id) pair:
+
+- ``request``: a sequence's block table (id: the request id),
+- ``lease``: blocks reserved, pinned or received for one KV transfer (id:
+  the transfer, see ``kv_transfer.lease.lease_holder``),
+- ``pin``: prefix blocks a decode worker keeps for a request whose other
+  blocks are on their way (id: the request id),
+- ``draft``: a draft model's blocks for a request, in the draft's own pool,
+- ``scratch``: blocks an engine sets aside for its lifetime.
+
+The pool keeps, per holder, the blocks it holds in the order it got them
+(a block twice if it got it twice); a block's reference count is how many
+times holders hold it. References are only ever added (``allocate``,
+``match_prefix``, ``acquire``), dropped (``release``) or handed from one
+holder to another (``transfer``, with no moment where the block has no
+reference) through the pool, by holder. A holder exists while it holds a
+block, so ``holders()`` being empty means nothing is left over: the check
+every test ends with.
+
+A block is
+
+- in use: held by at least one holder,
+- cached: held by none, but full and hashed, so a later request with the
+  same prefix can take it back; evicted in LRU order only when a fresh
+  block is needed,
+- free: held by none and not hashed.
+
+``num_free`` counts free plus cached blocks: everything allocatable.
+
+Blocks are released last first (a holder's tail before its head), so a
+sequence's tail blocks are evicted before its head, which other requests
+are likelier to share.
+
+Misuse raises ``HolderError``: releasing or handing over a block the holder
+does not hold, releasing everything of a holder that holds nothing (a
+double release, or an unknown holder), acquiring a block that is neither in
+use nor cached. An explicit empty list of blocks is always a no-op.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+from engine.hashing import BlockHash
+
+HolderKind = Literal["request", "lease", "pin", "draft", "scratch"]
+HOLDER_KINDS: frozenset[str] = frozenset(get_args(HolderKind))
+
+
+@dataclass(frozen=True, slots=True)
+class Holder:
+    """Who holds block references: a request, a transfer lease, a pin, ..."""
+
+    kind: HolderKind
+    id: str
+
+    def __post_init__(self) -> None:
+        if self.kind not in HOLDER_KINDS:
+            raise ValueError(
+                f"holder kind must be one of {sorted(HOLDER_KINDS)}, got {self.kind!r}"
+            )
+
+    def __str__(self) -> str:
+        return f"{self.kind}:{self.id}"
+
+
+@dataclass(frozen=True)
+class Held:
+    """The references ``holder`` has on ``block_ids``, in order: what one part
+    of the code hands another (a transfer's blocks to the request that goes
+    on from them)."""
+
+    holder: Holder
+    block_ids: list[int]
+
+
+class HolderError(RuntimeError):
+    """A holder released or handed over a reference it does not have."""
+
+
+class BlockPool:
+    """Block ids, their holders, and the prefix cache over them."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self._refs = [0] * num_blocks
+        self._held: dict[Holder, list[int]] = {}
+        # Free blocks without a hash: reused first, lowest id first.
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        # Cached blocks with ref 0, least recently used first.
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        self._hash_of: dict[int, BlockHash] = {}
+        self._tokens_of: dict[int, tuple[int, ...]] = {}
+        self._block_of: dict[BlockHash, int] = {}
+        # Hashes cached (True) or evicted (False) since the last drain; the
+        # last change of each hash wins, so a drain is the net change.
+        self._changes: dict[BlockHash, bool] = {}
+
+    # ---- figures ------------------------------------------------------------
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._block_of)
+
+    @property
+    def num_holders(self) -> int:
+        return len(self._held)
+
+    def holders(self) -> list[Holder]:
+        """Every holder that holds a block, in the order they first got one."""
+        return list(self._held)
+
+    def held_by(self, holder: Holder) -> list[int]:
+        """The blocks ``holder`` holds, in the order it got them ([] if none)."""
+        return list(self._held.get(holder, ()))
+
+    def ref_count(self, block: int) -> int:
+        return self._refs[block]
+
+    # ---- references -----------------------------------------------------------
+
+    def allocate(self, holder: Holder, n: int) -> list[int] | None:
+        """``n`` fresh blocks for ``holder``, or None (and no change) if too few."""
+        if n > self.num_free:
+            return None
+        blocks = [self._fresh() for _ in range(n)]
+        self._add(holder, blocks)
+        return blocks
+
+    def match_prefix(
+        self, holder: Holder, hashes: Sequence[BlockHash], token_blocks: Sequence[Sequence[int]]
+    ) -> list[int]:
+        """Longest run of cached blocks for ``hashes``; ``holder`` acquires each.
+
+        The tokens are compared too, so a hash collision is a miss, never
+        wrong output.
+        """
+        matched: list[int] = []
+        for block_hash, tokens in zip(hashes, token_blocks, strict=False):
+            block = self._block_of.get(block_hash)
+            if block is None or self._tokens_of[block] != tuple(tokens):
+                break
+            matched.append(block)
+        self._ref(matched)
+        self._add(holder, matched)
+        return matched
+
+    def acquire(self, holder: Holder, blocks: Sequence[int]) -> None:
+        """``holder`` takes a reference to blocks that are in use or cached."""
+        for block in blocks:
+            if self._refs[block] == 0 and block not in self._evictable:
+                raise HolderError(f"block {block} is neither in use nor cached")
+        self._ref(blocks)
+        self._add(holder, blocks)
+
+    def release(self, holder: Holder, blocks: Sequence[int] | None = None) -> list[int]:
+        """Drop ``holder``'s references to ``blocks`` (None: to everything it
+        holds, which must be something); the blocks released, in order."""
+        released = self._take_from(holder, blocks)
+        for block in reversed(released):
+            self._unref(block)
+        return released
+
+    def release_held(self, parts: Iterable[Held]) -> None:
+        for part in parts:
+            self.release(part.holder, part.block_ids)
+
+    def transfer(self, src: Holder, dst: Holder, blocks: Sequence[int] | None = None) -> list[int]:
+        """Hand ``src``'s references to ``blocks`` (None: everything it holds)
+        to ``dst``; reference counts do not change. The blocks, in order."""
+        if src == dst:
+            raise HolderError(f"{src} cannot hand blocks to itself")
+        moved = self._take_from(src, blocks)
+        self._add(dst, moved)
+        return moved
+
+    def verify(self) -> None:
+        """Check that reference counts are what the holders hold and that every
+        block is in exactly one state; HolderError if not (for tests)."""
+        counts = [0] * self.num_blocks
+        for blocks in self._held.values():
+            for block in blocks:
+                counts[block] += 1
+        if counts != self._refs:
+            raise HolderError("reference counts differ from what the holders hold")
+        idle = sorted([*self._free, *self._evictable])
+        if idle != [b for b, count in enumerate(counts) if count == 0]:
+            raise HolderError("the free and cached lists differ from the unheld blocks")
+
+    # ---- the prefix cache -------------------------------------------------------
+
+    def cache(self, block: int, block_hash: BlockHash, token_ids: Sequence[int]) -> bool:
+        """Register a full, in-use block under its hash. False if the hash is
+        already held by another block (the caller keeps its own copy)."""
+        if block in self._hash_of:
+            return self._hash_of[block] == block_hash
+        if block_hash in self._block_of:
+            return False
+        self._hash_of[block] = block_hash
+        self._tokens_of[block] = tuple(token_ids)
+        self._block_of[block_hash] = block
+        self._changes[block_hash] = True
+        return True
+
+    def block_for_hash(self, block_hash: BlockHash) -> int | None:
+        return self._block_of.get(block_hash)
+
+    def hash_of(self, block: int) -> BlockHash | None:
+        return self._hash_of.get(block)
+
+    def tokens_of(self, block: int) -> tuple[int, ...] | None:
+        """Token ids of a cached block, None if the block has no hash."""
+        return self._tokens_of.get(block)
+
+    def drain_events(self) -> tuple[list[BlockHash], list[BlockHash]]:
+        """(stored, removed): the net change of the cache since the last drain,
+        for the block index."""
+        changes, self._changes = self._changes, {}
+        stored = [h for h, cached in changes.items() if cached]
+        return stored, [h for h, cached in changes.items() if not cached]
+
+    def cached_hashes(self) -> list[BlockHash]:
+        """Every hash the cache holds now (a snapshot for the block index)."""
+        return list(self._block_of)
+
+    # ---- internals --------------------------------------------------------------
+
+    def _fresh(self) -> int:
+        """A block with no holder, with ref 1: a free one, else the LRU cached one."""
+        if self._free:
+            block = self._free.pop()
+        else:
+            block, _ = self._evictable.popitem(last=False)
+            self._uncache(block)
+        self._refs[block] = 1
+        return block
+
+    def _add(self, holder: Holder, blocks: Sequence[int]) -> None:
+        if blocks:
+            self._held.setdefault(holder, []).extend(blocks)
+
+    def _take_from(self, holder: Holder, blocks: Sequence[int] | None) -> list[int]:
+        """Remove ``blocks`` (None: all) from what ``holder`` holds, all or
+        nothing; the blocks removed, in order. References do not change."""
+        held = self._held.get(holder)
+        if blocks is None:
+            if not held:
+                raise HolderError(f"{holder} holds no blocks (released twice?)")
+            del self._held[holder]
+            return held
+        if not blocks:
+            return []
+        remaining = list(held or ())
+        for block in reversed(blocks):  # a tail is found at the end: one step each
+            i = _last_index(remaining, block)
+            if i < 0:
+                raise HolderError(f"{holder} does not hold block {block}")
+            del remaining[i]
+        if remaining:
+            self._held[holder] = remaining
+        else:
+            del self._held[holder]
+        return list(blocks)
+
+    def _ref(self, blocks: Sequence[int]) -> None:
+        for block in blocks:
+            if self._refs[block] == 0:
+                del self._evictable[block]
+            self._refs[block] += 1
+
+    def _unref(self, block: int) -> None:
+        self._refs[block] -= 1
+        if self._refs[block] == 0:
+            if block in self._hash_of:
+                self._evictable[block] = None
+            else:
+                self._free.append(block)
+
+    def _uncache(self, block: int) -> None:
+        block_hash = self._hash_of.pop(block)
+        del self._tokens_of[block]
+        del self._block_of[block_hash]
+        self._changes[block_hash] = False
+
+
+def _last_index(items: list[int], value: int) -> int:
+    for i in range(len(items) - 1, -1, -1):
+        if items[i] == value:
+            return i
+    return -1
