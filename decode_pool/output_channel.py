@@ -26,7 +26,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
-import secrets
 import select
 import socket
 import ssl
@@ -36,14 +35,15 @@ from collections.abc import Callable
 from block_index import KVEvent
 from decode_pool import output_wire as wire
 from engine.sequence import RequestOutput
+from net import handshake
 from net.local_socket import listen_local
 from net.security import ClusterSecurity
-from net.sockets import accept_forever, recv_exact, tune
+from net.sockets import accept_forever, tune
 from protos.tandem.v1 import worker_pb2
 
 log = logging.getLogger(__name__)
 
-HANDSHAKE_TIMEOUT_S = 10.0
+HANDSHAKE_TIMEOUT_S = handshake.TIMEOUT_S
 MAX_BACKLOG_BYTES = 256 << 20
 _WOULD_BLOCK = (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
 
@@ -142,7 +142,7 @@ class RouterConnection:
                 self._backlog.popleft()
 
     def _on_readable(self) -> None:
-        """The router writes nothing after its login: this is the end."""
+        """The router writes nothing after its handshake: this is the end."""
         with self._lock:
             try:
                 data = self._sock.recv(4096)
@@ -262,15 +262,19 @@ class OutputServer:
         )
 
     def _serve(self, sock: socket.socket, tls: bool) -> None:
-        """One router's connection; ``tls``: with the cluster's TLS, if any
-        (not on the local socket)."""
+        """One router's connection: TLS first (with the cluster's TLS, if any,
+        and ``tls``: not on the local socket), then the handshake, whose
+        identity is the router's id."""
         try:
             tune(sock)
             sock.settimeout(HANDSHAKE_TIMEOUT_S)
             if tls and self._ssl is not None:
                 sock = self._ssl.wrap_socket(sock, server_side=True)
-            router_id = self._login(sock)
-        except (OSError, ValueError):  # ssl.SSLError is an OSError
+            identity = handshake.accept(
+                sock, self.security, wire.HANDSHAKE_TAG, timeout_s=HANDSHAKE_TIMEOUT_S
+            )
+            router_id = identity.decode(errors="replace")
+        except (OSError, ValueError):  # ssl.SSLError and HandshakeRefused are OSErrors
             router_id = None
         if router_id is None or self._stopped:
             sock.close()
@@ -291,24 +295,6 @@ class OutputServer:
             conn.run()
         finally:
             self._closed(conn)
-
-    def _login(self, sock: socket.socket) -> str | None:
-        """The router id a connection's LOGIN proves, or None."""
-        nonce = secrets.token_bytes(wire.NONCE_BYTES)
-        sock.sendall(wire.hello(nonce))
-        head = memoryview(bytearray(len(wire.MAGIC) + wire.ID_LENGTH.size))
-        if not recv_exact(sock, head) or head[: len(wire.MAGIC)] != wire.MAGIC:
-            return None
-        (id_bytes,) = wire.ID_LENGTH.unpack_from(head, len(wire.MAGIC))
-        if id_bytes > wire.MAX_ROUTER_ID_BYTES:
-            return None
-        rest = memoryview(bytearray(wire.login_size(id_bytes)))
-        if not recv_exact(sock, rest):
-            return None
-        router_id, mac = bytes(rest[:id_bytes]), bytes(rest[id_bytes:])
-        if not wire.check_login(self.security, nonce, router_id, mac):
-            return None
-        return router_id.decode(errors="replace")
 
     def _closed(self, conn: RouterConnection) -> None:
         with self._lock:

@@ -17,6 +17,7 @@ from typing import Final
 
 from decode_pool import output_wire as wire
 from kv_transfer import TransferConfig
+from net import handshake
 from net.local_socket import host_identity, local_path
 from net.sockets import split_address, tune
 from protos.tandem.v1 import worker_pb2
@@ -46,7 +47,7 @@ def merge_queued(delta: worker_pb2.RequestDelta, queue: DeltaQueue) -> worker_pb
 
 
 class _OutputStream(asyncio.Protocol):
-    """One worker's stream: the login, then frames of StepBatch."""
+    """One worker's stream: the handshake, then frames of StepBatch."""
 
     def __init__(
         self,
@@ -58,14 +59,15 @@ class _OutputStream(asyncio.Protocol):
     ) -> None:
         self.worker = worker
         self.router_id = router_id
-        self.security = transfer.security
+        self.handshake = handshake.ClientHandshake(
+            transfer.security, wire.HANDSHAKE_TAG, router_id.encode()
+        )
         self.on_batch = on_batch
         self.on_end = on_end
         self.frames = wire.FrameReader(transfer.max_message_bytes)
         self.opened: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.transport: asyncio.Transport | None = None
-        self._hello = bytearray()
-        self.is_open = False  # the worker accepted the login
+        self.is_open = False  # the worker accepted the handshake
         self.ended = False
 
     def connection_made(self, transport) -> None:
@@ -76,8 +78,11 @@ class _OutputStream(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         try:
-            if len(self._hello) < wire.HELLO_BYTES:
-                data = self._read_hello(data)
+            if not self.handshake.done:
+                reply, data = self.handshake.feed(data)
+                if reply is not None:
+                    assert self.transport is not None
+                    self.transport.write(reply)
             for payload in self.frames.feed(data):
                 if not self.is_open:
                     self.is_open = True
@@ -86,17 +91,6 @@ class _OutputStream(asyncio.Protocol):
                     self.on_batch(worker_pb2.StepBatch.FromString(payload))
         except Exception as exc:  # a bad frame: the stream cannot be trusted any more
             self.end(f"bad output stream: {type(exc).__name__}: {exc}")
-
-    def _read_hello(self, data: bytes) -> bytes:
-        need = wire.HELLO_BYTES - len(self._hello)
-        self._hello += data[:need]
-        if len(self._hello) == wire.HELLO_BYTES:
-            if self._hello[: len(wire.MAGIC)] != wire.MAGIC:
-                raise wire.ProtocolError("not a decode worker's output stream")
-            nonce = bytes(self._hello[len(wire.MAGIC) :])
-            assert self.transport is not None
-            self.transport.write(wire.login(self.security, nonce, self.router_id))
-        return data[need:]
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.end(f"output stream broke: {exc}" if exc else "the output stream ended")

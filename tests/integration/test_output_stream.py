@@ -1,12 +1,13 @@
 """A decode worker's output streams (decode_pool/output_channel.py) and the
 router's reader (router/decode_streams.py), both in this process on
-127.0.0.1: framing, the login, cache events, a broken stream, a router
+127.0.0.1: framing, the handshake, cache events, a broken stream, a router
 that goes away or reads slowly, TLS, the Unix socket of a router on the
 same machine."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import socket
 import threading
@@ -20,6 +21,7 @@ from decode_pool import output_wire as wire
 from decode_pool.output_channel import OutputServer
 from engine.sequence import RequestOutput
 from kv_transfer import TransferConfig
+from net import handshake
 from net.local_socket import host_identity
 from net.security import ClusterSecurity
 from protos.tandem.v1 import worker_pb2
@@ -148,7 +150,7 @@ def test_the_stream_is_registered_before_the_router_hears_it_open(monkeypatch):
     run_with_pair(body)
 
 
-def test_a_login_without_the_secret_is_refused():
+def test_a_handshake_without_the_secret_is_refused():
     async def body(pair: Pair):
         with pytest.raises(ConnectionError):
             await pair.subscribe("intruder")
@@ -158,15 +160,25 @@ def test_a_login_without_the_secret_is_refused():
     run_with_pair(body, reader_security=ClusterSecurity(b"wrong"))
 
 
-def test_a_raw_client_that_sends_garbage_is_dropped():
+@pytest.mark.parametrize("sends", ["garbage", "a forged answer", "a KV data answer"])
+def test_a_raw_client_without_a_valid_answer_is_dropped(sends):
     pair = Pair(ClusterSecurity(SECRET))
     try:
         host, port = pair.server.address.rsplit(":", 1)
         with socket.create_connection((host, int(port)), timeout=10) as sock:
-            hello = sock.recv(wire.HELLO_BYTES, socket.MSG_WAITALL)
-            assert hello[: len(wire.MAGIC)] == wire.MAGIC
-            sock.sendall(wire.MAGIC + wire.ID_LENGTH.pack(3) + b"bob" + b"\0" * 32)
-            assert sock.recv(1) == b""  # closed without a frame
+            nonce = handshake.parse_hello(sock.recv(handshake.HELLO_BYTES, socket.MSG_WAITALL))
+            if sends == "garbage":
+                sock.sendall(handshake.MAGIC + b"\0" * 64)
+            elif sends == "a forged answer":
+                guess = ClusterSecurity(b"guess")
+                sock.sendall(handshake.answer(guess, wire.HANDSHAKE_TAG, nonce, b"router-a"))
+            else:  # the right secret, for another purpose
+                security = ClusterSecurity(SECRET)
+                sock.sendall(handshake.answer(security, b"tandem-kv-data", nonce, b"router-a"))
+            # Closed without a frame (reset when our bytes went unread).
+            with contextlib.suppress(ConnectionResetError):
+                assert sock.recv(1) == b""
+        assert not pair.server.has_router("router-a")
     finally:
         pair.close()
 
@@ -342,7 +354,7 @@ needs_local = pytest.mark.skipif(not host_identity(), reason="no abstract Unix s
 @pytest.mark.parametrize("tls", [False, True])
 def test_a_router_on_the_same_machine_reads_over_the_unix_socket(cluster_certs, tls):
     """Under cluster TLS too: the local socket never leaves the machine, and
-    its login still proves the secret."""
+    its handshake still proves the secret."""
     security = ClusterSecurity(SECRET, tls_files(cluster_certs[0]) if tls else None)
 
     async def body(pair: Pair):
@@ -355,7 +367,7 @@ def test_a_router_on_the_same_machine_reads_over_the_unix_socket(cluster_certs, 
 
 
 @needs_local
-def test_the_unix_socket_refuses_a_login_without_the_secret():
+def test_the_unix_socket_refuses_a_handshake_without_the_secret():
     async def body(pair: Pair):
         pair.worker.info.update(_offered(pair.server.local_address))
         with pytest.raises(ConnectionError):
