@@ -20,7 +20,6 @@ from dataclasses import dataclass
 
 import grpc
 
-from decode_pool.output_channel import OutputServer
 from decode_pool.start import BadStart, DecodeStart
 from engine.config import EngineConfig
 from engine.sampling import SamplingParams
@@ -29,6 +28,7 @@ from kv_transfer import CommittedPush, GrpcKVServer, TransferConfig, TransferErr
 from net.local_socket import host_identity
 from worker.base import EngineWorker, IndexSettings
 from worker.logfmt import log_event
+from worker.output_channel import OutputServer
 
 log = logging.getLogger(__name__)
 

@@ -32,7 +32,6 @@ from prefill_pool.worker import PrefillRequest, PrefillResult
 from protos.tandem.v1 import worker_pb2
 from router.backend import GenerateInput, GenerateResult, TokenDelta
 from router.config import ServeConfig
-from router.decode_streams import LOST, DecodeStreams, DeltaQueue, merge_queued
 from router.failover import FailoverStats, NoWorkerAvailable, RetryPolicy, WorkerLost, is_retryable
 from router.messages import RequestError
 from router.policies import make_policy
@@ -41,6 +40,7 @@ from router.prefix_routing import PrefixRouter, RoutePlan
 from router.progress import Progress
 from router.watchdog import Watchdog
 from router.worker_recovery import WorkerRecovery
+from router.worker_streams import LOST, DeltaQueue, WorkerStreams, merge_queued
 from worker.cpu_binding import CoreLayout
 from worker.logfmt import log_event
 
@@ -68,7 +68,7 @@ class RayBackend:
             config.max_attempts, config.retry_backoff_s, config.retry_backoff_max_s
         )
         self.failover = FailoverStats()
-        self.streams = DecodeStreams(
+        self.streams = WorkerStreams(
             self.router_id, self._apply_events, self._suspect, config.transfer_config()
         )
         self.recovery = WorkerRecovery(

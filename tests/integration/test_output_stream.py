@@ -1,5 +1,5 @@
-"""A decode worker's output streams (decode_pool/output_channel.py) and the
-router's reader (router/decode_streams.py), both in this process on
+"""A decode worker's output streams (worker/output_channel.py) and the
+router's reader (router/worker_streams.py), both in this process on
 127.0.0.1: framing, the handshake, cache events, a broken stream, a router
 that goes away or reads slowly, TLS, the Unix socket of a router on the
 same machine."""
@@ -16,18 +16,18 @@ import time
 import pytest
 
 from block_index import KVEvent
-from decode_pool import output_channel
-from decode_pool import output_wire as wire
-from decode_pool.output_channel import OutputServer
 from engine.sequence import RequestOutput
 from kv_transfer import TransferConfig
 from net import handshake
 from net.local_socket import host_identity
 from net.security import ClusterSecurity
 from protos.tandem.v1 import worker_pb2
-from router.decode_streams import LOST, DecodeStreams
 from router.pool_manager import WorkerHandle
+from router.worker_streams import LOST, WorkerStreams
 from tests.tls_certs import tls_files
+from worker import output_channel
+from worker import output_wire as wire
+from worker.output_channel import OutputServer
 
 pytestmark = pytest.mark.integration
 
@@ -52,14 +52,14 @@ class Pair:
             security=reader_security or security, max_message_bytes=16 << 20
         )
         self.worker = WorkerHandle("decode-0", "decode", None, {"outputs": self.server.address})
-        self.streams: DecodeStreams | None = None
+        self.streams: WorkerStreams | None = None
 
     def _router_gone(self, router_id: str, request_ids: list[str]) -> None:
         self.gone.append((router_id, request_ids))
         self.gone_event.set()
 
-    async def subscribe(self, router_id: str = "router-a") -> DecodeStreams:
-        self.streams = DecodeStreams(
+    async def subscribe(self, router_id: str = "router-a") -> WorkerStreams:
+        self.streams = WorkerStreams(
             router_id,
             self.events.extend,
             lambda w, why: self.broken.append((w.name, why)),
@@ -328,13 +328,13 @@ def test_tls_streams_refuse_plaintext_and_strangers(cluster_certs, reader, monke
     run_with_pair(body, security, readers[reader])
 
 
-def _family(streams: DecodeStreams) -> socket.AddressFamily:
+def _family(streams: WorkerStreams) -> socket.AddressFamily:
     transport = streams._streams["decode-0"].transport
     assert transport is not None
     return transport.get_extra_info("socket").family
 
 
-async def _one_request_streams(pair: Pair, streams: DecodeStreams) -> None:
+async def _one_request_streams(pair: Pair, streams: WorkerStreams) -> None:
     pair.server.own("r1", "router-a")
     queue = streams.register("r1", pair.worker)
     await pair.publish([_out("r1", 1)])

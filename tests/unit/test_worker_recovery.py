@@ -8,11 +8,11 @@ import asyncio
 import pytest
 import ray
 
-from router.decode_streams import LOST
 from router.failover import FailoverStats, WorkerLost
 from router.pool_manager import WorkerHandle
 from router.watchdog import Watchdog
 from router.worker_recovery import WorkerRecovery
+from router.worker_streams import LOST
 from worker.base import WorkerHealth
 
 pytestmark = pytest.mark.unit

@@ -33,13 +33,13 @@ import threading
 from collections.abc import Callable
 
 from block_index import KVEvent
-from decode_pool import output_wire as wire
 from engine.sequence import RequestOutput
 from net import handshake
 from net.local_socket import listen_local
 from net.security import ClusterSecurity
 from net.sockets import accept_forever, tune
 from protos.tandem.v1 import worker_pb2
+from worker import output_wire as wire
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The router's end of the decode workers' output streams.
 
-One connection per decode worker (decode_pool/output_wire.py) carries
+One connection per decode worker (worker/output_wire.py) carries
 every step's deltas for this router's requests there, and the worker's
 cache events: a Unix socket when the worker offers one and runs on this
 machine (net/local_socket.py), else TCP. Each request reads
@@ -15,13 +15,13 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Final
 
-from decode_pool import output_wire as wire
 from kv_transfer import TransferConfig
 from net import handshake
 from net.local_socket import host_identity, local_path
 from net.sockets import split_address, tune
 from protos.tandem.v1 import worker_pb2
 from router.pool_manager import WorkerHandle
+from worker import output_wire as wire
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ class _OutputStream(asyncio.Protocol):
         self.on_end(self, why)
 
 
-class DecodeStreams:
+class WorkerStreams:
     def __init__(
         self,
         router_id: str,
