@@ -1,11 +1,13 @@
-"""A decode worker's output streams: each step's outputs, written to the
-routers by the engine thread itself.
+"""A worker's output streams: each step's outputs and the prefix cache's
+events, written to the routers by the engine thread itself.
 
-Every router that sends requests here holds one TCP connection to this
-worker (the protocol is in output_wire.py). After each step the engine
-thread groups the outputs by the router that owns each request, encodes one
-StepBatch per router, and writes it to that router's socket without
-blocking: no event loop, no other thread sits between a step and the wire.
+Every router holds one TCP connection to every worker (the protocol is in
+output_wire.py). After each step a decode worker's engine thread groups the
+outputs by the router that owns each request, encodes one StepBatch per
+router (with the cache events, which every router gets), and writes it to
+that router's socket without blocking: no event loop, no other thread sits
+between a step and the wire. A prefill worker's requests have no owner
+here: its streams carry cache events only, sent as the engine reports them.
 A socket that cannot take a frame at once (a router reading slowly) queues
 it, and the connection's own thread writes the queue out when the socket
 is writable; a queue beyond ``MAX_BACKLOG_BYTES`` closes the connection.
@@ -186,6 +188,7 @@ class OutputServer:
         self._lock = threading.Lock()
         self._routers: dict[str, RouterConnection] = {}
         self._owner: dict[str, str] = {}  # request id -> router id
+        self._events_seq = 0  # batches of cache events published so far
         self._stopped = False
         self._threads = [
             threading.Thread(
@@ -212,11 +215,23 @@ class OutputServer:
 
     # ---- outputs (engine thread) ----
 
+    @property
+    def events_seq(self) -> int:
+        """Batches of cache events published so far: a router whose stream
+        has shown this count has every event published before (or the
+        stream opened after them)."""
+        with self._lock:
+            return self._events_seq
+
     def publish(self, outputs: list[RequestOutput], events: list[KVEvent]) -> None:
         """Send one step's outputs, each to the router that owns its request,
-        and the cache events to every router."""
+        and the cache events to every router. Call from one thread at a time
+        (the engine thread)."""
         owned: dict[str, list[RequestOutput]] = {}
         with self._lock:
+            if events:
+                self._events_seq += 1
+            seq = self._events_seq if events else 0
             routers = dict(self._routers)
             for out in outputs:
                 router = self._owner.get(out.request_id)
@@ -234,7 +249,9 @@ class OutputServer:
             if not mine and not pb_events:
                 continue
             batch = worker_pb2.StepBatch(
-                deltas=[wire.to_delta(o) for o in mine or ()], cache_events=pb_events
+                deltas=[wire.to_delta(o) for o in mine or ()],
+                cache_events=pb_events,
+                events_seq=seq,
             )
             for frame in wire.frames(batch, self.max_frame_bytes):
                 conn.send(frame)
@@ -284,10 +301,12 @@ class OutputServer:
         with self._lock:
             # Registered before the router hears OPEN: it may route a request
             # here (has_router) the moment it does. OPEN is still the first
-            # frame, since publish() sees the stream only after this lock.
+            # frame, since publish() sees the stream only after this lock; it
+            # counts the event batches published before, which this stream
+            # never carries.
             old = self._routers.get(router_id)
             self._routers[router_id] = conn
-            conn.send(wire.OPEN_FRAME)
+            conn.send(wire.open_frame(self._events_seq))
         if old is not None:  # the router opened a new stream: the old one is done
             old.close("replaced by a new stream from the same router")
         log.info("router %s subscribed", router_id)

@@ -1,5 +1,7 @@
-"""The wire format of a decode worker's output stream: one TCP connection
-per (router, decode worker), TLS first when the cluster has TLS.
+"""The wire format of a worker's output stream: one TCP connection per
+(router, worker), TLS first when the cluster has TLS. Decode workers send
+each step's deltas and cache events on it, prefill workers their cache
+events only.
 
     worker <-> router  the handshake of net/handshake.py: the worker sends
                        a nonce, the router answers with the tag
@@ -7,7 +9,8 @@ per (router, decode worker), TLS first when the cluster has TLS.
                        the HMAC that proves the cluster secret
     worker -> router   frames  u32 length, then that many bytes of a serialized
                        StepBatch (worker.proto); one frame per engine step.
-                       The first frame, an empty batch, opens the stream.
+                       The first frame, a batch with only ``events_seq``,
+                       opens the stream.
 
 Integers are little-endian. An answer that does not prove the secret is
 answered by closing the connection (the router sees the stream end before
@@ -25,11 +28,17 @@ from protos.tandem.v1 import generate_pb2, worker_pb2
 
 HANDSHAKE_TAG = b"tandem-output-stream"
 LENGTH = struct.Struct("<I")
-OPEN_FRAME = LENGTH.pack(0)  # an empty StepBatch serializes to no bytes
 
 
 class ProtocolError(Exception):
     """The peer broke the output stream's protocol."""
+
+
+def open_frame(events_seq: int) -> bytes:
+    """The frame that opens a stream: the count of cache-event batches the
+    worker had published before it (the router saw none of those)."""
+    payload = worker_pb2.StepBatch(events_seq=events_seq).SerializeToString()
+    return LENGTH.pack(len(payload)) + payload
 
 
 def to_delta(out: RequestOutput) -> worker_pb2.RequestDelta:
@@ -55,18 +64,21 @@ def to_delta(out: RequestOutput) -> worker_pb2.RequestDelta:
 
 def frames(batch: worker_pb2.StepBatch, max_bytes: int) -> Iterator[bytes]:
     """``batch`` as frames of at most ``max_bytes`` payload each (split between
-    deltas and cache events when it is bigger: they are independent)."""
+    deltas and cache events when it is bigger: they are independent). The
+    batch's ``events_seq`` goes on the last frame: a router that reads it
+    has read every event of the batch."""
     payload = batch.SerializeToString()
     if len(payload) <= max_bytes or len(batch.deltas) + len(batch.cache_events) <= 1:
         yield LENGTH.pack(len(payload)) + payload
         return
     items = [*batch.deltas, *batch.cache_events]
     half = len(items) // 2
-    for part in (items[:half], items[half:]):
+    for part, seq in ((items[:half], 0), (items[half:], batch.events_seq)):
         yield from frames(
             worker_pb2.StepBatch(
                 deltas=[i for i in part if isinstance(i, worker_pb2.RequestDelta)],
                 cache_events=[i for i in part if isinstance(i, worker_pb2.CacheEvent)],
+                events_seq=seq,
             ),
             max_bytes,
         )

@@ -1,6 +1,6 @@
-"""A decode worker's output streams (worker/output_channel.py) and the
-router's reader (router/worker_streams.py), both in this process on
-127.0.0.1: framing, the handshake, cache events, a broken stream, a router
+"""A worker's output streams (worker/output_channel.py) and the router's
+reader (router/worker_streams.py), both in this process on 127.0.0.1:
+framing, the handshake, cache events and waiting for them, a broken stream, a router
 that goes away or reads slowly, TLS, the Unix socket of a router on the
 same machine."""
 
@@ -130,6 +130,61 @@ def test_steps_reach_the_owning_router_in_order_with_cache_events():
     run_with_pair(body)
 
 
+def test_a_stream_counts_event_batches_from_where_it_opened():
+    """Every batch with events counts, for every router; a stream that opens
+    later starts at the count so far (it never carries the earlier ones)."""
+
+    async def body(pair: Pair):
+        event = KVEvent("decode-0", (b"h" * 16,), ())
+        await pair.publish([], [event])  # no router yet: nobody gets it
+        await pair.publish([_out("r9", 1)], [])  # no events: not counted
+        assert pair.server.events_seq == 1
+        streams = await pair.subscribe()
+        stream = streams._streams["decode-0"]
+        assert stream.events_seq == 1 and pair.events == []
+        await pair.publish([], [event])
+        await pair.publish([], [event])
+        await asyncio.wait_for(streams.caught_up(pair.worker, 3), 10)
+        assert stream.events_seq == pair.server.events_seq == 3
+        assert len(pair.events) == 2
+        await streams.close()
+
+    run_with_pair(body)
+
+
+def test_caught_up_returns_once_the_events_are_applied():
+    async def body(pair: Pair):
+        streams, stream, _ = await pair.paused_reader()
+        await pair.publish([], [KVEvent("prefill-0", (b"p" * 16,), ())])
+        seq = pair.server.events_seq
+        waiting = asyncio.ensure_future(streams.caught_up(pair.worker, seq))
+        for _ in range(10):  # nothing can arrive while the reader is paused
+            await asyncio.sleep(0)
+        assert not waiting.done() and pair.events == []
+        stream.transport.resume_reading()
+        await asyncio.wait_for(waiting, 10)
+        assert [list(e.stored) for e in pair.events] == [[b"p" * 16]]
+        await streams.caught_up(pair.worker, seq)  # already there: at once
+        await streams.close()
+
+    run_with_pair(body)
+
+
+def test_caught_up_gives_up_when_the_stream_ends():
+    async def body(pair: Pair):
+        streams, stream, _ = await pair.paused_reader()
+        waiting = asyncio.ensure_future(streams.caught_up(pair.worker, 5))  # never published
+        await asyncio.sleep(0)
+        assert not waiting.done()
+        await asyncio.to_thread(pair.server.close)  # the worker goes away
+        stream.transport.resume_reading()
+        await asyncio.wait_for(waiting, 10)
+        assert stream.ended
+        await streams.caught_up(pair.worker, 5)  # no stream: at once
+
+    run_with_pair(body)
+
+
 def test_the_stream_is_registered_before_the_router_hears_it_open(monkeypatch):
     """A router routes requests to a worker as soon as its stream opens, and
     the worker refuses one whose router it does not know (has_router): the
@@ -138,7 +193,7 @@ def test_the_stream_is_registered_before_the_router_hears_it_open(monkeypatch):
 
     def slow_after_open(self, data):
         send(self, data)
-        if data == wire.OPEN_FRAME:
+        if data == wire.open_frame(0):
             time.sleep(0.3)  # a thread switch right after the frame went out
 
     monkeypatch.setattr(output_channel.RouterConnection, "send", slow_after_open)
@@ -286,6 +341,7 @@ def test_a_step_bigger_than_the_frame_limit_is_split():
     batch = worker_pb2.StepBatch(
         deltas=[worker_pb2.RequestDelta(request_id=f"r{i}", text="y" * 1000) for i in range(10)],
         cache_events=[worker_pb2.CacheEvent(worker="w", stored=[b"s" * 16])],
+        events_seq=7,
     )
     frames = list(wire.frames(batch, 2500))
     assert len(frames) > 1
@@ -297,6 +353,7 @@ def test_a_step_bigger_than_the_frame_limit_is_split():
     parts = [worker_pb2.StepBatch.FromString(p) for p in payloads]
     assert [d.request_id for p in parts for d in p.deltas] == [f"r{i}" for i in range(10)]
     assert sum(len(p.cache_events) for p in parts) == 1
+    assert [p.events_seq for p in parts] == [0] * (len(parts) - 1) + [7]  # once all is read
     with pytest.raises(wire.ProtocolError):
         wire.FrameReader(100).feed(wire.LENGTH.pack(101))
 
