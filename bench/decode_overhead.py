@@ -1,7 +1,7 @@
 """What a decode worker adds to each step: TPOT seen by a router's reader vs
 the bare engine's decode step, without Ray or the public API.
 
-A DecodeWorker runs in a process of its own and the router's DecodeStreams
+A DecodeWorker runs in a process of its own and the router's WorkerStreams
 reads its output stream in another, as in a deployment; requests start with
 ``start_full`` (the worker prefills them itself; 64-token prompts, 64 greedy
 tokens). Each measurement first times the bare engine's median decode step
@@ -11,7 +11,7 @@ output token after the first. The difference is the worker's per-step
 overhead.
 
 With ``--compare OTHER_CHECKOUT`` a second worker and reader run from that
-checkout (it must have the same DecodeWorker and DecodeStreams API), and the
+checkout (it must have the same DecodeWorker and WorkerStreams, or DecodeStreams, API), and the
 two alternate measurement by measurement, so both see the same machine load.
 Medians over ``--rounds``; the last line is one JSON object.
 
@@ -117,8 +117,13 @@ async def _serve_worker(conn) -> None:
 
 async def _side(tree: str) -> None:
     from kv_transfer import TransferConfig
-    from router.decode_streams import LOST, DecodeStreams
     from router.pool_manager import WorkerHandle
+
+    try:
+        from router.worker_streams import LOST, WorkerStreams
+    except ImportError:  # a checkout from before the rename (--compare)
+        from router.decode_streams import LOST
+        from router.decode_streams import DecodeStreams as WorkerStreams
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
@@ -126,7 +131,7 @@ async def _side(tree: str) -> None:
     proc.start()
     loop = asyncio.get_running_loop()
     info = await loop.run_in_executor(None, parent.recv)
-    streams = DecodeStreams(ROUTER_ID, lambda events: None, lambda w, why: None, TransferConfig())
+    streams = WorkerStreams(ROUTER_ID, lambda events: None, lambda w, why: None, TransferConfig())
     handle = WorkerHandle("decode-bench", "decode", None, info)
     await streams.subscribe(handle)
     print(json.dumps({"ready": info["outputs"]}), flush=True)

@@ -6,7 +6,8 @@ handshake this worker takes the leading blocks its prefix cache holds
 already, so only the rest is sent. Once the push commits, the request joins
 continuous batching and its first token (the prefill's) goes out as the
 first frame of its router's output stream: every token of a request reaches
-the router by that one stream (output_channel.py). ``start_full`` prefills
+the router by that one stream (worker/output_channel.py), with this
+worker's cache events. ``start_full`` prefills
 here instead (colocated mode, or a short tail after a cached prefix).
 """
 
@@ -20,10 +21,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from decode_pool.output_channel import OutputServer
 from engine.config import EngineConfig
 from kv_transfer import CommittedPush, GrpcKVServer, TransferConfig, TransferError
-from net.local_socket import host_identity
 from protocol.decode_start import BadStart, DecodeStart
 from protocol.outputs import RequestOutput
 from protocol.requests import DecodeRequest
@@ -36,7 +35,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class WorkerAddresses:
     kv: str  # KVTransfer service
-    outputs: str  # output streams (output_wire.py)
+    outputs: str  # output streams (worker/output_wire.py)
     outputs_local: str = ""  # the same on a Unix socket, for routers on this machine
     host_id: str = ""  # who can reach outputs_local (local_socket.host_identity)
 
@@ -54,7 +53,6 @@ class DecodeWorker(EngineWorker):
         self.host = host
         self.transfer = transfer or TransferConfig()
         self.kv_server = GrpcKVServer(self.store, self.transfer, host=host, port=0, handler=self)
-        self.outputs: OutputServer | None = None  # bound by start()
         self.addresses: WorkerAddresses | None = None
         self._background: set[asyncio.Future] = set()
         # request id -> when to forget it: aborted requests, so that a call for
@@ -62,26 +60,17 @@ class DecodeWorker(EngineWorker):
         self._aborted: dict[str, float] = {}
 
     async def start(self) -> WorkerAddresses:
-        self.outputs = OutputServer(
-            self.host,
-            self.transfer.security,
-            self._router_gone,
-            self.transfer.max_message_bytes,
-            local=self.transfer.local_streams,
-        )
+        self.open_outputs(self.host, self.transfer)
         self.start_loop()
         await self.kv_server.start()
+        info = self.describe()
         self.addresses = WorkerAddresses(
-            self.kv_server.address,
-            self.outputs.address,
-            self.outputs.local_address,
-            host_identity() if self.outputs.local_address else "",
+            self.kv_server.address, info["outputs"], info["outputs_local"], info["host_id"]
         )
         return self.addresses
 
     async def stop(self) -> None:
-        if self.outputs is not None:
-            self.outputs.close()
+        self.close_outputs()
         await self.kv_server.stop(1.0)
         for rid in await self.loop.acall(lambda e: e.request_ids()):
             await self.abort(rid)
@@ -191,12 +180,9 @@ class DecodeWorker(EngineWorker):
             self.outputs.disown(request_id)
 
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
-        """On the engine thread, after each step: straight to the routers."""
-        if self.outputs is not None:
-            try:
-                self.outputs.publish(outputs, self.drain_events())
-            except Exception:  # the engine thread must go on
-                log.exception("publishing a step's outputs failed")
+        """On the engine thread, after each step: straight to the routers,
+        with the cache events since the last step's."""
+        self.publish_outputs(outputs)
         for out in outputs:
             if out.finished:
                 log_event(

@@ -12,12 +12,14 @@ plain TCP connection for its payload, and only the payload:
    gRPC as before (a server with the data channel off). A refused header
    is answered with ``PUSH_REFUSED_KEY``: the client half-closes and reads
    the call's status.
-3. The client connects to that port (TLS when the cluster has TLS), sends
-   ``PREAMBLE_MAGIC`` + the token + HMAC-SHA256(cluster secret, token) (the
-   server checks it in constant time and drops the connection on a
-   mismatch), then one frame per chunk: a ``FRAME`` header (the chunk's span, payload
-   size and xxh3-64 of the payload) followed by the payload, in the byte
-   order kv_transfer.proto defines for KVChunk.data; then an ``END`` frame.
+3. The client connects to that port (TLS when the cluster has TLS) and
+   answers the server's handshake (net/handshake.py) with the tag
+   ``HANDSHAKE_TAG`` and the token as its identity, which proves the cluster
+   secret; the server drops the connection on a mismatch or an unknown
+   token. Then one frame per chunk: a ``FRAME`` header (the chunk's span,
+   payload size and xxh3-64 of the payload) followed by the payload, in the
+   byte order kv_transfer.proto defines for KVChunk.data; then an ``END``
+   frame.
 4. The client writes the commit on the gRPC stream; the server waits for
    the data connection to finish, commits and replies there. Every error
    (bad checksum: DATA_LOSS) comes back as the gRPC call's status.
@@ -44,7 +46,8 @@ from typing import TYPE_CHECKING
 import grpc
 import xxhash
 
-from net.security import MAC_BYTES, REFUSED_KEY, ClusterSecurity
+from net import handshake
+from net.security import REFUSED_KEY, ClusterSecurity
 from net.sockets import accept_forever, recv_exact, recv_into_buffers, send_buffers, tune
 
 from .interface import TransferError, new_staging
@@ -56,12 +59,12 @@ if TYPE_CHECKING:
 DATA_TOKEN_KEY = "tandem-kv-data-token"
 DATA_PORT_KEY = "tandem-kv-data-port"
 PUSH_REFUSED_KEY = REFUSED_KEY  # initial metadata of a push refused at its header
-PREAMBLE_MAGIC = b"TKV1"
+HANDSHAKE_TAG = b"tandem-kv-data"
 TOKEN_BYTES = 16
 CHUNK_MAGIC, END_MAGIC = b"KVC1", b"KVE1"
 # magic, layer_start, layer_end, block_start, block_end, payload bytes, xxh3_64
 FRAME = struct.Struct("<4sIIIIQQ")
-PREAMBLE_TIMEOUT_S = 10.0
+HANDSHAKE_TIMEOUT_S = handshake.TIMEOUT_S
 
 FrameFilter = Callable[[bytes], bytes | None]
 
@@ -126,7 +129,7 @@ class DataSender:
         self.send_on(sock)
 
     def send_on(self, sock: socket.socket) -> None:
-        """Send the preamble, every chunk and the end frame; closes ``sock``."""
+        """Answer the handshake, send every chunk and the end frame; closes ``sock``."""
         with self._lock:
             if self._aborted:
                 sock.close()
@@ -134,7 +137,7 @@ class DataSender:
             self._sock = sock
         try:
             tune(sock)
-            sock.sendall(PREAMBLE_MAGIC + self.token + self.security.token_mac(self.token))
+            handshake.connect(sock, self.security, HANDSHAKE_TAG, self.token, HANDSHAKE_TIMEOUT_S)
             for span, views in self.sender.chunks():
                 nbytes = sum(v.nbytes for v in views)
                 frame = encode_frame(span, nbytes, checksum(views))
@@ -310,30 +313,24 @@ class DataServer:
         accept_forever(self._listener, lambda: self._stopped, self._serve, "kv-data-conn")
 
     def _serve(self, sock: socket.socket) -> None:
+        """TLS first (when configured), then the handshake, which names the
+        push this connection brings the data of; dropped unless its token is
+        expected and its answer proves the cluster secret."""
         incoming = None
         try:
             tune(sock)
-            sock.settimeout(PREAMBLE_TIMEOUT_S)
+            sock.settimeout(HANDSHAKE_TIMEOUT_S)
             if self._ssl is not None:
                 sock = self._ssl.wrap_socket(sock, server_side=True)
-            incoming = self._read_preamble(sock)
+            token = handshake.accept(
+                sock, self.security, HANDSHAKE_TAG, TOKEN_BYTES, HANDSHAKE_TIMEOUT_S
+            )
             sock.settimeout(None)
-        except (OSError, ValueError):  # ssl.SSLError is an OSError
+            with self._lock:
+                incoming = self._expected.pop(token, None)
+        except (OSError, ValueError):  # ssl.SSLError and HandshakeRefused are OSErrors
             incoming = None
         if incoming is None or not incoming.attach(sock):
             sock.close()
             return
         incoming.serve(sock)
-
-    def _read_preamble(self, sock: socket.socket) -> IncomingData | None:
-        """The push a connection's preamble names, if its token is expected and
-        its MAC proves the cluster secret."""
-        magic = len(PREAMBLE_MAGIC)
-        preamble = memoryview(bytearray(magic + TOKEN_BYTES + MAC_BYTES))
-        if not recv_exact(sock, preamble) or preamble[:magic] != PREAMBLE_MAGIC:
-            return None
-        token = bytes(preamble[magic : magic + TOKEN_BYTES])
-        if not self.security.check_token_mac(token, bytes(preamble[magic + TOKEN_BYTES :])):
-            return None
-        with self._lock:
-            return self._expected.pop(token, None)

@@ -85,10 +85,10 @@ class TransferConfig:
     security: ClusterSecurity = field(default_factory=ClusterSecurity)
     """Cluster secret and TLS of the KV endpoints (security.py)."""
     local_streams: bool = True
-    """A decode worker's output stream to a router on the same machine (same
-    kernel and network namespace) goes over a Unix socket (local_socket.py):
-    the engine thread's write each step costs about half of loopback TCP's.
-    No TLS on it (it never leaves the machine); the login still proves the
+    """A worker's output stream to a router on the same machine (same kernel
+    and network namespace) goes over a Unix socket (local_socket.py): the
+    engine thread's write each step costs about half of loopback TCP's. No
+    TLS on it (it never leaves the machine); its handshake still proves the
     cluster secret. Off on a worker: it offers none; on a router: it never
     asks."""
 

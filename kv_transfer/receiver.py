@@ -93,10 +93,10 @@ class KVReceiver:
             raise TransferError(_INVALID, f"{len(header.token_ids)} token_ids for {n} blocks")
         if header.total_bytes and header.total_bytes != n * self.sink.layout.block_bytes:
             raise TransferError(_INVALID, f"total_bytes {header.total_bytes} does not fit layout")
-        hashes = list(header.block_hashes) or [b""] * n
+        hashes = list(header.block_hashes)  # empty or one per block (checked above)
         holder = lease_holder("recv", header.request_id)
         prefix: list[int] = []
-        if self.reuse_prefix and n > 1:  # the last block always comes
+        if self.reuse_prefix and n > 1 and hashes:  # the last block always comes
             prefix = self.sink.hold_prefix(holder, hashes[: n - 1], header.token_ids)
         blocks = self.sink.reserve(holder, n - len(prefix))
         if blocks is None:
@@ -107,7 +107,7 @@ class KVReceiver:
         self.holder, self.block_ids = holder, prefix + blocks
         self.held_blocks = len(prefix)
         self.request_id = header.request_id
-        self.block_hashes = hashes
+        self.block_hashes = hashes or [b""] * n  # n blocks are reserved: n is sane
         self.token_ids = list(header.token_ids)
         self.next_token_ids = list(header.next_token_ids)
         self.decode_start = header.decode_start

@@ -1,7 +1,7 @@
 """Unix sockets for connections whose two ends are on the same machine.
 
 A decode worker's engine thread writes one frame to each router's output
-stream after every step (decode_pool/output_channel.py), and that write
+stream after every step (worker/output_channel.py), and that write
 is part of the time per output token. Over loopback TCP the ``send()``
 runs the whole TCP receive path in the sender's context, with caches cold
 from the forward pass; a Unix socket queues the bytes on the reader's

@@ -2,10 +2,11 @@
 
 Two independent locks, both optional:
 
-- A cluster secret every internal call presents in its metadata
-  (``SECRET_KEY``) and every data connection proves in its preamble (an
-  HMAC of its token, datachannel.py). Servers compare in constant time and
-  answer UNAUTHENTICATED without reading anything else.
+- A cluster secret every internal gRPC call presents in its metadata
+  (``SECRET_KEY``) and every raw connection (KV data, output streams) proves
+  in its handshake (an HMAC of the server's nonce, handshake.py). Servers
+  compare in constant time and answer UNAUTHENTICATED, or close the
+  connection, without reading anything else.
 - TLS from PEM files: the server presents ``cert``/``key``; with ``ca`` set,
   servers demand, and clients present, a certificate signed by it (mutual
   TLS), and clients check the server's against it.
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import hmac
 import ssl
 from collections.abc import Callable, Sequence
@@ -32,7 +32,6 @@ SECRET_KEY = "tandem-cluster-secret"
 # read: the client half-closes, then reads the status (see grpc_client.py).
 REFUSED_KEY = "tandem-kv-refused"
 REFUSED_DRAIN_S = 10.0
-MAC_BYTES = 32  # HMAC-SHA256
 
 
 @dataclass(frozen=True)
@@ -77,13 +76,6 @@ class ClusterSecurity:
             if key == SECRET_KEY:
                 presented = value.encode() if isinstance(value, str) else value
         return hmac.compare_digest(presented, self.secret.hex().encode())
-
-    def token_mac(self, token: bytes) -> bytes:
-        """Proof, in a data connection's preamble, that its sender knows the secret."""
-        return hmac.new(self.secret, token, hashlib.sha256).digest()
-
-    def check_token_mac(self, token: bytes, mac: bytes) -> bool:
-        return hmac.compare_digest(self.token_mac(token), mac)
 
     def interceptors(self) -> list[grpc.aio.ServerInterceptor]:
         return [SecretInterceptor(self)] if self.secret else []

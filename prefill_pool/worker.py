@@ -8,6 +8,12 @@ worker answers the push's header with the leading blocks it holds already;
 only the rest is sent. Full blocks stay in this worker's prefix cache. The
 request's tokens reach the router from the decode worker alone: this call
 returns what the prefill cost, not tokens.
+
+The prefix cache's changes go to the routers on this worker's output
+streams (worker/output_channel.py), which carry nothing else, as soon as
+the engine thread reports them (or to Redis, with the index there). The
+reply names how many batches of them were out by then (``events_seq``),
+so that the router can wait for its stream to have brought them.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ class PrefillWorker(EngineWorker):
         host: str = "127.0.0.1",
     ) -> None:
         super().__init__(name, config, index)
+        self.host = host
         self.transfer_config = transfer or TransferConfig()
         self._client: GrpcKVClient | None = None
         # Serves pulls of this worker's cached prefix blocks by other workers.
@@ -59,6 +66,7 @@ class PrefillWorker(EngineWorker):
         self.faults = FaultPlan(faults)
 
     async def start(self) -> None:
+        self.open_outputs(self.host, self.transfer_config)
         self.start_loop()
         self._client = GrpcKVClient(self.transfer_config)
         await self.kv_server.start()
@@ -67,6 +75,7 @@ class PrefillWorker(EngineWorker):
         return {**super().describe(), "kv": self.kv_server.address}
 
     async def stop(self) -> None:
+        self.close_outputs()
         if self._client is not None:
             await self._client.close()
         await self.kv_server.stop(1.0)
@@ -121,7 +130,7 @@ class PrefillWorker(EngineWorker):
         prefilled = time.perf_counter()
         if out.finish_reason == "abort":  # the abort may have come before the add: drop it
             await asyncio.shield(self.loop.acall(lambda e: e.abort(rid)))
-            return PrefillResult(rid, True, 0, 0, prefilled - start, 0.0, self.drain_events())
+            return PrefillResult(rid, True, 0, 0, prefilled - start, 0.0, self._events_seq())
         try:
             blocks = self._blocks_to_push(req, out)
             pushed = await self._push(req.decode_kv_address, blocks)
@@ -150,8 +159,17 @@ class PrefillWorker(EngineWorker):
             pushed.held_blocks,
             prefilled - start,
             done - prefilled,
-            self.drain_events(),
+            self._events_seq(),
         )
+
+    def _events_seq(self) -> int:
+        return self.outputs.events_seq if self.outputs is not None else 0
+
+    def _on_cache_events(self, stored: list[bytes], removed: list[bytes]) -> None:
+        """On the engine thread: out to the routers at once, before the step's
+        outputs reach the event loop (so a reply counts them)."""
+        super()._on_cache_events(stored, removed)
+        self.publish_outputs([])
 
     def _blocks_to_push(self, req: PrefillRequest, out: RequestOutput) -> KVBlocks:
         """The request's blocks and its first token, with what the decode

@@ -1,7 +1,7 @@
 """What a worker streams back to the router for one request, per step.
 
 Torch-free: the engine builds these, the workers send them over their
-output streams (decode_pool/output_wire.py), the router reads them.
+output streams (worker/output_wire.py), the router reads them.
 """
 
 from __future__ import annotations

@@ -5,12 +5,8 @@ or a short tail after a prefix the decode worker holds)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from protocol.sampling import SamplingParams
-
-if TYPE_CHECKING:
-    from block_index.base import KVEvent
 
 
 @dataclass(frozen=True)
@@ -50,4 +46,8 @@ class PrefillResult:
     held_blocks: int  # leading blocks the decode worker held already: not pushed
     prefill_s: float  # queue + compute, seconds
     transfer_s: float
-    cache_events: list[KVEvent] = field(default_factory=list)  # for the router's index
+    events_seq: int = 0
+    """Batches of cache events this worker's output streams had carried when
+    it replied (those of this prefill included): the router waits for its
+    stream to show this count before it ends the request. 0: none (or the
+    index is in Redis)."""

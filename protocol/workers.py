@@ -44,7 +44,7 @@ class WorkerInfo:
     serves pulls of its cached blocks there, a decode worker receives pushes;
     None: none."""
     outputs: str | None = None
-    """``host:port`` of its output streams (decode_pool/output_wire.py), which
+    """``host:port`` of its output streams (worker/output_wire.py), which
     routers subscribe to; None: a prefill worker, which has none."""
     outputs_local: str | None = None
     """The same streams on a Unix socket, for routers on the same machine;

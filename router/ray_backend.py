@@ -31,7 +31,6 @@ from protocol.requests import DecodeRequest, PrefillRequest, PrefillResult
 from protos.tandem.v1 import worker_pb2
 from router.backend import GenerateInput, GenerateResult, TokenDelta
 from router.config import ServeConfig
-from router.decode_streams import LOST, DecodeStreams, DeltaQueue, merge_queued
 from router.failover import FailoverStats, NoWorkerAvailable, RetryPolicy, WorkerLost, is_retryable
 from router.messages import RequestError
 from router.policies import make_policy
@@ -40,6 +39,7 @@ from router.prefix_routing import PrefixRouter, RoutePlan
 from router.progress import Progress
 from router.watchdog import Watchdog
 from router.worker_recovery import WorkerRecovery
+from router.worker_streams import LOST, DeltaQueue, WorkerStreams, merge_queued
 from worker.cpu_binding import CoreLayout
 from worker.logfmt import log_event
 
@@ -67,7 +67,7 @@ class RayBackend:
             config.max_attempts, config.retry_backoff_s, config.retry_backoff_max_s
         )
         self.failover = FailoverStats()
-        self.streams = DecodeStreams(
+        self.streams = WorkerStreams(
             self.router_id, self._apply_events, self._suspect, config.transfer_config()
         )
         self.recovery = WorkerRecovery(
@@ -113,7 +113,7 @@ class RayBackend:
             local_prefill_tokens=self.config.local_prefill_tokens,
             pull_min_blocks=self.config.pull_min_blocks,
         )
-        for worker in self.decode.workers:
+        for worker in workers:  # prefill workers' streams bring their cache events
             await self.streams.subscribe(worker)
         if self.config.worker_check_interval_s > 0:
             self._watcher = asyncio.create_task(
@@ -160,8 +160,7 @@ class RayBackend:
                     self._missing.pop(pool.role, None)  # an explicit size replaces the old one
                     if n > len(pool.workers):
                         for worker in await pool.scale_to(n):
-                            if pool is self.decode:
-                                await self.streams.subscribe(worker)
+                            await self.streams.subscribe(worker)
                     else:
                         gone += pool.take_out(len(pool.workers) - n)
             finally:  # workers taken out are stopped even when growing the other pool failed
@@ -198,9 +197,8 @@ class RayBackend:
                     log.warning("%d %s workers not placed yet: %r", missing, pool.role, exc)
                     continue
                 self._missing[pool.role] = 0
-                if pool is self.decode:
-                    for worker in new:
-                        await self.streams.subscribe(worker)
+                for worker in new:
+                    await self.streams.subscribe(worker)
             return dropped
 
     async def _watch_workers(self, interval_s: float) -> None:
@@ -261,8 +259,7 @@ class RayBackend:
         """A worker passed its health check: listen to it again."""
         if self.index is not None:
             self.index.drop_worker(worker.name)  # a restarted worker starts empty
-        if "outputs" in worker.info:
-            await self.streams.subscribe(worker)
+        await self.streams.subscribe(worker)
 
     # ---- requests -------------------------------------------------------
 
@@ -399,7 +396,10 @@ class RayBackend:
     ) -> PrefillResult:
         """The prefill call: the prefill worker computes the prompt and pushes
         the KV the decode worker lacks, with the request, to it. Its result
-        holds the cost and the cache events for the index, not tokens."""
+        holds the cost, not tokens. Returns once the worker's output stream
+        has brought the cache events it had published by then (the prompt's
+        blocks among them) into the index: the request ends after that, so a
+        request sent after its answer is routed with its prefix known."""
         d, p = plan.decode, plan.prefill
         assert p is not None
         pull_from = plan.pull_from.info["kv"] if plan.pull_from is not None else None
@@ -412,8 +412,7 @@ class RayBackend:
             result = await self.watchdog.call(p, p.actor.prefill.remote(request))
         finally:
             p.in_flight -= 1
-        for event in result.cache_events:  # KVEvents already, unlike the streams' protos
-            self.index.apply(event)
+        await self.streams.caught_up(p, result.events_seq)
         return result
 
     async def _abort(self, rid: str, p: WorkerHandle | None, d: WorkerHandle) -> None:

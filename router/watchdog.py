@@ -19,10 +19,10 @@ import ray
 import ray.exceptions
 
 from protos.tandem.v1 import worker_pb2
-from router.decode_streams import LOST, DeltaQueue
 from router.failover import WorkerLost
 from router.pool_manager import WorkerHandle
 from router.worker_recovery import WorkerRecovery
+from router.worker_streams import LOST, DeltaQueue
 
 
 class Watchdog:

@@ -1,2 +1,3 @@
 """What prefill and decode workers share: the engine on its thread, the Ray
-actor base, process setup (cores, scheduling policy, heap, log format)."""
+actor base, the output streams to the routers, process setup (cores,
+scheduling policy, heap, log format)."""

@@ -1,10 +1,14 @@
 """What prefill, decode and colocated workers share: an engine on its own
-thread, the pool adapter for KV transfers, and per-request output routing
-into the worker's event loop."""
+thread, the pool adapter for KV transfers, per-request output routing into
+the worker's event loop, and the output streams to the routers
+(worker/output_channel.py), which carry the prefix cache's events to the
+routers' in-process index. With the index in Redis the events go there
+instead, and the streams carry none."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import threading
 import uuid
@@ -18,17 +22,21 @@ from engine.llm_engine import LLMEngine
 from engine.spec.decoder import spec_stats
 from kv_transfer import PoolBlockStore, TransferConfig
 from kv_transfer.quantized import QuantizedBlockStore
+from net.local_socket import host_identity
 from protocol.outputs import RequestOutput
 from protocol.workers import WorkerHealth
 from worker.cpu_binding import bind_process
 from worker.heap import freeze_startup_heap
 from worker.logfmt import LogFormat, configure_logging
+from worker.output_channel import OutputServer
 from worker.sched_policy import set_niceness, set_policy
+
+log = logging.getLogger(__name__)
 
 
 class BufferedEvents:
-    """An EventPublisher that keeps events until the worker hands them to the
-    router with its replies (the in-process index's feed)."""
+    """An EventPublisher that keeps events until the engine thread sends them
+    on the output streams (the in-process index's feed)."""
 
     def __init__(self) -> None:
         self._events: list[KVEvent] = []
@@ -51,7 +59,7 @@ class BufferedEvents:
 class IndexSettings:
     """Where a worker publishes its prefix cache's changes."""
 
-    redis_url: str | None = None  # None: buffered, handed to the router with replies
+    redis_url: str | None = None  # None: on the output streams, to the routers' index
     deployment: str = "default"
     heartbeat_s: float = 2.0
     ttl_s: float = 10.0
@@ -68,6 +76,7 @@ class EngineWorker:
         self.store = PoolBlockStore(self.engine.block_pool, self.engine.kv_cache, self.loop.lock)
         if config.kv_transfer_dtype != "auto":  # quantized KV on the wire
             self.store = QuantizedBlockStore(self.store, config.kv_transfer_dtype)
+        self.outputs: OutputServer | None = None  # bound by open_outputs()
         self._aio: asyncio.AbstractEventLoop | None = None
         self._listeners: dict[str, Callable[[RequestOutput], None]] = {}
         self.initial_free_blocks = self.engine.block_pool.num_free
@@ -89,6 +98,22 @@ class EngineWorker:
             ttl_s=index.ttl_s,
             snapshot=self.cached_hashes,
         )
+
+    def open_outputs(self, host: str, transfer: TransferConfig) -> OutputServer:
+        """Listen for the routers' output streams (before start_loop)."""
+        self.outputs = OutputServer(
+            host,
+            transfer.security,
+            self._router_gone,
+            transfer.max_message_bytes,
+            local=transfer.local_streams,
+        )
+        return self.outputs
+
+    def close_outputs(self) -> None:
+        """End every output stream (the routers see them end)."""
+        if self.outputs is not None:
+            self.outputs.close()
 
     def start_loop(self) -> None:
         self._aio = asyncio.get_running_loop()
@@ -128,13 +153,19 @@ class EngineWorker:
     def describe(self) -> dict:
         """What the router needs to know about this worker."""
         engine = self.engine
-        return {
+        info = {
             "name": self.name,
             "max_model_len": engine.max_model_len,
             "vocab_size": engine.spec.vocab_size,
             "model_fingerprint": engine.kv_layout.model_fingerprint,
             "incarnation": self.incarnation,
         }
+        if self.outputs is not None:  # where routers open its output stream
+            local = self.outputs.local_address
+            info["outputs"] = self.outputs.address
+            info["outputs_local"] = local
+            info["host_id"] = host_identity() if local else ""  # who can reach outputs_local
+        return info
 
     def stats(self) -> dict[str, int]:
         engine = self.engine
@@ -153,8 +184,23 @@ class EngineWorker:
         }
 
     def drain_events(self) -> list[KVEvent]:
-        """Cache events not yet handed to a router (in-process index only)."""
+        """Cache events not yet sent to the routers (in-process index only)."""
         return self.publisher.drain() if isinstance(self.publisher, BufferedEvents) else []
+
+    def publish_outputs(self, outputs: list[RequestOutput]) -> None:
+        """On the engine thread: ``outputs`` to the routers that own their
+        requests, and the cache events not sent yet to every router (none
+        with the index in Redis), on the output streams."""
+        if self.outputs is None:
+            return
+        try:
+            self.outputs.publish(outputs, self.drain_events())
+        except Exception:  # the engine thread must go on
+            log.exception("publishing a step's outputs failed")
+
+    def _router_gone(self, router_id: str, request_ids: list[str]) -> None:
+        """A router's output stream closed (in its connection's thread), with
+        the requests it owned here (none on a prefill worker)."""
 
     def cached_hashes(self) -> list[bytes]:
         with self.loop.lock:

@@ -132,8 +132,8 @@ def test_a_worker_refuses_a_kv_peer_without_credentials(hardened, certs, who):
 
 def test_a_decode_worker_refuses_an_output_stream_without_the_secret(hardened):
     """The token streams are internal too: no secret, no tokens."""
-    from router.decode_streams import DecodeStreams
     from router.pool_manager import WorkerHandle
+    from router.worker_streams import WorkerStreams
 
     transfer = hardened.config.transfer_config()
     no_secret = dataclasses.replace(transfer, security=ClusterSecurity(b"", transfer.security.tls))
@@ -141,7 +141,7 @@ def test_a_decode_worker_refuses_an_output_stream_without_the_secret(hardened):
     intruder = WorkerHandle(decode.name, "decode", None, dict(decode.info))
 
     async def subscribe() -> None:
-        streams = DecodeStreams("intruder", lambda events: None, lambda w, why: None, no_secret)
+        streams = WorkerStreams("intruder", lambda events: None, lambda w, why: None, no_secret)
         await streams.subscribe(intruder)
 
     with pytest.raises(ConnectionError):

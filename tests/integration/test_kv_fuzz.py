@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 
 from kv_transfer import TransferConfig, datachannel, wire
 from kv_transfer.grpc_server import PUSH_METHOD
+from net import handshake
 from net.security import ClusterSecurity
 from protos.tandem.v1 import kv_transfer_pb2 as pb
 from tests.kv_harness import LAYOUT, KVServerHarness, header
@@ -291,7 +292,7 @@ async def _push_frames(h: KVServerHarness, n: int, frames: list[bytes]) -> grpc.
 
         def send() -> None:
             with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
-                conn.sendall(b"TKV1" + token + CONFIG.security.token_mac(token))
+                handshake.connect(conn, CONFIG.security, datachannel.HANDSHAKE_TAG, token)
                 for frame in frames:
                     conn.sendall(frame)
 

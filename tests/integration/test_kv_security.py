@@ -19,6 +19,7 @@ import torch
 
 from engine.block_pool import Holder
 from kv_transfer import GrpcKVClient, KVBlocks, TransferConfig, TransferError, datachannel, wire
+from net import handshake
 from net.security import SECRET_KEY, ClusterSecurity
 from tests.kv_harness import LAYOUT, KVServerHarness, header, make_store
 from tests.tls_certs import tls_files
@@ -127,9 +128,9 @@ def test_a_data_connection_without_the_secrets_mac_is_dropped():
             await call.write(wire.encode_header(header("stolen", 2)))
             port = int(dict(await call.initial_metadata())[datachannel.DATA_PORT_KEY])
             assert harness.store.num_free == harness.initial_free - 2
-            forged = ClusterSecurity(b"guess").token_mac(token)
             with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
-                conn.sendall(b"TKV1" + token + forged)
+                guess = ClusterSecurity(b"guess")
+                handshake.connect(conn, guess, datachannel.HANDSHAKE_TAG, token)
                 assert _dropped(conn)  # before any frame
             call.cancel()
 
@@ -175,7 +176,7 @@ def test_tls_data_channel_refuses_a_plaintext_connection(cluster_certs):
         data = harness.server._data
         assert data is not None
         with socket.create_connection(("127.0.0.1", data.port), timeout=10) as conn:
-            conn.sendall(b"TKV1" + bytes(16) + bytes(32))
+            conn.sendall(handshake.MAGIC + bytes(64))
             assert _dropped(conn)  # not a TLS hello
         # A TLS client whose certificate another CA signed: no further.
         ctx = ClusterSecurity(b"", tls_files(cluster_certs[1])).client_ssl_context()
@@ -190,7 +191,7 @@ def test_tls_data_channel_refuses_a_plaintext_connection(cluster_certs):
             else:
                 with conn:
                     with contextlib.suppress(ssl.SSLError, ConnectionError):
-                        conn.sendall(b"TKV1" + bytes(48))
+                        conn.sendall(handshake.MAGIC + bytes(64))
                     assert _dropped(conn)
         _push(
             harness, TransferConfig(security=ClusterSecurity(SECRET, tls_files(cluster_certs[0])))

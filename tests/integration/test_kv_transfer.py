@@ -30,6 +30,8 @@ from kv_transfer import (
 )
 from kv_transfer.grpc_server import PUSH_METHOD
 from kv_transfer.peer import Peer, PeerSpec
+from net import handshake
+from net.security import ClusterSecurity
 from protos.tandem.v1 import kv_transfer_pb2 as pb
 
 pytestmark = pytest.mark.integration
@@ -215,7 +217,8 @@ def test_data_connection_is_offered_and_an_abandoned_one_frees_the_blocks():
             port = int(metadata[datachannel.DATA_PORT_KEY])
             assert store.num_free == 12 and [h.kind for h in store.holders()] == ["lease"]
             with socket.create_connection(("127.0.0.1", port), timeout=10) as stray:
-                stray.sendall(b"TKV1" + bytes(16) + bytes(32))  # a wrong token
+                # The right secret (none) and tag, but a token no push expects.
+                handshake.connect(stray, ClusterSecurity(), datachannel.HANDSHAKE_TAG, bytes(16))
                 assert stray.recv(1) == b""  # dropped
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await call  # the lease expires: blocks freed, call ended

@@ -1,12 +1,13 @@
-"""A decode worker's output streams (decode_pool/output_channel.py) and the
-router's reader (router/decode_streams.py), both in this process on
-127.0.0.1: framing, the login, cache events, a broken stream, a router
+"""A worker's output streams (worker/output_channel.py) and the router's
+reader (router/worker_streams.py), both in this process on 127.0.0.1:
+framing, the handshake, cache events and waiting for them, a broken stream, a router
 that goes away or reads slowly, TLS, the Unix socket of a router on the
 same machine."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import socket
 import threading
@@ -15,17 +16,18 @@ import time
 import pytest
 
 from block_index import KVEvent
-from decode_pool import output_channel
-from decode_pool import output_wire as wire
-from decode_pool.output_channel import OutputServer
 from kv_transfer import TransferConfig
+from net import handshake
 from net.local_socket import host_identity
 from net.security import ClusterSecurity
 from protocol.outputs import RequestOutput
 from protos.tandem.v1 import worker_pb2
-from router.decode_streams import LOST, DecodeStreams
 from router.pool_manager import WorkerHandle
+from router.worker_streams import LOST, WorkerStreams
 from tests.tls_certs import tls_files
+from worker import output_channel
+from worker import output_wire as wire
+from worker.output_channel import OutputServer
 
 pytestmark = pytest.mark.integration
 
@@ -50,14 +52,14 @@ class Pair:
             security=reader_security or security, max_message_bytes=16 << 20
         )
         self.worker = WorkerHandle("decode-0", "decode", None, {"outputs": self.server.address})
-        self.streams: DecodeStreams | None = None
+        self.streams: WorkerStreams | None = None
 
     def _router_gone(self, router_id: str, request_ids: list[str]) -> None:
         self.gone.append((router_id, request_ids))
         self.gone_event.set()
 
-    async def subscribe(self, router_id: str = "router-a") -> DecodeStreams:
-        self.streams = DecodeStreams(
+    async def subscribe(self, router_id: str = "router-a") -> WorkerStreams:
+        self.streams = WorkerStreams(
             router_id,
             self.events.extend,
             lambda w, why: self.broken.append((w.name, why)),
@@ -128,6 +130,61 @@ def test_steps_reach_the_owning_router_in_order_with_cache_events():
     run_with_pair(body)
 
 
+def test_a_stream_counts_event_batches_from_where_it_opened():
+    """Every batch with events counts, for every router; a stream that opens
+    later starts at the count so far (it never carries the earlier ones)."""
+
+    async def body(pair: Pair):
+        event = KVEvent("decode-0", (b"h" * 16,), ())
+        await pair.publish([], [event])  # no router yet: nobody gets it
+        await pair.publish([_out("r9", 1)], [])  # no events: not counted
+        assert pair.server.events_seq == 1
+        streams = await pair.subscribe()
+        stream = streams._streams["decode-0"]
+        assert stream.events_seq == 1 and pair.events == []
+        await pair.publish([], [event])
+        await pair.publish([], [event])
+        await asyncio.wait_for(streams.caught_up(pair.worker, 3), 10)
+        assert stream.events_seq == pair.server.events_seq == 3
+        assert len(pair.events) == 2
+        await streams.close()
+
+    run_with_pair(body)
+
+
+def test_caught_up_returns_once_the_events_are_applied():
+    async def body(pair: Pair):
+        streams, stream, _ = await pair.paused_reader()
+        await pair.publish([], [KVEvent("prefill-0", (b"p" * 16,), ())])
+        seq = pair.server.events_seq
+        waiting = asyncio.ensure_future(streams.caught_up(pair.worker, seq))
+        for _ in range(10):  # nothing can arrive while the reader is paused
+            await asyncio.sleep(0)
+        assert not waiting.done() and pair.events == []
+        stream.transport.resume_reading()
+        await asyncio.wait_for(waiting, 10)
+        assert [list(e.stored) for e in pair.events] == [[b"p" * 16]]
+        await streams.caught_up(pair.worker, seq)  # already there: at once
+        await streams.close()
+
+    run_with_pair(body)
+
+
+def test_caught_up_gives_up_when_the_stream_ends():
+    async def body(pair: Pair):
+        streams, stream, _ = await pair.paused_reader()
+        waiting = asyncio.ensure_future(streams.caught_up(pair.worker, 5))  # never published
+        await asyncio.sleep(0)
+        assert not waiting.done()
+        await asyncio.to_thread(pair.server.close)  # the worker goes away
+        stream.transport.resume_reading()
+        await asyncio.wait_for(waiting, 10)
+        assert stream.ended
+        await streams.caught_up(pair.worker, 5)  # no stream: at once
+
+    run_with_pair(body)
+
+
 def test_the_stream_is_registered_before_the_router_hears_it_open(monkeypatch):
     """A router routes requests to a worker as soon as its stream opens, and
     the worker refuses one whose router it does not know (has_router): the
@@ -136,7 +193,7 @@ def test_the_stream_is_registered_before_the_router_hears_it_open(monkeypatch):
 
     def slow_after_open(self, data):
         send(self, data)
-        if data == wire.OPEN_FRAME:
+        if data == wire.open_frame(0):
             time.sleep(0.3)  # a thread switch right after the frame went out
 
     monkeypatch.setattr(output_channel.RouterConnection, "send", slow_after_open)
@@ -148,7 +205,7 @@ def test_the_stream_is_registered_before_the_router_hears_it_open(monkeypatch):
     run_with_pair(body)
 
 
-def test_a_login_without_the_secret_is_refused():
+def test_a_handshake_without_the_secret_is_refused():
     async def body(pair: Pair):
         with pytest.raises(ConnectionError):
             await pair.subscribe("intruder")
@@ -158,15 +215,25 @@ def test_a_login_without_the_secret_is_refused():
     run_with_pair(body, reader_security=ClusterSecurity(b"wrong"))
 
 
-def test_a_raw_client_that_sends_garbage_is_dropped():
+@pytest.mark.parametrize("sends", ["garbage", "a forged answer", "a KV data answer"])
+def test_a_raw_client_without_a_valid_answer_is_dropped(sends):
     pair = Pair(ClusterSecurity(SECRET))
     try:
         host, port = pair.server.address.rsplit(":", 1)
         with socket.create_connection((host, int(port)), timeout=10) as sock:
-            hello = sock.recv(wire.HELLO_BYTES, socket.MSG_WAITALL)
-            assert hello[: len(wire.MAGIC)] == wire.MAGIC
-            sock.sendall(wire.MAGIC + wire.ID_LENGTH.pack(3) + b"bob" + b"\0" * 32)
-            assert sock.recv(1) == b""  # closed without a frame
+            nonce = handshake.parse_hello(sock.recv(handshake.HELLO_BYTES, socket.MSG_WAITALL))
+            if sends == "garbage":
+                sock.sendall(handshake.MAGIC + b"\0" * 64)
+            elif sends == "a forged answer":
+                guess = ClusterSecurity(b"guess")
+                sock.sendall(handshake.answer(guess, wire.HANDSHAKE_TAG, nonce, b"router-a"))
+            else:  # the right secret, for another purpose
+                security = ClusterSecurity(SECRET)
+                sock.sendall(handshake.answer(security, b"tandem-kv-data", nonce, b"router-a"))
+            # Closed without a frame (reset when our bytes went unread).
+            with contextlib.suppress(ConnectionResetError):
+                assert sock.recv(1) == b""
+        assert not pair.server.has_router("router-a")
     finally:
         pair.close()
 
@@ -274,6 +341,7 @@ def test_a_step_bigger_than_the_frame_limit_is_split():
     batch = worker_pb2.StepBatch(
         deltas=[worker_pb2.RequestDelta(request_id=f"r{i}", text="y" * 1000) for i in range(10)],
         cache_events=[worker_pb2.CacheEvent(worker="w", stored=[b"s" * 16])],
+        events_seq=7,
     )
     frames = list(wire.frames(batch, 2500))
     assert len(frames) > 1
@@ -285,6 +353,7 @@ def test_a_step_bigger_than_the_frame_limit_is_split():
     parts = [worker_pb2.StepBatch.FromString(p) for p in payloads]
     assert [d.request_id for p in parts for d in p.deltas] == [f"r{i}" for i in range(10)]
     assert sum(len(p.cache_events) for p in parts) == 1
+    assert [p.events_seq for p in parts] == [0] * (len(parts) - 1) + [7]  # once all is read
     with pytest.raises(wire.ProtocolError):
         wire.FrameReader(100).feed(wire.LENGTH.pack(101))
 
@@ -316,13 +385,13 @@ def test_tls_streams_refuse_plaintext_and_strangers(cluster_certs, reader, monke
     run_with_pair(body, security, readers[reader])
 
 
-def _family(streams: DecodeStreams) -> socket.AddressFamily:
+def _family(streams: WorkerStreams) -> socket.AddressFamily:
     transport = streams._streams["decode-0"].transport
     assert transport is not None
     return transport.get_extra_info("socket").family
 
 
-async def _one_request_streams(pair: Pair, streams: DecodeStreams) -> None:
+async def _one_request_streams(pair: Pair, streams: WorkerStreams) -> None:
     pair.server.own("r1", "router-a")
     queue = streams.register("r1", pair.worker)
     await pair.publish([_out("r1", 1)])
@@ -342,7 +411,7 @@ needs_local = pytest.mark.skipif(not host_identity(), reason="no abstract Unix s
 @pytest.mark.parametrize("tls", [False, True])
 def test_a_router_on_the_same_machine_reads_over_the_unix_socket(cluster_certs, tls):
     """Under cluster TLS too: the local socket never leaves the machine, and
-    its login still proves the secret."""
+    its handshake still proves the secret."""
     security = ClusterSecurity(SECRET, tls_files(cluster_certs[0]) if tls else None)
 
     async def body(pair: Pair):
@@ -355,7 +424,7 @@ def test_a_router_on_the_same_machine_reads_over_the_unix_socket(cluster_certs, 
 
 
 @needs_local
-def test_the_unix_socket_refuses_a_login_without_the_secret():
+def test_the_unix_socket_refuses_a_handshake_without_the_secret():
     async def body(pair: Pair):
         pair.worker.info.update(_offered(pair.server.local_address))
         with pytest.raises(ConnectionError):

@@ -1,6 +1,7 @@
 """The request path without Ray: a prefill worker pushes a request to a
 decode worker, which starts it when the push commits and sends every token,
-the first included, on the router's output stream. The push sends only the
+the first included, on the router's output stream; the prefill worker's
+cache events reach the router on its own output stream. The push sends only the
 blocks the decode worker lacks; pushes for aborted requests or for a router
 with no stream are refused; every request leaves both pools as it found
 them."""
@@ -15,9 +16,11 @@ import pytest
 
 from decode_pool.worker import DecodeWorker
 from engine import LLM, EngineConfig, SamplingParams
-from kv_transfer import TransferError
+from kv_transfer import TransferConfig, TransferError
 from prefill_pool.worker import PrefillWorker
 from protocol.requests import DecodeRequest, PrefillRequest
+from router.pool_manager import WorkerHandle
+from router.worker_streams import WorkerStreams
 from tests.pool_checks import leftover_holders
 
 pytestmark = pytest.mark.unit
@@ -154,5 +157,67 @@ def test_pushes_for_an_aborted_request_or_a_router_without_a_stream_are_refused(
             assert late.value.code == grpc.StatusCode.CANCELLED
             assert stranger.value.code == grpc.StatusCode.FAILED_PRECONDITION
             assert d.outputs.frames == {}
+
+    asyncio.run(run())
+
+
+@contextlib.asynccontextmanager
+async def prefill_stream(p: PrefillWorker):
+    """A router's reader of ``p``'s output stream: (handle, events it brought)."""
+    events: list = []
+    streams = WorkerStreams(ROUTER, events.extend, lambda w, why: None, TransferConfig())
+    handle = WorkerHandle(p.name, "prefill", None, p.describe())
+    await streams.subscribe(handle)
+    try:
+        yield streams, handle, events
+    finally:
+        await streams.close()
+
+
+def test_a_prefill_workers_cache_events_reach_the_router_on_its_stream(llama_dir):
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    prompt = list(range(10, 60))
+
+    async def run():
+        async with pair(llama_dir) as (p, d), prefill_stream(p) as (streams, handle, events):
+            result = await p.prefill(prefill_request("r", prompt, params, d))
+            await d.outputs.finished("r")
+            assert result.events_seq >= 1
+            await asyncio.wait_for(streams.caught_up(handle, result.events_seq), 10)
+            # Every full block of the prompt, which stays in P's prefix cache.
+            cached = set(p.cached_hashes())
+            assert len(cached) == len(prompt) // p.engine.config.block_size
+            assert cached <= {h for e in events for h in e.stored}
+            assert {e.worker for e in events} == {"p"}
+
+    asyncio.run(run())
+
+
+class Collected:
+    """An index elsewhere (Redis): the worker's events go to it alone."""
+
+    def __init__(self) -> None:
+        self.events: list = []
+
+    def publish(self, event) -> None:
+        self.events.append(event)
+
+    def close(self) -> None:
+        pass
+
+
+def test_with_the_index_elsewhere_a_prefill_stream_carries_no_events(llama_dir):
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    prompt = list(range(10, 60))
+
+    async def run():
+        async with pair(llama_dir) as (p, d), prefill_stream(p) as (streams, handle, events):
+            p.publisher = elsewhere = Collected()
+            result = await p.prefill(prefill_request("r", prompt, params, d))
+            await d.outputs.finished("r")
+            assert result.events_seq == 0 and p.outputs.events_seq == 0
+            assert {h for e in elsewhere.events for h in e.stored} >= set(p.cached_hashes())
+            await streams.caught_up(handle, result.events_seq)
+            assert events == []
 
     asyncio.run(run())

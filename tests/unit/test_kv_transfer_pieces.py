@@ -38,7 +38,7 @@ from kv_transfer import (
 from kv_transfer.lease import LeaseTable, lease_holder
 from kv_transfer.receiver import KVReceiver
 from kv_transfer.sender import KVSender
-from net import sockets
+from net import handshake, sockets
 from net.security import ClusterSecurity
 from protos import codegen
 from protos.tandem.v1 import kv_transfer_pb2 as pb
@@ -497,7 +497,7 @@ class DataPair:
         self.receiver.expect_data(self.incoming)
         self.data = datachannel.DataSender("", 0, b"t" * 16, self.sender, 10.0, frame_filter)
 
-    def run(self, skip_preamble: bool = True) -> None:
+    def run(self) -> None:
         a, b = socket.socketpair()
         assert self.incoming.attach(b)
 
@@ -507,10 +507,8 @@ class DataPair:
 
         sender = threading.Thread(target=send)
         sender.start()
-        preamble = memoryview(bytearray(20 + 32))
-        sockets.recv_exact(b, preamble)
-        mac = ClusterSecurity().token_mac(b"t" * 16)
-        assert bytes(preamble) == b"TKV1" + b"t" * 16 + mac
+        tag, size = datachannel.HANDSHAKE_TAG, datachannel.TOKEN_BYTES
+        assert handshake.accept(b, ClusterSecurity(), tag, size) == b"t" * 16
         self.incoming.serve(b)
         sender.join()
 

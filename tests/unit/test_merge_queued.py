@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from protos.tandem.v1 import generate_pb2, worker_pb2
-from router.decode_streams import LOST, merge_queued
+from router.worker_streams import LOST, merge_queued
 
 pytestmark = pytest.mark.unit
 

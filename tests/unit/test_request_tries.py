@@ -21,19 +21,18 @@ import grpc
 import pytest
 
 from block_index import InMemoryIndex, KVEvent
-from decode_pool.worker import DecodeRequest
 from engine.hashing import hash_blocks, root_hash
 from engine.sampling import SamplingParams
 from kv_transfer import TransferError
-from prefill_pool.worker import PrefillRequest, PrefillResult
+from protocol.requests import DecodeRequest, PrefillRequest, PrefillResult
 from protos.tandem.v1 import worker_pb2
 from router.backend import GenerateInput, GenerateResult, TokenDelta
 from router.config import ServeConfig
-from router.decode_streams import LOST
 from router.failover import WorkerLost
 from router.pool_manager import WorkerHandle
 from router.prefix_routing import PrefixRouter
 from router.ray_backend import RayBackend
+from router.worker_streams import LOST
 
 pytestmark = pytest.mark.unit
 

@@ -9,11 +9,11 @@ import pytest
 import ray
 
 from protocol.workers import WorkerHealth
-from router.decode_streams import LOST
 from router.failover import FailoverStats, WorkerLost
 from router.pool_manager import WorkerHandle
 from router.watchdog import Watchdog
 from router.worker_recovery import WorkerRecovery
+from router.worker_streams import LOST
 
 pytestmark = pytest.mark.unit
 

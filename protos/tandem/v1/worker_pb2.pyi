@@ -8,12 +8,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class StepBatch(_message.Message):
-    __slots__ = ("deltas", "cache_events")
+    __slots__ = ("deltas", "cache_events", "events_seq")
     DELTAS_FIELD_NUMBER: _ClassVar[int]
     CACHE_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_SEQ_FIELD_NUMBER: _ClassVar[int]
     deltas: _containers.RepeatedCompositeFieldContainer[RequestDelta]
     cache_events: _containers.RepeatedCompositeFieldContainer[CacheEvent]
-    def __init__(self, deltas: _Optional[_Iterable[_Union[RequestDelta, _Mapping]]] = ..., cache_events: _Optional[_Iterable[_Union[CacheEvent, _Mapping]]] = ...) -> None: ...
+    events_seq: int
+    def __init__(self, deltas: _Optional[_Iterable[_Union[RequestDelta, _Mapping]]] = ..., cache_events: _Optional[_Iterable[_Union[CacheEvent, _Mapping]]] = ..., events_seq: _Optional[int] = ...) -> None: ...
 
 class CacheEvent(_message.Message):
     __slots__ = ("worker", "stored", "removed")

@@ -1,16 +1,20 @@
-"""The wire format of a decode worker's output stream: one TCP connection
-per (router, decode worker), TLS first when the cluster has TLS.
+"""The wire format of a worker's output stream: one TCP connection per
+(router, worker), TLS first when the cluster has TLS. Decode workers send
+each step's deltas and cache events on it, prefill workers their cache
+events only.
 
-    worker -> router   HELLO   MAGIC, a random nonce (NONCE_BYTES)
-    router -> worker   LOGIN   MAGIC, u16 length and UTF-8 router id,
-                               HMAC-SHA256(cluster secret, CONTEXT + nonce + router id)
+    worker <-> router  the handshake of net/handshake.py: the worker sends
+                       a nonce, the router answers with the tag
+                       ``HANDSHAKE_TAG``, its router id as the identity and
+                       the HMAC that proves the cluster secret
     worker -> router   frames  u32 length, then that many bytes of a serialized
-                               StepBatch (worker.proto); one frame per engine step.
-                               The first frame, an empty batch, opens the stream.
+                       StepBatch (worker.proto); one frame per engine step.
+                       The first frame, a batch with only ``events_seq``,
+                       opens the stream.
 
-Integers are little-endian. A LOGIN that does not prove the secret is
+Integers are little-endian. An answer that does not prove the secret is
 answered by closing the connection (the router sees the stream end before
-it opened). The router never writes after its LOGIN; either side closing
+it opened). The router never writes after its answer; either side closing
 the connection ends the stream.
 """
 
@@ -19,43 +23,22 @@ from __future__ import annotations
 import struct
 from collections.abc import Iterator
 
-from net.security import MAC_BYTES, ClusterSecurity
 from protocol.outputs import RequestOutput
 from protos.tandem.v1 import generate_pb2, worker_pb2
 
-MAGIC = b"TOS1"
-NONCE_BYTES = 16
-HELLO_BYTES = len(MAGIC) + NONCE_BYTES
-CONTEXT = b"tandem-output-stream"
-MAX_ROUTER_ID_BYTES = 1024
+HANDSHAKE_TAG = b"tandem-output-stream"
 LENGTH = struct.Struct("<I")
-ID_LENGTH = struct.Struct("<H")
-OPEN_FRAME = LENGTH.pack(0)  # an empty StepBatch serializes to no bytes
 
 
 class ProtocolError(Exception):
     """The peer broke the output stream's protocol."""
 
 
-def hello(nonce: bytes) -> bytes:
-    return MAGIC + nonce
-
-
-def login(security: ClusterSecurity, nonce: bytes, router_id: str) -> bytes:
-    rid = router_id.encode()
-    if len(rid) > MAX_ROUTER_ID_BYTES:
-        raise ValueError(f"router id of {len(rid)} bytes; the limit is {MAX_ROUTER_ID_BYTES}")
-    mac = security.token_mac(CONTEXT + nonce + rid)
-    return MAGIC + ID_LENGTH.pack(len(rid)) + rid + mac
-
-
-def check_login(security: ClusterSecurity, nonce: bytes, router_id: bytes, mac: bytes) -> bool:
-    return security.check_token_mac(CONTEXT + nonce + router_id, mac)
-
-
-def login_size(id_bytes: int) -> int:
-    """Bytes of a LOGIN after its magic and id length."""
-    return id_bytes + MAC_BYTES
+def open_frame(events_seq: int) -> bytes:
+    """The frame that opens a stream: the count of cache-event batches the
+    worker had published before it (the router saw none of those)."""
+    payload = worker_pb2.StepBatch(events_seq=events_seq).SerializeToString()
+    return LENGTH.pack(len(payload)) + payload
 
 
 def to_delta(out: RequestOutput) -> worker_pb2.RequestDelta:
@@ -81,18 +64,21 @@ def to_delta(out: RequestOutput) -> worker_pb2.RequestDelta:
 
 def frames(batch: worker_pb2.StepBatch, max_bytes: int) -> Iterator[bytes]:
     """``batch`` as frames of at most ``max_bytes`` payload each (split between
-    deltas and cache events when it is bigger: they are independent)."""
+    deltas and cache events when it is bigger: they are independent). The
+    batch's ``events_seq`` goes on the last frame: a router that reads it
+    has read every event of the batch."""
     payload = batch.SerializeToString()
     if len(payload) <= max_bytes or len(batch.deltas) + len(batch.cache_events) <= 1:
         yield LENGTH.pack(len(payload)) + payload
         return
     items = [*batch.deltas, *batch.cache_events]
     half = len(items) // 2
-    for part in (items[:half], items[half:]):
+    for part, seq in ((items[:half], 0), (items[half:], batch.events_seq)):
         yield from frames(
             worker_pb2.StepBatch(
                 deltas=[i for i in part if isinstance(i, worker_pb2.RequestDelta)],
                 cache_events=[i for i in part if isinstance(i, worker_pb2.CacheEvent)],
+                events_seq=seq,
             ),
             max_bytes,
         )

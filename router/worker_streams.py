@@ -1,11 +1,19 @@
-"""The router's end of the decode workers' output streams.
+"""The router's end of the workers' output streams.
 
-One connection per decode worker (decode_pool/output_wire.py) carries
-every step's deltas for this router's requests there, and the worker's
-cache events: a Unix socket when the worker offers one and runs on this
-machine (net/local_socket.py), else TCP. Each request reads
-its deltas from a queue; when a worker's stream breaks, every request on
-that worker gets ``LOST`` and the backend hears of it.
+One connection per worker (worker/output_wire.py), prefill and decode: a
+Unix socket when the worker offers one and runs on this machine
+(net/local_socket.py), else TCP. A decode worker's stream carries every
+step's deltas for this router's requests there, and the worker's cache
+events; a prefill worker's, its cache events only. Cache events go to the
+backend's index as they arrive (none come with the index in Redis: workers
+publish there). Each request reads its deltas from a queue; when a worker's
+stream breaks, every request on that worker gets ``LOST`` and the backend
+hears of it.
+
+A prefill worker's reply names how many batches of cache events it had
+published (``PrefillResult.events_seq``); ``caught_up`` waits until the
+stream has brought them, so a request's prefix is in the index before the
+request ends, and a client's next request can be routed to it.
 """
 
 from __future__ import annotations
@@ -15,18 +23,20 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Final
 
-from decode_pool import output_wire as wire
 from kv_transfer import TransferConfig
+from net import handshake
 from net.local_socket import host_identity, local_path
 from net.sockets import split_address, tune
 from protos.tandem.v1 import worker_pb2
 from router.pool_manager import WorkerHandle
+from worker import output_wire as wire
 
 log = logging.getLogger(__name__)
 
 LOST: Final = None  # put in a request's queue when its worker's stream broke
 DeltaQueue = asyncio.Queue[worker_pb2.RequestDelta | None]
 SUBSCRIBE_TIMEOUT_S = 30.0
+EVENTS_WAIT_S = 5.0  # bounds caught_up(): the events are on the wire already
 
 
 def merge_queued(delta: worker_pb2.RequestDelta, queue: DeltaQueue) -> worker_pb2.RequestDelta:
@@ -46,7 +56,7 @@ def merge_queued(delta: worker_pb2.RequestDelta, queue: DeltaQueue) -> worker_pb
 
 
 class _OutputStream(asyncio.Protocol):
-    """One worker's stream: the login, then frames of StepBatch."""
+    """One worker's stream: the handshake, then frames of StepBatch."""
 
     def __init__(
         self,
@@ -58,15 +68,18 @@ class _OutputStream(asyncio.Protocol):
     ) -> None:
         self.worker = worker
         self.router_id = router_id
-        self.security = transfer.security
+        self.handshake = handshake.ClientHandshake(
+            transfer.security, wire.HANDSHAKE_TAG, router_id.encode()
+        )
         self.on_batch = on_batch
         self.on_end = on_end
         self.frames = wire.FrameReader(transfer.max_message_bytes)
         self.opened: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.transport: asyncio.Transport | None = None
-        self._hello = bytearray()
-        self.is_open = False  # the worker accepted the login
+        self.is_open = False  # the worker accepted the handshake
         self.ended = False
+        self.events_seq = 0  # the worker's count of event batches, as this stream showed it
+        self._waiters: list[tuple[int, asyncio.Future[None]]] = []
 
     def connection_made(self, transport) -> None:
         self.transport = transport
@@ -76,27 +89,41 @@ class _OutputStream(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         try:
-            if len(self._hello) < wire.HELLO_BYTES:
-                data = self._read_hello(data)
+            if not self.handshake.done:
+                reply, data = self.handshake.feed(data)
+                if reply is not None:
+                    assert self.transport is not None
+                    self.transport.write(reply)
             for payload in self.frames.feed(data):
+                batch = worker_pb2.StepBatch.FromString(payload)
                 if not self.is_open:
                     self.is_open = True
                     self.opened.set_result(None)
                 else:
-                    self.on_batch(worker_pb2.StepBatch.FromString(payload))
+                    self.on_batch(batch)
+                if batch.events_seq:
+                    self._shown(batch.events_seq)
         except Exception as exc:  # a bad frame: the stream cannot be trusted any more
             self.end(f"bad output stream: {type(exc).__name__}: {exc}")
 
-    def _read_hello(self, data: bytes) -> bytes:
-        need = wire.HELLO_BYTES - len(self._hello)
-        self._hello += data[:need]
-        if len(self._hello) == wire.HELLO_BYTES:
-            if self._hello[: len(wire.MAGIC)] != wire.MAGIC:
-                raise wire.ProtocolError("not a decode worker's output stream")
-            nonce = bytes(self._hello[len(wire.MAGIC) :])
-            assert self.transport is not None
-            self.transport.write(wire.login(self.security, nonce, self.router_id))
-        return data[need:]
+    async def wait_events(self, events_seq: int) -> None:
+        """Until the stream has shown ``events_seq`` event batches, or ended."""
+        if self.ended or self.events_seq >= events_seq:
+            return
+        waiter = asyncio.get_running_loop().create_future()
+        entry = (events_seq, waiter)
+        self._waiters.append(entry)
+        try:
+            await waiter
+        finally:
+            if entry in self._waiters:
+                self._waiters.remove(entry)
+
+    def _shown(self, events_seq: int) -> None:
+        self.events_seq = max(self.events_seq, events_seq)
+        for seq, waiter in self._waiters:
+            if seq <= self.events_seq and not waiter.done():
+                waiter.set_result(None)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.end(f"output stream broke: {exc}" if exc else "the output stream ended")
@@ -111,10 +138,13 @@ class _OutputStream(asyncio.Protocol):
         if not self.opened.done():
             self.opened.set_exception(ConnectionError(why or "closed"))
             self.opened.exception()  # subscribe() may have stopped waiting: no warning
+        for _, waiter in self._waiters:  # nothing more comes from this stream
+            if not waiter.done():
+                waiter.set_result(None)
         self.on_end(self, why)
 
 
-class DecodeStreams:
+class WorkerStreams:
     def __init__(
         self,
         router_id: str,
@@ -184,6 +214,26 @@ class DecodeStreams:
         except (OSError, TimeoutError) as exc:  # ConnectionError is an OSError
             stream.end("")
             raise ConnectionError(f"output stream of {worker.name}: {exc!r}") from exc
+
+    async def caught_up(self, worker: WorkerHandle, events_seq: int) -> None:
+        """Wait until ``worker``'s stream has brought the cache events the
+        worker had published when its count was ``events_seq``, so that the
+        index has them. Returns at once without an open stream (nothing
+        more comes from it) and after ``EVENTS_WAIT_S`` at most."""
+        stream = self._streams.get(worker.name)
+        if stream is None or not stream.is_open or stream.events_seq >= events_seq:
+            return
+        try:
+            async with asyncio.timeout(EVENTS_WAIT_S):
+                await stream.wait_events(events_seq)
+        except TimeoutError:
+            log.warning(
+                "%s's cache events did not arrive within %.0f s (at %d of %d); going on",
+                worker.name,
+                EVENTS_WAIT_S,
+                stream.events_seq,
+                events_seq,
+            )
 
     async def unsubscribe(self, worker: WorkerHandle) -> None:
         """Close ``worker``'s stream; its requests get LOST (the worker is out

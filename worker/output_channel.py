@@ -1,11 +1,13 @@
-"""A decode worker's output streams: each step's outputs, written to the
-routers by the engine thread itself.
+"""A worker's output streams: each step's outputs and the prefix cache's
+events, written to the routers by the engine thread itself.
 
-Every router that sends requests here holds one TCP connection to this
-worker (the protocol is in output_wire.py). After each step the engine
-thread groups the outputs by the router that owns each request, encodes one
-StepBatch per router, and writes it to that router's socket without
-blocking: no event loop, no other thread sits between a step and the wire.
+Every router holds one TCP connection to every worker (the protocol is in
+output_wire.py). After each step a decode worker's engine thread groups the
+outputs by the router that owns each request, encodes one StepBatch per
+router (with the cache events, which every router gets), and writes it to
+that router's socket without blocking: no event loop, no other thread sits
+between a step and the wire. A prefill worker's requests have no owner
+here: its streams carry cache events only, sent as the engine reports them.
 A socket that cannot take a frame at once (a router reading slowly) queues
 it, and the connection's own thread writes the queue out when the socket
 is writable; a queue beyond ``MAX_BACKLOG_BYTES`` closes the connection.
@@ -26,7 +28,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
-import secrets
 import select
 import socket
 import ssl
@@ -34,16 +35,17 @@ import threading
 from collections.abc import Callable
 
 from block_index import KVEvent
-from decode_pool import output_wire as wire
+from net import handshake
 from net.local_socket import listen_local
 from net.security import ClusterSecurity
-from net.sockets import accept_forever, recv_exact, tune
+from net.sockets import accept_forever, tune
 from protocol.outputs import RequestOutput
 from protos.tandem.v1 import worker_pb2
+from worker import output_wire as wire
 
 log = logging.getLogger(__name__)
 
-HANDSHAKE_TIMEOUT_S = 10.0
+HANDSHAKE_TIMEOUT_S = handshake.TIMEOUT_S
 MAX_BACKLOG_BYTES = 256 << 20
 _WOULD_BLOCK = (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
 
@@ -142,7 +144,7 @@ class RouterConnection:
                 self._backlog.popleft()
 
     def _on_readable(self) -> None:
-        """The router writes nothing after its login: this is the end."""
+        """The router writes nothing after its handshake: this is the end."""
         with self._lock:
             try:
                 data = self._sock.recv(4096)
@@ -186,6 +188,7 @@ class OutputServer:
         self._lock = threading.Lock()
         self._routers: dict[str, RouterConnection] = {}
         self._owner: dict[str, str] = {}  # request id -> router id
+        self._events_seq = 0  # batches of cache events published so far
         self._stopped = False
         self._threads = [
             threading.Thread(
@@ -212,11 +215,23 @@ class OutputServer:
 
     # ---- outputs (engine thread) ----
 
+    @property
+    def events_seq(self) -> int:
+        """Batches of cache events published so far: a router whose stream
+        has shown this count has every event published before (or the
+        stream opened after them)."""
+        with self._lock:
+            return self._events_seq
+
     def publish(self, outputs: list[RequestOutput], events: list[KVEvent]) -> None:
         """Send one step's outputs, each to the router that owns its request,
-        and the cache events to every router."""
+        and the cache events to every router. Call from one thread at a time
+        (the engine thread)."""
         owned: dict[str, list[RequestOutput]] = {}
         with self._lock:
+            if events:
+                self._events_seq += 1
+            seq = self._events_seq if events else 0
             routers = dict(self._routers)
             for out in outputs:
                 router = self._owner.get(out.request_id)
@@ -234,7 +249,9 @@ class OutputServer:
             if not mine and not pb_events:
                 continue
             batch = worker_pb2.StepBatch(
-                deltas=[wire.to_delta(o) for o in mine or ()], cache_events=pb_events
+                deltas=[wire.to_delta(o) for o in mine or ()],
+                cache_events=pb_events,
+                events_seq=seq,
             )
             for frame in wire.frames(batch, self.max_frame_bytes):
                 conn.send(frame)
@@ -262,15 +279,19 @@ class OutputServer:
         )
 
     def _serve(self, sock: socket.socket, tls: bool) -> None:
-        """One router's connection; ``tls``: with the cluster's TLS, if any
-        (not on the local socket)."""
+        """One router's connection: TLS first (with the cluster's TLS, if any,
+        and ``tls``: not on the local socket), then the handshake, whose
+        identity is the router's id."""
         try:
             tune(sock)
             sock.settimeout(HANDSHAKE_TIMEOUT_S)
             if tls and self._ssl is not None:
                 sock = self._ssl.wrap_socket(sock, server_side=True)
-            router_id = self._login(sock)
-        except (OSError, ValueError):  # ssl.SSLError is an OSError
+            identity = handshake.accept(
+                sock, self.security, wire.HANDSHAKE_TAG, timeout_s=HANDSHAKE_TIMEOUT_S
+            )
+            router_id = identity.decode(errors="replace")
+        except (OSError, ValueError):  # ssl.SSLError and HandshakeRefused are OSErrors
             router_id = None
         if router_id is None or self._stopped:
             sock.close()
@@ -280,10 +301,12 @@ class OutputServer:
         with self._lock:
             # Registered before the router hears OPEN: it may route a request
             # here (has_router) the moment it does. OPEN is still the first
-            # frame, since publish() sees the stream only after this lock.
+            # frame, since publish() sees the stream only after this lock; it
+            # counts the event batches published before, which this stream
+            # never carries.
             old = self._routers.get(router_id)
             self._routers[router_id] = conn
-            conn.send(wire.OPEN_FRAME)
+            conn.send(wire.open_frame(self._events_seq))
         if old is not None:  # the router opened a new stream: the old one is done
             old.close("replaced by a new stream from the same router")
         log.info("router %s subscribed", router_id)
@@ -291,24 +314,6 @@ class OutputServer:
             conn.run()
         finally:
             self._closed(conn)
-
-    def _login(self, sock: socket.socket) -> str | None:
-        """The router id a connection's LOGIN proves, or None."""
-        nonce = secrets.token_bytes(wire.NONCE_BYTES)
-        sock.sendall(wire.hello(nonce))
-        head = memoryview(bytearray(len(wire.MAGIC) + wire.ID_LENGTH.size))
-        if not recv_exact(sock, head) or head[: len(wire.MAGIC)] != wire.MAGIC:
-            return None
-        (id_bytes,) = wire.ID_LENGTH.unpack_from(head, len(wire.MAGIC))
-        if id_bytes > wire.MAX_ROUTER_ID_BYTES:
-            return None
-        rest = memoryview(bytearray(wire.login_size(id_bytes)))
-        if not recv_exact(sock, rest):
-            return None
-        router_id, mac = bytes(rest[:id_bytes]), bytes(rest[id_bytes:])
-        if not wire.check_login(self.security, nonce, router_id, mac):
-            return None
-        return router_id.decode(errors="replace")
 
     def _closed(self, conn: RouterConnection) -> None:
         with self._lock:
