@@ -42,11 +42,16 @@ HANG_S = 20.0  # a broken router waits forever: fail instead (not a timing check
 
 
 class FakeStreams:
-    """DecodeStreams' request side: a queue per registered try."""
+    """WorkerStreams' request side: a queue per registered try; the cache
+    events a prefill reply names count as arrived at once."""
 
     def __init__(self) -> None:
         self.queues: dict[str, tuple[asyncio.Queue, WorkerHandle]] = {}
         self.registered: list[str] = []
+        self.events_awaited: list[tuple[str, int]] = []
+
+    async def caught_up(self, worker: WorkerHandle, seq: int) -> None:
+        self.events_awaited.append((worker.name, seq))
 
     def register(self, request_id: str, worker: WorkerHandle) -> asyncio.Queue:
         queue: asyncio.Queue = asyncio.Queue()
