@@ -51,7 +51,7 @@ class AttentionMetadata:
     decode_lens: torch.Tensor | None = None
 
 
-# The fused prefill kernel (cpu_ops.cpp paged_prefill_attention) holds each
+# The fused prefill kernel (engine/kernels/prefill_attention.cpp) holds each
 # query row's scores over the whole context; past this many keys SDPA's
 # blocked flash attention is faster (one thread, 32-wide heads: 1.3x at 256
 # tokens, 1.1x at 1024, even at 2048, 0.69x at 4096).

@@ -1,112 +1,70 @@
-"""Fused CPU kernels (cpu_ops.cpp), built on first use.
+"""Fused CPU kernels (the .cpp files here), built on first use.
 
 A decode step on CPU spends more time dispatching the ~35 small ATen ops
-of each layer than in their arithmetic. cpu_ops.cpp fuses them into four
-kernels per layer (RMSNorm with the residual add, rotary embedding with the
-KV store, paged decode attention, SiLU-and-multiply) plus a row argmax;
-prompts get a causal attention kernel over the paged cache as well.
+of each layer than in their arithmetic. The kernels fuse them into four per
+layer (RMSNorm with the residual add, rotary embedding with the KV store,
+paged decode attention, SiLU-and-multiply) plus a row argmax, a causal
+prefill attention over the paged cache, matmuls over packed weights and a
+screened greedy head; docs/cpu-kernels.md describes them.
 
 The extension is compiled with the machine's C++ compiler through
-torch.utils.cpp_extension and cached under ``TANDEM_KERNEL_CACHE`` (default
-~/.cache/tandem/kernels/<torch version>); later processes load it in
-milliseconds. ``make setup`` builds it ahead of time
-(``python -m engine.kernels``). ``EngineConfig.cpu_kernels``: "auto" uses
-it when it builds and falls back to the PyTorch reference with one warning
-when it cannot; "on" makes a failed build an error; "off" never builds it.
+torch.utils.cpp_extension, once per CPU type, source and torch version, and
+cached (engine/kernels/build.py: where, and how a failed build is
+remembered); later processes load it in milliseconds. ``make setup`` builds
+it ahead of time (``python -m engine.kernels``). ``EngineConfig.cpu_kernels``:
+"auto" uses it when it builds and falls back to the PyTorch reference with
+one warning when it cannot; "on" makes a failed build an error; "off" never
+builds it.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
-import sys
 import threading
-import time
 from dataclasses import dataclass
-from pathlib import Path
 from types import ModuleType
 
 import torch
 
 from engine import hugepages
+from engine.kernels import build
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_ops.cpp")
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-trapping-math"]
-
-PANEL_WIDTH = 32  # cpu_ops.cpp's kPanel: columns per panel of a packed weight
-STALE_LOCK_S = 600  # a build takes about a minute
+PANEL_WIDTH = 32  # common.h's kPanel: columns per panel of a packed weight
 
 _lock = threading.Lock()
-_loaded: dict[str, ModuleType | None] = {}
-_error: str | None = None
+_loaded: dict[str, ModuleType | None] = {}  # by module name
+_errors: dict[str, str] = {}
 
 
-def _build_dir() -> Path:
-    root = os.environ.get("TANDEM_KERNEL_CACHE")
-    base = Path(root) if root else Path.home() / ".cache" / "tandem" / "kernels"
-    return base / f"torch-{torch.__version__}"
-
-
-def _module_name() -> str:
-    # A new source, flags or CPU gets a new module (and directory).
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode())
-    digest.update(_cpu_model().encode())
-    return f"tandem_cpu_ops_{digest.hexdigest()[:12]}"
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("model name", "flags")):
-                return line
-    except OSError:
-        pass
-    return ""
-
-
-def cpu_ops(required: bool = False) -> ModuleType | None:
-    """The compiled kernels, or None when they cannot be built (``required``: raise)."""
-    global _error
+def cpu_ops(required: bool = False, rebuild: bool = False) -> ModuleType | None:
+    """The compiled kernels for ``TANDEM_KERNEL_ISA`` (default: this CPU's),
+    or None when they cannot be built (``required``: raise). A failure is
+    logged once per process, and remembered in the build directory for later
+    ones; ``rebuild`` forgets it (and the objects) and compiles again."""
     with _lock:
-        name = _module_name()
+        name = (target := build.target()).name
+        if rebuild:
+            build.forget(target)
+            _loaded.pop(name, None)
         if name not in _loaded:
             try:
-                _loaded[name] = _build(name)
+                _loaded[name] = _build(target)
             except Exception as exc:  # no compiler, no headers, a compile error
-                _error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1:]}"
+                _errors[name] = build.describe(exc)
                 _loaded[name] = None
-                log.warning("CPU kernels unavailable, using the PyTorch path: %s", _error)
+                log.warning("CPU kernels unavailable, using the PyTorch path: %s", _errors[name])
         module = _loaded[name]
     if module is None and required:
-        raise RuntimeError(f"cpu_kernels is 'on' but the CPU kernels did not build: {_error}")
+        raise RuntimeError(
+            f"cpu_kernels is 'on' but the CPU kernels did not build: {_errors.get(name)}"
+        )
     return module
 
 
-def _build(name: str) -> ModuleType:
-    from torch.utils import cpp_extension
-
-    directory = _build_dir() / name
-    directory.mkdir(parents=True, exist_ok=True)
-    # torch waits for the build lock to go away; a build killed midway leaves it.
-    lock = directory / "lock"
-    if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
-        log.warning("removing a stale kernel build lock %s", lock)
-        lock.unlink(missing_ok=True)
-    # The ninja that pip installed lives beside this interpreter, maybe not on PATH.
-    bin_dir = str(Path(sys.executable).parent)
-    if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
-        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
-    return cpp_extension.load(
-        name=name,
-        sources=[str(SOURCE)],
-        extra_cflags=CFLAGS,
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(directory),
-        verbose=False,
-    )
+def _build(target: build.Target) -> ModuleType:
+    return build.load(target)
 
 
 def select(setting: str, device: torch.device, dtype: torch.dtype) -> ModuleType | None:
@@ -253,12 +211,10 @@ class HalfHead:
 INT8_MAX_HIDDEN = {31: 512, 127: 2048}
 """The widest head the int8 screen takes, by how finely the kernel quantizes
 rows (cpu_ops.INT8_ROW_LEVELS): the rows' share of the bound grows with
-sqrt(hidden size) against the spread of the logits. 6-bit rows (AVX2): past
-512 (random heads: 576 and up) too many columns get through. 8-bit rows
-(AVX512-VNNI, AMX), random heads, 64 rows: none unsettled at 768 x 50304 and
-1024 x 32000, one at 2048 x 32000; at 16 rows the int8 screen took 3.7, 3.7
-and 17.9 ms there, float16 25.5, 24.6 and 45.3, the full logits 14.5, 14.5
-and 25.0."""
+sqrt(hidden size) against the spread of the logits. With 6-bit rows (AVX2)
+too many columns get through past 512; with 8-bit rows (AVX512-VNNI, AMX)
+the screen still settles nearly every row at 2048 (docs/cpu-kernels.md has
+the measurements)."""
 
 
 def screen_for(head: PackedWeight, row_levels: int) -> Int8Head | HalfHead | None:

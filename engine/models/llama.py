@@ -258,8 +258,8 @@ class LlamaModel:
     def greedy_tokens(self, hidden: torch.Tensor, vocab_size: int) -> list[int]:
         """The argmax of each row's logits over the first ``vocab_size`` columns,
         the same token as ``logits`` then argmax, from a screen of the head
-        (cpu_ops.cpp, greedy_head_*); needs ``screen_head``. Rows the screen
-        cannot settle get their full logits, and so do batches of more than
+        (greedy_head_*, engine/kernels/head_*.cpp); needs ``screen_head``. Rows
+        the screen cannot settle get their full logits, and so do batches of more than
         ``screen_max_rows`` rows (cpu_ops.HALF_SCREEN_MAX_ROWS for a float16
         screen)."""
         head, screen = self.lm_head, self.screen_head
