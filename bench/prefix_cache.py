@@ -106,8 +106,8 @@ def kv_bytes(d: Deployment) -> tuple[int, int]:
     """KV bytes pushed to decode workers and pulled between workers, so far."""
     stats = d.worker_stats().values()
     return (
-        sum(s.get("kv_bytes_pushed", 0) for s in stats),
-        sum(s.get("kv_bytes_pulled", 0) for s in stats),
+        sum(s.kv_bytes_pushed for s in stats),
+        sum(s.kv_bytes_pulled for s in stats),
     )
 
 

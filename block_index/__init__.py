@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from block_index.base import HASH_SIZE, BlockIndex, EventPublisher, KVEvent
+from block_index.base import HASH_SIZE, BlockIndex, EventPublisher, IndexSettings, KVEvent
 from block_index.memory import InMemoryIndex, InProcessPublisher
 
 if TYPE_CHECKING:
@@ -21,6 +21,7 @@ __all__ = [
     "EventPublisher",
     "InMemoryIndex",
     "InProcessPublisher",
+    "IndexSettings",
     "KVEvent",
     "RedisEventPublisher",
     "RedisIndex",

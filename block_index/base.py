@@ -79,3 +79,13 @@ class EventPublisher(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class IndexSettings:
+    """Where a worker publishes its prefix cache's changes."""
+
+    redis_url: str | None = None  # None: on the output streams, to the routers' index
+    deployment: str = "default"
+    heartbeat_s: float = 2.0
+    ttl_s: float = 10.0

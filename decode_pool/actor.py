@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
-import dataclasses
+from typing import TYPE_CHECKING
 
-from decode_pool.worker import DecodeWorker
 from protocol.requests import DecodeRequest
-from worker.base import WorkerActor
+from worker.actor import WorkerActor
+
+if TYPE_CHECKING:
+    from decode_pool.worker import DecodeWorker
 
 
 class DecodeActor(WorkerActor):
-    worker_class = DecodeWorker
+    worker: DecodeWorker
 
-    async def start(self) -> dict:
-        addresses = await self.worker.start()
-        return {**self.worker.describe(), **dataclasses.asdict(addresses)}
+    @staticmethod
+    def make_worker(name, config, transfer, index, host) -> DecodeWorker:
+        from decode_pool.worker import DecodeWorker
+
+        return DecodeWorker(name, config, transfer, index, host)
 
     async def start_full(self, req: DecodeRequest) -> None:
         await self.worker.start_full(req)

@@ -15,29 +15,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
-from dataclasses import dataclass
 
 import grpc
 
+from block_index import IndexSettings
 from engine.config import EngineConfig
 from kv_transfer import CommittedPush, GrpcKVServer, TransferConfig, TransferError
 from protocol.decode_start import BadStart, DecodeStart
 from protocol.outputs import RequestOutput
 from protocol.requests import DecodeRequest
-from worker.base import EngineWorker, IndexSettings
+from protocol.workers import WorkerInfo
+from worker.base import EngineWorker
 from worker.logfmt import log_event
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class WorkerAddresses:
-    kv: str  # KVTransfer service
-    outputs: str  # output streams (worker/output_wire.py)
-    outputs_local: str = ""  # the same on a Unix socket, for routers on this machine
-    host_id: str = ""  # who can reach outputs_local (local_socket.host_identity)
 
 
 class DecodeWorker(EngineWorker):
@@ -53,21 +47,18 @@ class DecodeWorker(EngineWorker):
         self.host = host
         self.transfer = transfer or TransferConfig()
         self.kv_server = GrpcKVServer(self.store, self.transfer, host=host, port=0, handler=self)
-        self.addresses: WorkerAddresses | None = None
         self._background: set[asyncio.Future] = set()
         # request id -> when to forget it: aborted requests, so that a call for
         # one that arrives late (the router gave up on a hung try) is refused.
         self._aborted: dict[str, float] = {}
 
-    async def start(self) -> WorkerAddresses:
+    async def start(self) -> None:
         self.open_outputs(self.host, self.transfer)
         self.start_loop()
         await self.kv_server.start()
-        info = self.describe()
-        self.addresses = WorkerAddresses(
-            self.kv_server.address, info["outputs"], info["outputs_local"], info["host_id"]
-        )
-        return self.addresses
+
+    def describe(self) -> WorkerInfo:
+        return dataclasses.replace(super().describe(), kv_address=self.kv_server.address)
 
     async def stop(self) -> None:
         self.close_outputs()

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+DEFAULT_MODEL_NAME = "tandem-tiny-llama"  # the embedded model (EngineConfig.model None)
+
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",

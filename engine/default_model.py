@@ -33,7 +33,7 @@ from pathlib import Path
 import transformers
 from transformers import PretrainedConfig
 
-DEFAULT_MODEL_NAME = "tandem-tiny-llama"
+from engine.config import DEFAULT_MODEL_NAME
 
 BOS_TOKEN = "<|begin_of_text|>"
 EOS_TOKEN = "<|end_of_text|>"

@@ -12,47 +12,11 @@ the blocks' data.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
 from engine import hugepages
-
-
-@dataclass(frozen=True)
-class KVLayout:
-    """What two pools must agree on before KV blocks can move between them."""
-
-    model_fingerprint: str
-    dtype: str  # torch dtype name, e.g. "float32"
-    num_layers: int
-    block_size: int
-    num_kv_heads: int
-    head_dim: int
-    # How blocks travel between pools: "" as dtype, else a quantized encoding
-    # (kv_transfer/quantized.py). A pool's own cache always has "".
-    wire_dtype: str = ""
-
-    @property
-    def block_bytes_per_layer(self) -> int:
-        """Bytes of K plus V of one block in one layer (on the wire, for a wire_dtype)."""
-        if self.wire_dtype:
-            from kv_transfer.quantized import wire_block_bytes_per_layer
-
-            return wire_block_bytes_per_layer(self, self.wire_dtype)
-        itemsize = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
-        return 2 * self.block_size * self.num_kv_heads * self.head_dim * itemsize
-
-    @property
-    def block_bytes(self) -> int:
-        return self.block_bytes_per_layer * self.num_layers
-
-    def mismatch(self, other: KVLayout) -> str | None:
-        """Name of the first field that differs from ``other``, else None."""
-        for name in self.__dataclass_fields__:
-            if getattr(self, name) != getattr(other, name):
-                return name
-        return None
+from engine.kv_layout import KVLayout
 
 
 class KVCache:

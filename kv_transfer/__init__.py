@@ -1,23 +1,60 @@
-"""KV block transfer between workers: interface, pool adapter, movers."""
+"""KV block transfer between workers: interface, pool adapter, movers.
 
-from .grpc_client import GrpcKVClient
-from .grpc_server import GrpcKVServer
-from .inproc import InProcHub, InProcKVClient, InProcKVServer
-from .interface import (
-    BlockSink,
-    BlockSource,
-    CommittedPush,
-    KVBlocks,
-    KVTransferClient,
-    KVTransferServer,
-    PullResult,
-    PushHandler,
-    PushResult,
-    TransferConfig,
-    TransferError,
-    TransferState,
-)
-from .pool_store import PoolBlockStore
+The names below load on first use: the router imports the torch-free ones
+(``TransferConfig``, ``TransferError`` from kv_transfer/interface.py)
+without loading the movers, which need torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .grpc_client import GrpcKVClient
+    from .grpc_server import GrpcKVServer
+    from .inproc import InProcHub, InProcKVClient, InProcKVServer
+    from .interface import (
+        BlockSink,
+        BlockSource,
+        CommittedPush,
+        KVBlocks,
+        KVTransferClient,
+        KVTransferServer,
+        PullResult,
+        PushHandler,
+        PushResult,
+        TransferConfig,
+        TransferError,
+        TransferState,
+    )
+    from .pool_store import PoolBlockStore
+
+_WHERE = {
+    "GrpcKVClient": "grpc_client",
+    "GrpcKVServer": "grpc_server",
+    "InProcHub": "inproc",
+    "InProcKVClient": "inproc",
+    "InProcKVServer": "inproc",
+    "PoolBlockStore": "pool_store",
+    **{
+        name: "interface"
+        for name in (
+            "BlockSink",
+            "BlockSource",
+            "CommittedPush",
+            "KVBlocks",
+            "KVTransferClient",
+            "KVTransferServer",
+            "PullResult",
+            "PushHandler",
+            "PushResult",
+            "TransferConfig",
+            "TransferError",
+            "TransferState",
+        )
+    },
+}
 
 __all__ = [
     "BlockSink",
@@ -39,3 +76,9 @@ __all__ = [
     "TransferError",
     "TransferState",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

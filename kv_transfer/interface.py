@@ -22,7 +22,7 @@ from typing import Protocol
 import grpc
 
 from engine.block_pool import Held, Holder
-from engine.kv_cache import KVLayout
+from engine.kv_layout import KVLayout
 from net.security import ClusterSecurity
 
 # Room a chunk message needs beyond its payload (block hashes, span, checksum).

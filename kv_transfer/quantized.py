@@ -28,20 +28,14 @@ from collections.abc import Sequence
 import torch
 
 from engine.block_pool import Holder
-from engine.kv_cache import KVLayout
+from engine.kv_layout import WIRE_SCALE_BYTES
 
 from .pool_store import PoolBlockStore
 from .wire import tensor_view
 
 WIRE_DTYPES = ("int8", "fp8")
 _CODE = {"int8": (torch.int8, 127.0), "fp8": (torch.float8_e4m3fn, 448.0)}
-SCALE_BYTES = 4
-
-
-def wire_block_bytes_per_layer(layout: KVLayout, wire_dtype: str) -> int:
-    """Bytes of one block of one layer on the wire (values and scales)."""
-    values = 2 * layout.block_size * layout.num_kv_heads * layout.head_dim
-    return values + 2 * layout.num_kv_heads * SCALE_BYTES
+SCALE_BYTES = WIRE_SCALE_BYTES  # a float32 scale per (K/V, kv head) and block
 
 
 def quantize(

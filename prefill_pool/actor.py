@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from kv_transfer.faults import TransferFaults
-from prefill_pool.worker import PrefillWorker
 from protocol.requests import PrefillRequest, PrefillResult
-from worker.base import WorkerActor
+from worker.actor import WorkerActor
+
+if TYPE_CHECKING:
+    from prefill_pool.worker import PrefillWorker
 
 
 class PrefillActor(WorkerActor):
-    worker_class = PrefillWorker
+    worker: PrefillWorker
 
-    async def start(self) -> dict:
-        await self.worker.start()
-        return self.worker.describe()
+    @staticmethod
+    def make_worker(name, config, transfer, index, host) -> PrefillWorker:
+        from prefill_pool.worker import PrefillWorker
+
+        return PrefillWorker(name, config, transfer, index, host)
 
     async def prefill(self, req: PrefillRequest) -> PrefillResult:
         return await self.worker.prefill(req)

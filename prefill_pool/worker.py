@@ -19,9 +19,11 @@ so that the router can wait for its stream to have brought them.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 
+from block_index import IndexSettings
 from engine.block_pool import Held
 from engine.config import EngineConfig
 from kv_transfer import (
@@ -36,7 +38,8 @@ from kv_transfer.faults import FaultPlan, TransferFaults
 from protocol.decode_start import DecodeStart
 from protocol.outputs import RequestOutput
 from protocol.requests import PrefillRequest, PrefillResult
-from worker.base import EngineWorker, IndexSettings
+from protocol.workers import WorkerInfo, WorkerStats
+from worker.base import EngineWorker
 from worker.logfmt import log_event
 
 log = logging.getLogger(__name__)
@@ -71,8 +74,8 @@ class PrefillWorker(EngineWorker):
         self._client = GrpcKVClient(self.transfer_config)
         await self.kv_server.start()
 
-    def describe(self) -> dict:
-        return {**super().describe(), "kv": self.kv_server.address}
+    def describe(self) -> WorkerInfo:
+        return dataclasses.replace(super().describe(), kv_address=self.kv_server.address)
 
     async def stop(self) -> None:
         self.close_outputs()
@@ -81,13 +84,13 @@ class PrefillWorker(EngineWorker):
         await self.kv_server.stop(1.0)
         self.stop_loop()
 
-    def stats(self) -> dict[str, int]:
-        return {
-            **super().stats(),
-            "kv_bytes_pushed": self.kv_bytes_pushed,
-            "kv_bytes_pulled": self.kv_bytes_pulled,
-            "faults_injected": self.faults.injected,
-        }
+    def stats(self) -> WorkerStats:
+        return dataclasses.replace(
+            super().stats(),
+            kv_bytes_pushed=self.kv_bytes_pushed,
+            kv_bytes_pulled=self.kv_bytes_pulled,
+            faults_injected=self.faults.injected,
+        )
 
     async def _pull_prefix(self, req: PrefillRequest) -> Held | None:
         """Fetch prefix blocks from the worker that holds them, into this pool's

@@ -1,22 +1,11 @@
-"""What a worker tells the router about itself: identity and addresses,
-counters, health.
-
-Torch-free. Today the workers answer ``start`` and ``stats`` with dicts
-(worker/base.py ``describe``/``stats``, prefill_pool/worker.py,
-decode_pool/worker.py ``WorkerAddresses``, engine/spec/decoder.py
-``spec_stats``); ``WorkerInfo.from_dict`` and ``WorkerStats.from_dict`` read
-those dicts and ``to_dict`` writes them, so either side can move to the
-types first. ``WorkerHealth`` is already what ``health`` returns.
-"""
+"""What a worker tells the router about itself: identity and addresses
+(``WorkerInfo``, its actor's ``start``), counters (``WorkerStats``,
+``stats``) and health (``WorkerHealth``, ``health``). Torch-free."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
-
-_INFO_KEYS = {"kv_address": "kv"}  # field -> key in today's dicts, where they differ
 
 
 @dataclass(frozen=True)
@@ -39,6 +28,9 @@ class WorkerInfo:
     incarnation: str
     """New each time the actor process starts (Ray restarts it): a health
     answer from another incarnation is from a worker that lost its state."""
+    model_dir: str
+    """The checkpoint directory the worker loaded (the embedded default model
+    is built there on first use): the router reads the tokenizer from it."""
     kv_address: str | None = None
     """``host:port`` of its KVTransfer service (kv_transfer/): a prefill worker
     serves pulls of its cached blocks there, a decode worker receives pushes;
@@ -58,43 +50,6 @@ class WorkerInfo:
         """A decode or colocated worker: the router reads its tokens from it."""
         return self.outputs is not None
 
-    @classmethod
-    def from_dict(cls, info: Mapping[str, Any]) -> WorkerInfo:
-        """From today's ``start`` answer: ``describe()`` (with ``kv``), and for
-        decode workers ``WorkerAddresses`` merged in. Empty addresses become
-        None; unknown keys are ignored (a newer worker may send more)."""
-        kwargs: dict[str, Any] = {}
-        for f in dataclasses.fields(cls):
-            key = _INFO_KEYS.get(f.name, f.name)
-            if key in info:
-                kwargs[f.name] = info[key]
-        missing = [f.name for f in dataclasses.fields(cls) if _required(f) and f.name not in kwargs]
-        if missing:
-            raise ValueError(f"worker info lacks {', '.join(missing)}")
-        for name in ("kv_address", "outputs", "outputs_local", "host_id"):
-            if not kwargs.get(name):
-                kwargs[name] = None
-        return cls(**kwargs)
-
-    def to_dict(self) -> dict[str, Any]:
-        """Today's dict shape: addresses a worker lacks are left out, except that
-        a worker with ``outputs`` always has ``outputs_local`` and ``host_id``
-        ('' when none), as ``WorkerAddresses`` does."""
-        out: dict[str, Any] = {
-            "name": self.name,
-            "max_model_len": self.max_model_len,
-            "vocab_size": self.vocab_size,
-            "model_fingerprint": self.model_fingerprint,
-            "incarnation": self.incarnation,
-        }
-        if self.kv_address is not None:
-            out["kv"] = self.kv_address
-        if self.outputs is not None:
-            out["outputs"] = self.outputs
-            out["outputs_local"] = self.outputs_local or ""
-            out["host_id"] = self.host_id or ""
-        return out
-
 
 @dataclass(frozen=True)
 class WorkerStats:
@@ -108,6 +63,10 @@ class WorkerStats:
     """KV blocks in its pool."""
     initial_free_blocks: int
     """Free blocks when the worker was built (before any request)."""
+    num_holders: int
+    """Holders of KV block references in its pool (engine/block_pool.py)."""
+    initial_num_holders: int
+    """Holders when the worker was built (the engine's own, e.g. a scratch block)."""
     num_requests: int
     """Requests the engine holds (running, waiting, or prefilled and awaiting export)."""
     num_running: int
@@ -137,8 +96,13 @@ class WorkerStats:
 
     @property
     def idle(self) -> bool:
-        """No requests and every block it started with free again."""
-        return self.num_requests == 0 and self.free_blocks == self.initial_free_blocks
+        """No requests, no holder beyond the engine's own, and every block it
+        started with free again: what every request must leave behind."""
+        return (
+            self.num_requests == 0
+            and self.num_holders == self.initial_num_holders
+            and self.free_blocks == self.initial_free_blocks
+        )
 
     @property
     def spec_acceptance_rate(self) -> float | None:
@@ -146,19 +110,6 @@ class WorkerStats:
         if not self.spec_proposed_tokens:
             return None
         return self.spec_accepted_tokens / self.spec_proposed_tokens
-
-    @classmethod
-    def from_dict(cls, stats: Mapping[str, Any]) -> WorkerStats:
-        """From today's ``stats()`` dict. Unknown keys (the router adds ``role``)
-        are ignored; a missing counter of the base set is an error."""
-        kwargs = {f.name: stats[f.name] for f in dataclasses.fields(cls) if f.name in stats}
-        missing = [f.name for f in dataclasses.fields(cls) if _required(f) and f.name not in kwargs]
-        if missing:
-            raise ValueError(f"worker stats lack {', '.join(missing)}")
-        for name, value in kwargs.items():
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError(f"worker stats: {name} must be an int, got {value!r}")
-        return cls(**kwargs)
 
     def to_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self)
@@ -176,5 +127,3 @@ class WorkerHealth:
     num_requests: int
 
 
-def _required(f: dataclasses.Field) -> bool:
-    return f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING

@@ -6,6 +6,7 @@ import grpc
 
 from protos.tandem.v1 import admin_pb2 as pb
 from protos.tandem.v1 import admin_pb2_grpc
+from router.backend import ManagedPools
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Admin"].full_name
 
@@ -16,8 +17,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         self.default_drain_s = default_drain_s
 
     async def Scale(self, request: pb.ScaleRequest, context) -> pb.ScaleReply:
-        scale = getattr(self.backend, "scale", None)
-        if scale is None:
+        if not isinstance(self.backend, ManagedPools):
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this backend cannot be resized")
         prefill = request.prefill if request.HasField("prefill") else None
         decode = request.decode if request.HasField("decode") else None
@@ -25,13 +25,23 @@ class AdminService(admin_pb2_grpc.AdminServicer):
             request.drain_timeout_s if request.HasField("drain_timeout_s") else self.default_drain_s
         )
         try:
-            sizes = await scale(prefill, decode, drain)
+            sizes = await self.backend.scale(prefill, decode, drain)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return pb.ScaleReply(prefill=sizes[0], decode=sizes[1])
 
     async def Status(self, request: pb.StatusRequest, context) -> pb.StatusReply:
-        status = getattr(self.backend, "worker_status", None)
-        if status is None:
+        if not isinstance(self.backend, ManagedPools):
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this backend has no workers")
-        return pb.StatusReply(workers=[pb.WorkerStatus(**w) for w in await status()])
+        return pb.StatusReply(
+            workers=[
+                pb.WorkerStatus(
+                    name=r.name,
+                    role=r.role,
+                    in_flight=r.in_flight,
+                    free_blocks=r.stats.free_blocks,
+                    total_blocks=r.stats.total_blocks,
+                )
+                for r in await self.backend.worker_reports()
+            ]
+        )

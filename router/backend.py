@@ -10,10 +10,11 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from protocol.outputs import TokenLogprobs
 from protocol.sampling import SamplingParams
+from protocol.workers import WorkerStats
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,30 @@ class GenerateResult:
     decode_worker: str
     kv_transfer_bytes: int = 0
     kv_transfer_s: float | None = None  # None: no KV push (colocated, or ended at once)
+
+
+@dataclass(frozen=True)
+class WorkerReport:
+    """One worker in routing, as the router sees it."""
+
+    name: str
+    role: str  # "prefill" | "decode" | "colocated"
+    in_flight: int  # this router's tries on it now
+    stats: WorkerStats
+
+
+@runtime_checkable
+class ManagedPools(Protocol):
+    """What a backend with worker pools offers beyond serving (the Admin
+    service's Scale and Status, the HTTP front's worker metrics)."""
+
+    async def scale(
+        self, prefill: int | None, decode: int | None, drain_timeout_s: float
+    ) -> tuple[int, int]:
+        """Resize the pools; ValueError for a size the mode does not allow."""
+        ...
+
+    async def worker_reports(self) -> list[WorkerReport]: ...
 
 
 class Backend(Protocol):

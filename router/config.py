@@ -256,7 +256,7 @@ class ServeConfig(BaseModel):
     def served_name(self) -> str:
         """The served model name (/v1/models, GetModelInfo): served_model_name, else the
         model argument, else the embedded model's name."""
-        from engine.default_model import DEFAULT_MODEL_NAME
+        from engine.config import DEFAULT_MODEL_NAME
 
         return self.served_model_name or self.model or DEFAULT_MODEL_NAME
 

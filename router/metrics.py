@@ -8,14 +8,14 @@ sequences, bytes moved) come from the workers' ``stats`` calls, pulled when
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from .backend import GenerateResult
+from .backend import GenerateResult, WorkerReport
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -36,20 +36,17 @@ class WorkerSample:
     kv_bytes_pulled: int = 0
 
     @classmethod
-    def from_stats(cls, name: str, stats: Mapping[str, object]) -> WorkerSample:
-        def num(key: str) -> int:
-            value = stats.get(key, 0)
-            return int(value) if isinstance(value, int | float) else 0
-
+    def of(cls, report: WorkerReport) -> WorkerSample:
+        stats = report.stats
         return cls(
-            name=name,
-            role=str(stats.get("role", name.rsplit("-", 1)[0])),
-            free_blocks=num("free_blocks"),
-            total_blocks=num("total_blocks"),
-            running=num("num_running"),
-            waiting=num("num_waiting"),
-            kv_bytes_pushed=num("kv_bytes_pushed"),
-            kv_bytes_pulled=num("kv_bytes_pulled"),
+            name=report.name,
+            role=report.role,
+            free_blocks=stats.free_blocks,
+            total_blocks=stats.total_blocks,
+            running=stats.num_running,
+            waiting=stats.num_waiting,
+            kv_bytes_pushed=stats.kv_bytes_pushed,
+            kv_bytes_pulled=stats.kv_bytes_pulled,
         )
 
 
@@ -184,8 +181,8 @@ class RouterMetrics:
             self.transfer_seconds.observe(result.kv_transfer_s)
             self.transfer_bytes.inc(result.kv_transfer_bytes)
 
-    def set_workers(self, stats: Mapping[str, Mapping[str, object]]) -> None:
-        self.workers.samples = [WorkerSample.from_stats(n, s) for n, s in sorted(stats.items())]
+    def set_workers(self, reports: list[WorkerReport]) -> None:
+        self.workers.samples = [WorkerSample.of(r) for r in sorted(reports, key=lambda r: r.name)]
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

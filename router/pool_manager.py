@@ -5,14 +5,15 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import ray
 
+from block_index import IndexSettings
 from engine.config import EngineConfig, SpeculativeConfig
+from protocol.workers import WorkerInfo
 from router.config import ServeConfig, WorkerResources
-from worker.base import IndexSettings
 from worker.cpu_binding import CoreAssignment, CoreLayout
 
 log = logging.getLogger(__name__)
@@ -23,7 +24,7 @@ class WorkerHandle:
     name: str
     role: str  # "prefill" | "decode" | "colocated"
     actor: Any
-    info: dict = field(default_factory=dict)  # what the worker's start() returned
+    info: WorkerInfo | None = None  # what the worker's start() returned
     in_flight: int = 0
 
 

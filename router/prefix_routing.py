@@ -83,7 +83,7 @@ class PrefixRouter:
         costs far less than pushing its tokens through every layer again."""
         assert plan.prefill is not None
         have = cached.get(plan.prefill.name, 0)
-        holders = [w for w in workers if w is not plan.prefill and "kv" in w.info]
+        holders = [w for w in workers if w is not plan.prefill and w.info.kv_address]
         if not self.pull_min_blocks or not holders:
             return plan
         holder = max(holders, key=lambda w: cached.get(w.name, 0))

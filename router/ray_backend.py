@@ -26,10 +26,9 @@ import grpc
 
 from block_index import BlockIndex, InMemoryIndex, KVEvent
 from engine.hashing import root_hash
-from engine.loader import resolve_model_dir
 from protocol.requests import DecodeRequest, PrefillRequest, PrefillResult
 from protos.tandem.v1 import worker_pb2
-from router.backend import GenerateInput, GenerateResult, TokenDelta
+from router.backend import GenerateInput, GenerateResult, TokenDelta, WorkerReport
 from router.config import ServeConfig
 from router.failover import FailoverStats, NoWorkerAvailable, RetryPolicy, WorkerLost, is_retryable
 from router.messages import RequestError
@@ -37,6 +36,7 @@ from router.policies import make_policy
 from router.pool_manager import WorkerHandle, WorkerPool
 from router.prefix_routing import PrefixRouter, RoutePlan
 from router.progress import Progress
+from router.tokenizer import RouterTokenizer
 from router.watchdog import Watchdog
 from router.worker_recovery import WorkerRecovery
 from router.worker_streams import LOST, DeltaQueue, WorkerStreams, merge_queued
@@ -91,22 +91,19 @@ class RayBackend:
         self._missing: dict[str, int] = {}  # role -> dead workers not replaced yet
 
     async def start(self) -> None:
-        from router.tokenizer import RouterTokenizer
-
-        model_dir = resolve_model_dir(self.config.model)  # builds the default model once
-        with contextlib.suppress(OSError, ValueError):
-            self.tokenizer = RouterTokenizer.from_pretrained(self.config.tokenizer or model_dir)
         if not self.colocated:
             await self.prefill.scale_to(self.config.prefill)
         await self.decode.scale_to(self.config.decode)
         workers = self.prefill.workers + self.decode.workers
-        self.max_model_len = min(w.info["max_model_len"] for w in workers)
-        self.vocab_size = workers[0].info["vocab_size"]
-        self.index = self._make_index(workers[0].info["model_fingerprint"])
+        info = workers[0].info
+        self.tokenizer = await asyncio.to_thread(self._load_tokenizer, info.model_dir)
+        self.max_model_len = min(w.info.max_model_len for w in workers)
+        self.vocab_size = info.vocab_size
+        self.index = self._make_index(info.model_fingerprint)
         self.routing = PrefixRouter(
             self.index,
             self.config.block_size,
-            root_hash(workers[0].info["model_fingerprint"], self.config.block_size),
+            root_hash(info.model_fingerprint, self.config.block_size),
             self.policy,
             enabled=self.config.prefix_routing and self.config.enable_prefix_caching,
             load_weight_blocks=self.config.load_weight_blocks,
@@ -119,6 +116,20 @@ class RayBackend:
             self._watcher = asyncio.create_task(
                 self._watch_workers(self.config.worker_check_interval_s)
             )
+
+    def _load_tokenizer(self, worker_model_dir: str) -> RouterTokenizer | None:
+        """The configured tokenizer, else the one in the checkpoint the workers
+        loaded (on this machine), else the model's hub id; None: token-id
+        prompts only. The workers resolve the model (and build the embedded
+        default one): this process never loads the model code."""
+        sources = [self.config.tokenizer] if self.config.tokenizer else []
+        sources += [worker_model_dir, self.config.model]
+        for source in sources:
+            if source:
+                with contextlib.suppress(OSError, ValueError):
+                    return RouterTokenizer.from_pretrained(source)
+        log.warning("no tokenizer found (tried %s): token-id prompts only", sources)
+        return None
 
     def _make_index(self, fingerprint: str) -> BlockIndex:
         if self.config.redis_url is None:
@@ -209,33 +220,20 @@ class RayBackend:
             except Exception:
                 log.exception("replacing dead workers failed; trying again in %.1f s", interval_s)
 
-    async def worker_stats(self) -> dict[str, dict]:
-        """Stats of the workers in routing (a worker that fails to answer is
-        taken out of routing and left out)."""
+    async def worker_reports(self) -> list[WorkerReport]:
+        """The workers in routing and their stats (a worker that fails to
+        answer is taken out of routing and left out)."""
         workers = self.prefill.workers + self.decode.workers
         stats = await asyncio.gather(
             *(w.actor.stats.remote() for w in workers), return_exceptions=True
         )
-        out = {}
+        reports = []
         for w, s in zip(workers, stats, strict=True):
             if isinstance(s, BaseException):
                 self.recovery.suspect(w, f"stats failed: {type(s).__name__}")
             else:
-                out[w.name] = {**s, "role": w.role}
-        return out
-
-    async def worker_status(self) -> list[dict]:
-        workers = {w.name: w for w in self.prefill.workers + self.decode.workers}
-        return [
-            {
-                "name": name,
-                "role": workers[name].role,
-                "in_flight": workers[name].in_flight,
-                "free_blocks": s["free_blocks"],
-                "total_blocks": s["total_blocks"],
-            }
-            for name, s in (await self.worker_stats()).items()
-        ]
+                reports.append(WorkerReport(w.name, w.role, w.in_flight, s))
+        return reports
 
     # ---- failures -------------------------------------------------------
 
@@ -402,9 +400,9 @@ class RayBackend:
         request sent after its answer is routed with its prefix known."""
         d, p = plan.decode, plan.prefill
         assert p is not None
-        pull_from = plan.pull_from.info["kv"] if plan.pull_from is not None else None
+        pull_from = plan.pull_from.info.kv_address if plan.pull_from is not None else None
         request = PrefillRequest(
-            rid, self.router_id, inp.prompt_token_ids, inp.params, d.info["kv"], pull_from,
+            rid, self.router_id, inp.prompt_token_ids, inp.params, d.info.kv_address, pull_from,
             plan.pull_hashes, streamed,
         )  # fmt: skip
         p.in_flight += 1

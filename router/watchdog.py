@@ -78,7 +78,7 @@ class Watchdog:
             health = await asyncio.wait_for(worker.actor.health.remote(), self.health_timeout_s)
         except Exception:
             return False
-        return health.started and health.incarnation == worker.info.get("incarnation")
+        return health.started and health.incarnation == worker.info.incarnation
 
     def _lost(self, worker: WorkerHandle, why: str) -> WorkerLost:
         self.recovery.suspect(worker, why)

@@ -130,4 +130,4 @@ class WorkerRecovery:
         except Exception as exc:  # restarting, or stuck: ask again later
             log.info("health check of %s: %s", worker.name, type(exc).__name__)
             return False
-        return health.started and health.incarnation == worker.info.get("incarnation")
+        return health.started and health.incarnation == worker.info.incarnation

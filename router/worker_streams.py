@@ -179,9 +179,10 @@ class WorkerStreams:
         does not open in time."""
         await self.unsubscribe(worker)
         loop = asyncio.get_running_loop()
-        local = worker.info.get("outputs_local")
+        info = worker.info
+        local = info.outputs_local
         here = host_identity()
-        if local and self.transfer.local_streams and here and worker.info.get("host_id") == here:
+        if local and self.transfer.local_streams and here and info.host_id == here:
             try:
                 await self._open(
                     worker, lambda s: loop.create_unix_connection(s, local_path(local))
@@ -189,7 +190,7 @@ class WorkerStreams:
                 return
             except ConnectionError as exc:
                 log.warning("%s; trying its TCP address", exc)
-        address = worker.info["outputs"]
+        address = info.outputs
         host, port = split_address(address), int(address.rsplit(":", 1)[1])
         security = self.transfer.security
         ctx = security.client_ssl_context()  # None without cluster TLS

@@ -13,6 +13,7 @@ import time
 from collections.abc import Coroutine
 from typing import Any
 
+from protocol.workers import WorkerStats
 from router.config import ServeConfig
 from router.ray_backend import RayBackend
 from tandem_cli.serve import server_for
@@ -34,19 +35,17 @@ class Deployment:
     def run(self, coro: Coroutine[Any, Any, Any], timeout: float = 120) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
-    def worker_stats(self) -> dict[str, dict]:
-        return self.run(self.backend.worker_stats())
+    def worker_stats(self) -> dict[str, WorkerStats]:
+        return {r.name: r.stats for r in self.run(self.backend.worker_reports())}
 
     def leaked_blocks(self) -> dict[str, int]:
         """Workers with a block holder beyond the engine's own (a request, a
         transfer lease, a pin), a request, or a free block count other than
         their starting one: how many blocks they hold beyond the start."""
         return {
-            name: s["initial_free_blocks"] - s["free_blocks"]
+            name: s.initial_free_blocks - s.free_blocks
             for name, s in self.worker_stats().items()
-            if s["num_holders"] != s["initial_num_holders"]
-            or s["free_blocks"] != s["initial_free_blocks"]
-            or s["num_requests"]
+            if not s.idle
         }
 
     def wait_no_leaks(self, timeout_s: float = 30.0) -> dict[str, int]:

@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import threading
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 
-from block_index import EventPublisher, KVEvent
+from block_index import EventPublisher, IndexSettings, KVEvent
 from engine.config import EngineConfig
 from engine.engine_loop import EngineLoop
 from engine.llm_engine import LLMEngine
@@ -24,12 +22,8 @@ from kv_transfer import PoolBlockStore, TransferConfig
 from kv_transfer.quantized import QuantizedBlockStore
 from net.local_socket import host_identity
 from protocol.outputs import RequestOutput
-from protocol.workers import WorkerHealth
-from worker.cpu_binding import bind_process
-from worker.heap import freeze_startup_heap
-from worker.logfmt import LogFormat, configure_logging
+from protocol.workers import WorkerHealth, WorkerInfo, WorkerStats
 from worker.output_channel import OutputServer
-from worker.sched_policy import set_niceness, set_policy
 
 log = logging.getLogger(__name__)
 
@@ -53,16 +47,6 @@ class BufferedEvents:
 
     def close(self) -> None:
         self.drain()
-
-
-@dataclass(frozen=True)
-class IndexSettings:
-    """Where a worker publishes its prefix cache's changes."""
-
-    redis_url: str | None = None  # None: on the output streams, to the routers' index
-    deployment: str = "default"
-    heartbeat_s: float = 2.0
-    ttl_s: float = 10.0
 
 
 class EngineWorker:
@@ -150,38 +134,37 @@ class EngineWorker:
             callback(RequestOutput.aborted(request_id))
         return found
 
-    def describe(self) -> dict:
+    def describe(self) -> WorkerInfo:
         """What the router needs to know about this worker."""
         engine = self.engine
-        info = {
-            "name": self.name,
-            "max_model_len": engine.max_model_len,
-            "vocab_size": engine.spec.vocab_size,
-            "model_fingerprint": engine.kv_layout.model_fingerprint,
-            "incarnation": self.incarnation,
-        }
-        if self.outputs is not None:  # where routers open its output stream
-            local = self.outputs.local_address
-            info["outputs"] = self.outputs.address
-            info["outputs_local"] = local
-            info["host_id"] = host_identity() if local else ""  # who can reach outputs_local
-        return info
+        local = self.outputs.local_address if self.outputs is not None else ""
+        return WorkerInfo(
+            name=self.name,
+            max_model_len=engine.max_model_len,
+            vocab_size=engine.spec.vocab_size,
+            model_fingerprint=engine.kv_layout.model_fingerprint,
+            incarnation=self.incarnation,
+            model_dir=str(engine.model_dir),
+            outputs=self.outputs.address if self.outputs is not None else None,
+            outputs_local=local or None,
+            host_id=host_identity() if local else None,  # who can reach outputs_local
+        )
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> WorkerStats:
         engine = self.engine
-        return {
-            "free_blocks": engine.block_pool.num_free,
-            "total_blocks": engine.block_pool.num_blocks,
-            "initial_free_blocks": self.initial_free_blocks,
-            "num_holders": engine.block_pool.num_holders,
-            "initial_num_holders": self.initial_num_holders,
-            "num_requests": len(engine.request_ids()),
-            "num_running": len(engine.scheduler.running),
-            "num_waiting": len(engine.scheduler.waiting),
-            "num_steps": self.loop.num_steps,
-            "num_preemptions": engine.scheduler.num_preemptions,
+        return WorkerStats(
+            free_blocks=engine.block_pool.num_free,
+            total_blocks=engine.block_pool.num_blocks,
+            initial_free_blocks=self.initial_free_blocks,
+            num_holders=engine.block_pool.num_holders,
+            initial_num_holders=self.initial_num_holders,
+            num_requests=len(engine.request_ids()),
+            num_running=len(engine.scheduler.running),
+            num_waiting=len(engine.scheduler.waiting),
+            num_steps=self.loop.num_steps,
+            num_preemptions=engine.scheduler.num_preemptions,
             **spec_stats(engine.speculator),
-        }
+        )
 
     def drain_events(self) -> list[KVEvent]:
         """Cache events not yet sent to the routers (in-process index only)."""
@@ -218,57 +201,3 @@ class EngineWorker:
             callback = self._listeners.get(out.request_id)
             if callback is not None:
                 callback(out)
-
-
-class WorkerActor:
-    """What every worker's Ray actor does; the pool manager makes a subclass
-    remote with ``ray.remote(...).options(resources)``. Subclasses set
-    ``worker_class`` and add their role's calls."""
-
-    worker_class: type[EngineWorker]
-
-    def __init__(
-        self,
-        name: str,
-        config: EngineConfig,
-        transfer: TransferConfig,
-        index: IndexSettings,
-        host: str | None,
-        log_format: LogFormat = "text",
-        batch_scheduling: bool = False,
-        cpu_cores: tuple[int, ...] | None = None,
-        niceness: int | None = None,
-    ) -> None:
-        """``batch_scheduling``: this process runs under SCHED_BATCH (prefill
-        workers, see worker/sched_policy.py); otherwise under the normal policy.
-        ``cpu_cores``: the cores this process is bound to (worker/cpu_binding.py),
-        before the engine starts its threads; None: as inherited. ``niceness``:
-        this process's nice value (sched_policy.set_niceness); None: Ray's."""
-        configure_logging(log_format)  # this actor's process: structured request events
-        set_policy(batch_scheduling)
-        if niceness is not None:
-            set_niceness(niceness)
-        if cpu_cores is not None:
-            bind_process(cpu_cores)
-        if host is None:  # the address Ray gives this node, so peers on other nodes reach it
-            import ray
-
-            host = ray.util.get_node_ip_address()
-        self.worker = self.worker_class(name, config, transfer, index, host)
-        freeze_startup_heap()  # this process serves this one worker until it exits
-
-    async def abort(self, request_id: str) -> bool:
-        return await self.worker.abort(request_id)
-
-    async def stats(self) -> dict:
-        return self.worker.stats()
-
-    async def health(self) -> WorkerHealth:
-        return await self.worker.health()
-
-    async def pid(self) -> int:
-        """The actor's process id (chaos tests kill it)."""
-        return os.getpid()
-
-    async def stop(self) -> None:
-        await self.worker.stop()

@@ -19,6 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from router.auth import UNAUTHENTICATED_MESSAGE, ApiKeys
+from router.backend import ManagedPools
 from router.lifecycle import STARTING, Lifecycle
 from router.messages import RequestError
 from router.metrics import CONTENT_TYPE
@@ -61,15 +62,15 @@ class FrontState:
             )
 
     async def refresh_worker_metrics(self) -> None:
-        worker_stats = getattr(self.lifecycle.backend, "worker_stats", None)
-        if worker_stats is None or self.lifecycle.unavailable == STARTING:
+        backend = self.lifecycle.backend
+        if not isinstance(backend, ManagedPools) or self.lifecycle.unavailable == STARTING:
             return
         try:
-            stats = await asyncio.wait_for(worker_stats(), WORKER_STATS_TIMEOUT_S)
+            reports = await asyncio.wait_for(backend.worker_reports(), WORKER_STATS_TIMEOUT_S)
         except Exception as e:  # a scrape must not fail because one worker is slow or gone
             log.warning("worker stats for /metrics failed: %s", e)
             return
-        self.lifecycle.metrics.set_workers(stats)
+        self.lifecycle.metrics.set_workers(reports)
 
 
 def create_app(state: FrontState) -> FastAPI:

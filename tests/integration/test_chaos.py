@@ -289,7 +289,7 @@ def test_broken_transfers_are_retried(cluster, reference, fault):
     retries = b.failover.retries
     outs = asyncio.run(_load(cluster.address, []))
     _check(outs, reference)
-    injected = sum(s.get("faults_injected", 0) for s in cluster.worker_stats().values())
+    injected = sum(s.faults_injected for s in cluster.worker_stats().values())
     assert injected == len(b.prefill.workers)  # each prefill worker broke one push
     assert b.failover.retries >= retries + injected
     assert b.failover.failed == 0

@@ -99,8 +99,8 @@ def test_tls_router_and_secured_workers_serve(hardened, certs):
     assert final.timings.decode_worker.startswith("decode")
     workers = hardened.backend.prefill.workers + hardened.backend.decode.workers
     for worker in workers:  # internal endpoints bind the node address Ray gave them
-        assert worker.info["kv"].startswith("127.0.0.2:"), worker.info
-    assert hardened.backend.decode.workers[0].info["outputs"].startswith("127.0.0.2:")
+        assert worker.info.kv_address.startswith("127.0.0.2:"), worker.info
+    assert hardened.backend.decode.workers[0].info.outputs.startswith("127.0.0.2:")
     assert hardened.wait_no_leaks() == {}
 
 
@@ -113,7 +113,7 @@ def test_a_worker_refuses_a_kv_peer_without_credentials(hardened, certs, who):
     else:
         config = dataclasses.replace(good, security=ClusterSecurity(SECRET.encode()))
         expected = grpc.StatusCode.UNAVAILABLE
-    address = hardened.backend.prefill.workers[0].info["kv"]
+    address = hardened.backend.prefill.workers[0].info.kv_address
 
     async def pull() -> grpc.StatusCode:
         client = GrpcKVClient(config)
@@ -138,7 +138,7 @@ def test_a_decode_worker_refuses_an_output_stream_without_the_secret(hardened):
     transfer = hardened.config.transfer_config()
     no_secret = dataclasses.replace(transfer, security=ClusterSecurity(b"", transfer.security.tls))
     decode = hardened.backend.decode.workers[0]
-    intruder = WorkerHandle(decode.name, "decode", None, dict(decode.info))
+    intruder = WorkerHandle(decode.name, "decode", None, decode.info)
 
     async def subscribe() -> None:
         streams = WorkerStreams("intruder", lambda events: None, lambda w, why: None, no_secret)

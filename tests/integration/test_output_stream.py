@@ -21,6 +21,7 @@ from net import handshake
 from net.local_socket import host_identity
 from net.security import ClusterSecurity
 from protocol.outputs import RequestOutput
+from protocol.workers import WorkerInfo
 from protos.tandem.v1 import worker_pb2
 from router.pool_manager import WorkerHandle
 from router.worker_streams import LOST, WorkerStreams
@@ -51,7 +52,8 @@ class Pair:
         self.reader_config = TransferConfig(
             security=reader_security or security, max_message_bytes=16 << 20
         )
-        self.worker = WorkerHandle("decode-0", "decode", None, {"outputs": self.server.address})
+        info = WorkerInfo("decode-0", 64, 100, "fp", "1", "/model", outputs=self.server.address)
+        self.worker = WorkerHandle("decode-0", "decode", None, info)
         self.streams: WorkerStreams | None = None
 
     def _router_gone(self, router_id: str, request_ids: list[str]) -> None:

@@ -87,7 +87,7 @@ def test_shared_prefix_is_cached_and_output_unchanged(deployment, llm):
 
 def test_decode_receives_only_the_blocks_it_lacks(deployment, llm):
     def pushed() -> int:
-        return sum(s.get("kv_bytes_pushed", 0) for s in deployment.worker_stats().values())
+        return sum(s.kv_bytes_pushed for s in deployment.worker_stats().values())
 
     shared = _tokens(320, 4)  # 20 blocks
     before = pushed()
@@ -166,6 +166,6 @@ def test_prefix_on_a_busy_worker_is_pulled_not_recomputed(deployment, llm):
     assert out.timings.prefill_worker != holder.name
     assert out.usage.cached_tokens >= len(shared)  # pulled blocks count as cached
     assert out.token_ids == _reference(llm, prompt)
-    pulled = deployment.worker_stats()[out.timings.prefill_worker]["kv_bytes_pulled"]
+    pulled = deployment.worker_stats()[out.timings.prefill_worker].kv_bytes_pulled
     assert pulled > 0
     assert deployment.wait_no_leaks() == {}

@@ -50,9 +50,9 @@ def test_prompt_lookup_in_the_decode_pool_gives_plain_greedy_output(ray_cluster,
         stats = deployment.worker_stats()
         decode = [s for name, s in stats.items() if name.startswith("decode")]
         prefill = [s for name, s in stats.items() if name.startswith("prefill")]
-        assert sum(s["spec_proposed_tokens"] for s in decode) > 0
-        assert sum(s["spec_accepted_tokens"] for s in decode) > 0
-        assert all(s["spec_proposed_tokens"] == 0 for s in prefill)
+        assert sum(s.spec_proposed_tokens for s in decode) > 0
+        assert sum(s.spec_accepted_tokens for s in decode) > 0
+        assert all(s.spec_proposed_tokens == 0 for s in prefill)
         assert deployment.wait_no_leaks() == {}
     finally:
         deployment.stop()

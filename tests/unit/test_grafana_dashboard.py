@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from protocol.workers import WorkerStats
+from router.backend import WorkerReport
 from router.metrics import RouterMetrics
 
 pytestmark = pytest.mark.unit
@@ -19,7 +21,8 @@ DASHBOARD = Path(__file__).resolve().parents[2] / "infra" / "grafana" / "tandem.
 def test_every_charted_metric_is_exported():
     metrics = RouterMetrics()
     metrics.requests.labels("http", "OK").inc()  # labelled: exported once used
-    metrics.set_workers({"prefill-0": {"role": "prefill", "free_blocks": 3, "total_blocks": 4}})
+    stats = WorkerStats(3, 4, 4, 0, 0, 0, 0, 0, 0, 0)
+    metrics.set_workers([WorkerReport("prefill-0", "prefill", 0, stats)])
     exported = set()
     for family in text_string_to_metric_families(metrics.render().decode()):
         exported |= {s.name for s in family.samples}

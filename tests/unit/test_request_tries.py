@@ -25,6 +25,7 @@ from engine.hashing import hash_blocks, root_hash
 from engine.sampling import SamplingParams
 from kv_transfer import TransferError
 from protocol.requests import DecodeRequest, PrefillRequest, PrefillResult
+from protocol.workers import WorkerInfo
 from protos.tandem.v1 import worker_pb2
 from router.backend import GenerateInput, GenerateResult, TokenDelta
 from router.config import ServeConfig
@@ -136,7 +137,8 @@ class Cluster:
         actor.abort = _Method(lambda rid: self._abort(name, rid))
         kv = f"{name}.kv:1"
         self.by_kv[kv] = name
-        return WorkerHandle(name, role, actor, {"kv": kv, "incarnation": f"{name}-1"})
+        info = WorkerInfo(name, 4096, 1000, "fp", f"{name}-1", "/model", kv_address=kv)
+        return WorkerHandle(name, role, actor, info)
 
     def spawn(self, coro: Awaitable[Any]) -> None:
         """The decode worker streaming on after the call returned."""
@@ -281,7 +283,7 @@ def test_a_disaggregated_try_streams_every_token_then_the_result():
     assert req.prompt_token_ids == PROMPT
     assert req.output_token_ids == []
     assert req.router_id == setup.backend.router_id
-    assert req.decode_kv_address == setup.worker(t.decode_worker).info["kv"]
+    assert req.decode_kv_address == setup.worker(t.decode_worker).info.kv_address
     assert setup.streams.registered == [req.request_id]
     assert setup.backend.failover.retries == 0
     assert_clean(setup)

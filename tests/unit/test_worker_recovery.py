@@ -8,7 +8,7 @@ import asyncio
 import pytest
 import ray
 
-from protocol.workers import WorkerHealth
+from protocol.workers import WorkerHealth, WorkerInfo
 from router.failover import FailoverStats, WorkerLost
 from router.pool_manager import WorkerHandle
 from router.watchdog import Watchdog
@@ -24,6 +24,10 @@ class _Method:
 
     def remote(self, *args):
         return self.fn(*args)
+
+
+def info(incarnation: str, outputs: str) -> WorkerInfo:
+    return WorkerInfo("w", 64, 100, "fp", incarnation, "/model", outputs=outputs)
 
 
 class FakeActor:
@@ -47,10 +51,10 @@ class FakeActor:
         started = self.state == "healthy"
         return WorkerHealth(self.name, self.incarnation, started, 10, 10, 0)
 
-    async def _start(self) -> dict:
+    async def _start(self) -> WorkerInfo:
         self.starts += 1
         self.state = "healthy"
-        return {"incarnation": self.incarnation, "outputs": f"{self.name}:new"}
+        return info(self.incarnation, f"{self.name}:new")
 
 
 class FakePool:
@@ -60,8 +64,8 @@ class FakePool:
 
 def _setup():
     a, b = FakeActor("a"), FakeActor("b")
-    wa = WorkerHandle("a", "decode", a, {"incarnation": "first", "outputs": "a:old"})
-    wb = WorkerHandle("b", "decode", b, {"incarnation": "first", "outputs": "b:old"})
+    wa = WorkerHandle("a", "decode", a, info("first", "a:old"))
+    wb = WorkerHandle("b", "decode", b, info("first", "b:old"))
     pool = FakePool([wa, wb])
     events: list[tuple[str, str]] = []
 
@@ -69,7 +73,7 @@ def _setup():
         events.append(("down", w.name))
 
     async def on_back(w):
-        events.append(("back", w.info["outputs"]))
+        events.append(("back", w.info.outputs))
 
     recovery = WorkerRecovery([pool], on_down, on_back, FailoverStats(), poll_s=0.01)
     return recovery, pool, wa, wb, events
@@ -87,7 +91,7 @@ def test_restarted_worker_comes_back_started_after_its_health_check():
         wa.actor.state, wa.actor.incarnation = "restarted", "second"
         await recovery.wait_all(5)
         assert pool.workers == [wb, wa] and not recovery.is_down(wa)
-        assert wa.actor.starts == 1 and wa.info["incarnation"] == "second"
+        assert wa.actor.starts == 1 and wa.info.incarnation == "second"
         assert events == [("down", "a"), ("back", "a:new")]
         assert (recovery.stats.workers_lost, recovery.stats.workers_recovered) == (1, 1)
 

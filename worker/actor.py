@@ -1,0 +1,88 @@
+"""What every worker's Ray actor does, around a worker built in its process.
+
+Torch-free at import: the router imports the actor classes to create them,
+and only the actor's own process builds the worker (and loads the model).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+from protocol.workers import WorkerHealth, WorkerInfo, WorkerStats
+from worker.cpu_binding import bind_process
+from worker.heap import freeze_startup_heap
+from worker.logfmt import LogFormat, configure_logging
+from worker.sched_policy import set_niceness, set_policy
+
+if TYPE_CHECKING:
+    from block_index import IndexSettings
+    from engine.config import EngineConfig
+    from kv_transfer import TransferConfig
+
+
+class WorkerActor:
+    """What every worker's Ray actor does; the pool manager makes a subclass
+    remote with ``ray.remote(...).options(resources)``. Subclasses build
+    their worker in ``make_worker`` (importing it there) and add their
+    role's calls."""
+
+    def __init__(
+        self,
+        name: str,
+        config: EngineConfig,
+        transfer: TransferConfig,
+        index: IndexSettings,
+        host: str | None,
+        log_format: LogFormat = "text",
+        batch_scheduling: bool = False,
+        cpu_cores: tuple[int, ...] | None = None,
+        niceness: int | None = None,
+    ) -> None:
+        """``batch_scheduling``: this process runs under SCHED_BATCH (prefill
+        workers, see worker/sched_policy.py); otherwise under the normal policy.
+        ``cpu_cores``: the cores this process is bound to (worker/cpu_binding.py),
+        before the engine starts its threads; None: as inherited. ``niceness``:
+        this process's nice value (sched_policy.set_niceness); None: Ray's."""
+        configure_logging(log_format)  # this actor's process: structured request events
+        set_policy(batch_scheduling)
+        if niceness is not None:
+            set_niceness(niceness)
+        if cpu_cores is not None:
+            bind_process(cpu_cores)
+        if host is None:  # the address Ray gives this node, so peers on other nodes reach it
+            import ray
+
+            host = ray.util.get_node_ip_address()
+        self.worker = self.make_worker(name, config, transfer, index, host)
+        freeze_startup_heap()  # this process serves this one worker until it exits
+
+    @staticmethod
+    def make_worker(
+        name: str,
+        config: EngineConfig,
+        transfer: TransferConfig,
+        index: IndexSettings,
+        host: str,
+    ) -> Any:
+        raise NotImplementedError
+
+    async def start(self) -> WorkerInfo:
+        await self.worker.start()
+        return self.worker.describe()
+
+    async def abort(self, request_id: str) -> bool:
+        return await self.worker.abort(request_id)
+
+    async def stats(self) -> WorkerStats:
+        return self.worker.stats()
+
+    async def health(self) -> WorkerHealth:
+        return await self.worker.health()
+
+    async def pid(self) -> int:
+        """The actor's process id (chaos tests kill it)."""
+        return os.getpid()
+
+    async def stop(self) -> None:
+        await self.worker.stop()
