@@ -309,10 +309,15 @@ def test_a_discard_or_a_stop_ends_the_wait_for_a_commit():
         cancelled.cancel()
         with pytest.raises(asyncio.CancelledError):
             await cancelled
-        assert "cancelled" not in pair.server.service._waiters  # the caller's wait is gone
+        # The cancelled wait is gone: a new one may begin (a second wait at
+        # once is refused: RuntimeError).
+        again = asyncio.ensure_future(pair.server.committed("cancelled"))
+        await asyncio.sleep(0)
+        assert not again.done()
         await pair.server.stop()
-        with pytest.raises(LookupError):
-            await stopped
+        for waiting in (stopped, again):
+            with pytest.raises(LookupError):
+                await waiting
         assert pair.settled()
 
     run(go())
