@@ -1,12 +1,13 @@
 # Two commands do everything on a fresh machine:
 #   make serve   set up what is missing, then run `tandem serve` on the embedded default model
 #   make test    set up what is missing, then run the whole test suite
+# While working: make test-fast (the fast tier, a few minutes on 2 cores).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup serve test test-unit lint format protos bench clean
+.PHONY: setup serve test test-fast test-unit lint format protos bench clean
 
 setup: $(STAMP)
 
@@ -20,13 +21,29 @@ $(STAMP): pyproject.toml
 serve: $(STAMP)
 	$(BIN)/tandem serve $(ARGS)
 
+# The fast tier: in-process tests not marked slow. `make test` runs it first,
+# then everything else, so each test runs once.
+FAST := unit and not slow
+
+# pytest on one marker expression; a phase that collects nothing (exit code 5)
+# fails, saying so: a marker typo must not pass as an empty green run.
+define pytest_phase
+	$(BIN)/pytest -m "$(1)" $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make: pytest -m '$(1)' collected no tests" >&2; fi; \
+	exit $$rc
+endef
+
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python protos/codegen.py --check
-	$(BIN)/pytest $(PYTEST_ARGS)
+	$(call pytest_phase,$(FAST))
+	$(call pytest_phase,not ($(FAST)))
+
+test-fast: $(STAMP)
+	$(call pytest_phase,$(FAST))
 
 test-unit: $(STAMP)
-	$(BIN)/pytest -m unit $(PYTEST_ARGS)
+	$(call pytest_phase,unit)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

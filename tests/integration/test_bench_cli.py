@@ -12,7 +12,7 @@ from router.config import ServeConfig
 from tandem_cli.deployment import Deployment
 from tandem_cli.main import main
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,9 @@ from router.config import ServeConfig
 from router.pool_manager import WorkerHandle
 from tandem_cli.deployment import Deployment
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+# Kills, restarts and recoveries under load; the module's teardown waits up to
+# 240 s for every worker to be back.
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(1200)]
 
 MAX_TOKENS = 40
 TRANSFER_TIMEOUT_S = 4.0

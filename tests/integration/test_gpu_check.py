@@ -15,6 +15,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.timeout(660)  # its subprocess may take 600 s
 def test_gpu_check_smoke_mode_on_the_host():
     proc = subprocess.run(
         [sys.executable, "bench/gpu_check.py", "--device", "cpu", "--tiny", "--dtype", "float32"],

@@ -34,7 +34,7 @@ from tandem_cli.deployment import Deployment
 from tests.kv_harness import make_store
 from tests.tls_certs import make_certs, openssl_available
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
 
 SECRET = "hardened-cluster-secret"
 MAX_MODEL_LEN = 96  # bounds every completion: a fuzzed max_tokens cannot run long
@@ -238,6 +238,7 @@ def _check_completion(req: pb.GenerateRequest, responses: list[pb.GenerateRespon
         assert sum(len(r.chunk.logprobs) for r in responses[:-1]) == len(token_ids)
 
 
+@pytest.mark.timeout(max(600, 10 * EXAMPLES))  # scales with TANDEM_FUZZ_EXAMPLES
 @settings(
     max_examples=EXAMPLES,
     deadline=None,

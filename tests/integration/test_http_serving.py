@@ -24,7 +24,7 @@ from tandem_cli.deployment import Deployment
 from tandem_cli.main import main
 from tests.http_helpers import metric_samples
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
 
 KEY = "sk-integration"
 MODEL = "tandem-tiny-llama"

@@ -31,9 +31,9 @@ from net.security import ClusterSecurity
 from protos.tandem.v1 import kv_transfer_pb2 as pb
 from tests.kv_harness import LAYOUT, KVServerHarness, header
 
-pytestmark = pytest.mark.integration
-
 EXAMPLES = int(os.environ.get("TANDEM_FUZZ_EXAMPLES", "60"))
+# Up to 10 s an example (lease expiries included), 600 s at least.
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(max(600, 10 * EXAMPLES))]
 SECRET = b"fuzz-secret"
 CONFIG = TransferConfig(
     security=ClusterSecurity(SECRET),

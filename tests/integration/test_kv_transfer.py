@@ -92,6 +92,7 @@ def pools_return_to_start(request):
         assert p.call("num_free") == before[name], name
 
 
+@pytest.mark.timeout(600)
 def test_push_256_mib_arrives_intact(peers):
     sender, receiver = peers["sender"], peers["receiver"]
     blocks = sender.call("allocate", BIG)

@@ -21,6 +21,7 @@ from tests.integration.local_cluster import LocalRayCluster, ray_cli_available
 pytestmark = [
     pytest.mark.integration,
     pytest.mark.slow,
+    pytest.mark.timeout(1200),  # three Ray nodes started, one lost and recovered
     pytest.mark.skipif(not ray_cli_available(), reason="the `ray` command is not installed"),
 ]
 

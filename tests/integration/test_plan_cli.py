@@ -120,6 +120,7 @@ def test_verify_target_replays_load_against_a_router(synthetic_profile, capsys):
     assert all(len(i.prompt_token_ids) <= 8 for i in backend.inputs)
 
 
+@pytest.mark.timeout(900)  # two deployments started and loaded in turn
 def test_verify_starts_the_plan_and_the_naive_split_locally(synthetic_profile, ray_cluster, capsys):
     code = main(
         [

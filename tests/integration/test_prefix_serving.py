@@ -22,7 +22,7 @@ from router.config import ServeConfig
 from tandem_cli.deployment import Deployment
 from tests.redis_server import RedisServer
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
 
 BS = 16
 GREEDY = {"temperature": 0, "max_tokens": 16, "ignore_eos": True}

@@ -37,6 +37,7 @@ def _wait_for(condition, timeout_s: float = 120.0) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.timeout(900)  # a load through two resizes; the loader alone may take 300 s
 def test_resize_under_load_fails_no_request(ray_cluster, capsys):
     d = Deployment(ServeConfig(prefill=1, decode=1, kv_cache_memory_mb=32, kv_lease_s=120))
     try:

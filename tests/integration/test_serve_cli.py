@@ -16,7 +16,7 @@ import pytest
 
 from worker.cpu_binding import available_cores, plan_layout
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
 
 REPO = Path(__file__).resolve().parents[2]
 STARTUP_S = 180.0

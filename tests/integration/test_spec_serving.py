@@ -13,7 +13,7 @@ from router.client import TandemClient
 from router.config import ServeConfig
 from tandem_cli.deployment import Deployment
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
 
 MAX_TOKENS = 24
 TEXTS = [

@@ -147,8 +147,9 @@ def test_abort_frees_blocks_everywhere(engine):
     engine.add_request("running", _prompt(40, 1), GREEDY)
     engine.step()
     engine.add_request("prefilled", _prompt(40, 2), GREEDY, prefill_only=True)
-    while "prefilled" in engine._seqs and engine._seqs["prefilled"].status.value != "prefilled":
-        engine.step()
+    while not any(o.request_id == "prefilled" for o in engine.step()):  # its first token
+        pass
+    assert engine.export_kv("prefilled", with_data=False).output_token_ids  # held for export
     for rid in ["waiting", "running", "prefilled", "unknown"]:
         assert engine.abort(rid) == (rid != "unknown")
     assert not engine.has_unfinished()

@@ -221,6 +221,7 @@ def test_a_wide_head_screens_with_8_bit_rows(ops):
     assert torch.equal(tokens, _full(ops, x, head, n))  # every row settled, and right
 
 
+@pytest.mark.slow
 def test_the_engine_screens_plain_greedy_rows_only(llama_dir, ops, monkeypatch):
     """Plain greedy decoding goes through the screen and gives the tokens of
     the full logits; rows that ask for logprobs take the full logits. A
@@ -267,6 +268,7 @@ def test_the_engine_screens_plain_greedy_rows_only(llama_dir, ops, monkeypatch):
     assert [o.token_ids for o in full.generate(prompts, greedy)] == screened
 
 
+@pytest.mark.slow
 def test_a_screen_that_mostly_misses_is_dropped(llama_dir, ops, monkeypatch, caplog):
     """Rows the screen cannot settle cost the screen and then the full logits:
     past the trial, a model that mostly misses goes back to full logits, and

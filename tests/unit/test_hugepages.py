@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-import sys
+import ctypes
+import mmap
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,15 +22,47 @@ def test_empty_has_the_shape_and_dtype_asked_for():
     assert float(t.sum()) == 2.5 * 3 * (1 << 20)
 
 
-def test_only_whole_huge_pages_are_advised():
-    assert not hugepages.advise(torch.empty(1000))  # no whole 2 MB page inside
-    big = torch.empty(4 << 20)  # 16 MB: several whole pages, whatever its alignment
-    assert hugepages.advise(big) == (hugepages._madvise is not None)
+def _vm_flags(address: int) -> list[str]:
+    """The VmFlags of this process's mapping that holds ``address``."""
+    span = None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split(maxsplit=1)[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                span = (lo, hi)
+            elif head == "VmFlags:" and span and span[0] <= address < span[1]:
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise is Linux's")
-def test_linux_has_the_call():
-    assert hugepages._madvise is not None
+def test_a_tensor_without_a_whole_huge_page_is_not_advised():
+    assert not hugepages.advise(torch.empty(1000))
+
+
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+@pytest.mark.skipif(not THP.exists(), reason="no transparent huge pages (Linux only)")
+def test_the_kernel_marks_exactly_the_whole_huge_pages_inside_the_tensor():
+    # A fresh mapping of its own (no earlier advice on it) and a tensor in it
+    # that starts off a huge-page boundary.
+    buf = mmap.mmap(-1, 24 << 20)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    offset = 4096 if (base + 4096) % hugepages.HUGE_PAGE else 8192
+    big = torch.frombuffer(buf, dtype=torch.float32, offset=offset, count=4 << 20)  # 16 MB
+    start = big.data_ptr()
+    end = start + big.numel() * big.element_size()
+    first = -(-start // hugepages.HUGE_PAGE) * hugepages.HUGE_PAGE
+    last = end // hugepages.HUGE_PAGE * hugepages.HUGE_PAGE
+    assert "hg" not in _vm_flags(first)
+    assert hugepages.advise(big)
+    assert "hg" in _vm_flags(first)  # MADV_HUGEPAGE, as the kernel recorded it
+    assert "hg" in _vm_flags(last - 1)
+    # Only whole pages: the partial page at each end is left as it was.
+    assert "hg" not in _vm_flags(start) and "hg" not in _vm_flags(first - 1)
+    if last < end:
+        assert "hg" not in _vm_flags(last)
 
 
 def test_packed_weights_keep_their_values():

@@ -1,11 +1,17 @@
 """infra/: every YAML parses, the example deployment config is a valid
-ServeConfig, and the resources its pools are pinned to exist on the node
-types of the Ray cluster YAML and the KubeRay manifests."""
+ServeConfig, the resources its pools are pinned to exist on the node
+types of the Ray cluster YAML and the KubeRay manifests, and what the
+Docker images install from the build context is complete."""
 
 from __future__ import annotations
 
+import fnmatch
 import json
-from pathlib import Path
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path, PurePosixPath
 
 import pytest
 import yaml
@@ -14,7 +20,8 @@ from router.config import ServeConfig
 
 pytestmark = pytest.mark.unit
 
-INFRA = Path(__file__).resolve().parents[2] / "infra"
+REPO = Path(__file__).resolve().parents[2]
+INFRA = REPO / "infra"
 SERVE_CONFIG = INFRA / "deploy" / "serve-config.yaml"
 
 
@@ -88,8 +95,56 @@ def test_kuberay_groups_offer_the_pinned_resources_and_the_router_is_a_service()
     assert config.redis_url == "redis://tandem-redis:6379/0"
 
 
-@pytest.mark.parametrize("name", ["Dockerfile.cpu", "Dockerfile.cuda"])
-def test_dockerfiles_install_through_pyproject(name):
-    text = (INFRA / "docker" / name).read_text()
-    assert "COPY pyproject.toml" in text
-    assert "pip install" in text and "tandem" in text
+def _docker_context(dest: Path) -> Path:
+    """A copy of the repository as `docker build .` sends it: without what
+    .dockerignore names (a name at the top, or ``**/name`` at any depth)."""
+    lines = (REPO / ".dockerignore").read_text().splitlines()
+    patterns = [p.strip() for p in lines if p.strip() and not p.startswith("#")]
+
+    def ignored(rel: PurePosixPath) -> bool:
+        for pattern in patterns:
+            if pattern.startswith("**/"):
+                if fnmatch.fnmatch(rel.name, pattern[3:]):
+                    return True
+            elif fnmatch.fnmatch(str(rel), pattern.rstrip("/")):
+                return True
+        return False
+
+    def skip(directory: str, names: list[str]) -> set[str]:
+        base = PurePosixPath(Path(directory).relative_to(REPO).as_posix())
+        return {n for n in names if ignored(base / n)}
+
+    shutil.copytree(REPO, dest, ignore=skip, symlinks=True)
+    return dest
+
+
+@pytest.mark.slow
+def test_the_docker_build_context_installs_every_module_and_the_kernel_source(tmp_path):
+    """The images COPY the build context and `pip install --no-deps .` it: built
+    as a wheel here, it must hold every module of the repository's packages,
+    the kernel source engine.kernels compiles at run time, and the `tandem`
+    command the images run."""
+    from engine import kernels
+
+    not_installed = {"tests", "bench", "build"}  # build/: a local build's leftovers
+    modules = {
+        rel.as_posix()
+        for rel in (p.relative_to(REPO) for p in REPO.glob("*/**/*.py"))
+        if rel.parts[0] not in not_installed and not rel.parts[0].startswith(".")
+    }
+    assert {"engine", "router", "tandem_cli", "protos"} <= {m.split("/")[0] for m in modules}
+    context = _docker_context(tmp_path / "context")
+    dist = tmp_path / "dist"
+    pip = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation"]
+    out = subprocess.run(
+        [*pip, "-w", str(dist), str(context)], capture_output=True, text=True, timeout=240
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    (wheel,) = dist.glob("*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        installed = set(z.namelist())
+        entry_points = next(n for n in installed if n.endswith(".dist-info/entry_points.txt"))
+        commands = z.read(entry_points).decode()
+    assert modules - installed == set()
+    assert kernels.SOURCE.relative_to(REPO).as_posix() in installed
+    assert "tandem = tandem_cli.main:main" in commands

@@ -272,7 +272,8 @@ def test_health_and_unavailable_while_starting():
         starting = asyncio.create_task(server.start())
         await until(lambda: server.port != 0)
         async with grpc.aio.insecure_channel(server.address) as channel:
-            await until(lambda: server._server is not None)
+            async with asyncio.timeout(WAIT_S):
+                await channel.channel_ready()  # bound and serving while the backend starts
             assert await _health(channel) == health_pb2.HealthCheckResponse.NOT_SERVING
             stub = generate_pb2_grpc.TandemStub(channel)
             err = await error_of(stub.Generate(build_request([1])))

@@ -130,6 +130,7 @@ def test_penalised_requests_decode_without_speculation(llama_dir, plain):
     assert engine.speculator.num_proposed == 0
 
 
+@pytest.mark.slow
 def test_small_token_budget_and_block_pressure(llama_dir, baseline):
     """The token budget cuts proposals; a small pool preempts and recomputes.
     Output is unchanged either way."""
@@ -141,6 +142,7 @@ def test_small_token_budget_and_block_pressure(llama_dir, baseline):
     assert engine.scheduler.num_preemptions > 0
 
 
+@pytest.mark.slow
 def test_sampled_requests_with_speculation_finish_and_free_everything(llama_dir, draft_dir):
     params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=25, seed=3, ignore_eos=True)
     for model in (llama_dir, draft_dir):

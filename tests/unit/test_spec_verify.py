@@ -78,6 +78,7 @@ def _critical(dof: int, z: float = 4.75) -> float:
     return dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("proposer", ["draft", "point_mass"])
 def test_sampling_with_speculation_matches_the_target_distribution(proposer):
     target, draft = _markov(1), _markov(2)

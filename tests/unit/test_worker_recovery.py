@@ -38,10 +38,12 @@ class FakeActor:
         self.state = "healthy"  # "dead" | "restarted" | "healthy"
         self.incarnation = "first"
         self.starts = 0
+        self.health_checks = 0
         self.health = _Method(self._health)
         self.start = _Method(self._start)
 
     async def _health(self) -> WorkerHealth:
+        self.health_checks += 1
         if self.state == "dead":
             raise ConnectionError("actor died")
         if self.state == "gone":  # Ray: dead for good, no restart will come
@@ -86,8 +88,10 @@ def test_restarted_worker_comes_back_started_after_its_health_check():
         recovery.suspect(wa, "stream broke")
         recovery.suspect(wa, "stream broke again")  # one watcher only
         assert pool.workers == [wb] and recovery.is_down(wa)
-        await asyncio.sleep(0.1)
-        assert pool.workers == [wb]  # still dead: stays out
+        async with asyncio.timeout(5):  # three failed health checks (or a wrong return)
+            while wa.actor.health_checks < 3 and recovery.is_down(wa):
+                await asyncio.sleep(0.01)
+        assert pool.workers == [wb] and recovery.is_down(wa)  # still dead: stays out
         wa.actor.state, wa.actor.incarnation = "restarted", "second"
         await recovery.wait_all(5)
         assert pool.workers == [wb, wa] and not recovery.is_down(wa)
