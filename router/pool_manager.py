@@ -13,6 +13,7 @@ import ray
 from block_index import IndexSettings
 from engine.config import EngineConfig, SpeculativeConfig
 from protocol.workers import WorkerInfo
+from router import health
 from router.config import ServeConfig, WorkerResources
 from worker.cpu_binding import CoreAssignment, CoreLayout
 
@@ -148,21 +149,11 @@ class WorkerPool:
         return gone
 
     async def find_dead(self, timeout_s: float) -> list[WorkerHandle]:
-        """Workers whose actor has died (its process or its node is gone). A
-        worker that does not answer within ``timeout_s`` counts as alive:
-        Ray reports a lost node as a died actor once it notices."""
-
-        async def dead(worker: WorkerHandle) -> bool:
-            try:
-                await asyncio.wait_for(worker.actor.stats.remote(), timeout_s)
-            except ray.exceptions.ActorDiedError:
-                return True
-            except (TimeoutError, ray.exceptions.RayActorError):
-                return False
-            return False
-
-        flags = await asyncio.gather(*(dead(w) for w in self.workers))
-        return [w for w, is_dead in zip(self.workers, flags, strict=True) if is_dead]
+        """Workers whose actor has died for good (its process or its node is
+        gone). A worker that does not answer within ``timeout_s`` counts as
+        alive: Ray reports a lost node as a died actor once it notices."""
+        states = await asyncio.gather(*(health.check(w, timeout_s) for w in self.workers))
+        return [w for w, s in zip(self.workers, states, strict=True) if s is health.Health.DEAD]
 
     def remove(self, workers: list[WorkerHandle]) -> None:
         """Take ``workers`` out of routing (they are gone already)."""

@@ -19,7 +19,9 @@ import ray
 import ray.exceptions
 
 from protos.tandem.v1 import worker_pb2
+from router import health
 from router.failover import WorkerLost
+from router.health import Health
 from router.pool_manager import WorkerHandle
 from router.worker_recovery import WorkerRecovery
 from router.worker_streams import LOST, DeltaQueue
@@ -74,11 +76,7 @@ class Watchdog:
         """True when the worker's engine answers a health check in time."""
         if self.recovery.is_down(worker):
             return False
-        try:
-            health = await asyncio.wait_for(worker.actor.health.remote(), self.health_timeout_s)
-        except Exception:
-            return False
-        return health.started and health.incarnation == worker.info.incarnation
+        return await health.check(worker, self.health_timeout_s) is Health.HEALTHY
 
     def _lost(self, worker: WorkerHandle, why: str) -> WorkerLost:
         self.recovery.suspect(worker, why)

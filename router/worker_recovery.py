@@ -25,11 +25,14 @@ from collections.abc import Awaitable, Callable
 
 import ray
 
-from protocol.workers import WorkerHealth
+from router import health
 from router.failover import FailoverStats
+from router.health import Health
 from router.pool_manager import WorkerHandle, WorkerPool
 
 log = logging.getLogger(__name__)
+
+START_TIMEOUT_S = 300.0  # a restarted actor loads the model again
 
 
 class WorkerRecovery:
@@ -117,17 +120,18 @@ class WorkerRecovery:
         return True
 
     async def _healthy(self, worker: WorkerHandle) -> bool:
-        """One health check; starts a restarted actor first."""
-        try:
-            health: WorkerHealth = await asyncio.wait_for(
-                worker.actor.health.remote(), self.health_timeout_s
-            )
-            if not health.started:  # a new incarnation: Ray restarted the actor
-                worker.info = await asyncio.wait_for(worker.actor.start.remote(), 300)
-                health = await asyncio.wait_for(worker.actor.health.remote(), self.health_timeout_s)
-        except ray.exceptions.ActorDiedError:  # no restart will come
-            raise
-        except Exception as exc:  # restarting, or stuck: ask again later
-            log.info("health check of %s: %s", worker.name, type(exc).__name__)
-            return False
-        return health.started and health.incarnation == worker.info.incarnation
+        """One health check; starts a restarted actor first. ActorDiedError
+        when no restart will come."""
+        state = await health.check(worker, self.health_timeout_s)
+        if state is Health.RESTARTED:  # a new incarnation: start it, then ask again
+            try:
+                worker.info = await asyncio.wait_for(worker.actor.start.remote(), START_TIMEOUT_S)
+            except Exception as exc:  # still restarting, or failing to start: ask again later
+                log.info("starting %s again: %s", worker.name, type(exc).__name__)
+                return False
+            state = await health.check(worker, self.health_timeout_s)
+        if state is Health.DEAD:
+            raise ray.exceptions.ActorDiedError()
+        if state is Health.SILENT:
+            log.info("health check of %s: no answer", worker.name)
+        return state is Health.HEALTHY

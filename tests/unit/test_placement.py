@@ -8,6 +8,7 @@ import asyncio
 import pytest
 import ray
 
+from protocol.workers import WorkerHealth
 from router.config import ServeConfig, WorkerResources
 from router.pool_manager import WorkerHandle, WorkerPool, actor_options, engine_config
 
@@ -43,14 +44,14 @@ class _Method:
                 await asyncio.sleep(3600)
             if isinstance(self.outcome, Exception):
                 raise self.outcome
-            return {}
+            return WorkerHealth("w", "first", True, 10, 10, 0)
 
         return call()
 
 
 class _Actor:
     def __init__(self, outcome) -> None:
-        self.stats = _Method(outcome)
+        self.health = _Method(outcome)
 
 
 def test_only_workers_whose_actor_died_are_dead():
