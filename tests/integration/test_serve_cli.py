@@ -1,6 +1,6 @@
 """`tandem serve` as a user runs it: a subprocess that starts its own Ray on
-loopback, answers `tandem generate`, and on SIGTERM drains and leaves no
-process behind."""
+loopback, answers `tandem generate` without loading torch in the router's
+process, and on SIGTERM drains and leaves no process behind."""
 
 from __future__ import annotations
 
@@ -101,6 +101,11 @@ def _assert_binding(router: int, roles: dict[str, int]) -> None:
     assert os.sched_getaffinity(router) == shared
 
 
+def _maps_torch(pid: int) -> bool:
+    """Whether the process has libtorch mapped (it imported torch)."""
+    return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+
+
 def test_serve_generate_then_sigterm_leaves_nothing_behind():
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "tandem_cli.main", "serve", "--port", "0", "--grace-period", "10"]
@@ -121,6 +126,10 @@ def test_serve_generate_then_sigterm_leaves_nothing_behind():
         assert gen.returncode == 0, gen.stderr
         assert "4 completion tokens" in gen.stderr
         roles = _worker_pids(tree)
+        # The router tokenized the prompt and streamed the tokens without the
+        # model code; the workers run it.
+        assert not _maps_torch(proc.pid)
+        assert _maps_torch(roles["DecodeActor"])
         _assert_scheduling(proc.pid, roles)
         _assert_binding(proc.pid, roles)
         proc.send_signal(signal.SIGTERM)

@@ -10,12 +10,13 @@ candidates it was offered, so ties are visible.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pytest
 
 from block_index import InMemoryIndex, KVEvent
 from engine.hashing import hash_blocks, root_hash
+from protocol.workers import WorkerInfo
 from router.prefix_routing import PrefixRouter
 
 pytestmark = pytest.mark.unit
@@ -26,16 +27,23 @@ PROMPT = list(range(1000, 1040))  # 10 full blocks
 HASHES = hash_blocks(PROMPT, BS, ROOT)
 
 
+def info(name: str, kv_address: str | None = None) -> WorkerInfo:
+    return WorkerInfo(name, 4096, 1000, "fp", "1", "/model", kv_address=kv_address)
+
+
 @dataclass(eq=False)
 class Worker:
     name: str
-    info: dict = field(default_factory=dict)
+    info: WorkerInfo | None = None
     in_flight: int = 0
+
+    def __post_init__(self) -> None:
+        self.info = self.info or info(self.name)
 
 
 def kv_worker(name: str, in_flight: int = 0) -> Worker:
-    """A worker that serves KV pulls (its start() reported a "kv" address)."""
-    return Worker(name, {"kv": f"{name}:kv"}, in_flight)
+    """A worker that serves KV pulls (its start() reported a KV address)."""
+    return Worker(name, info(name, f"{name}:kv"), in_flight)
 
 
 class First:
