@@ -5,10 +5,9 @@ packed weight: with 4 KB pages that is thousands of pages a step, more than
 the TLB holds. On Linux, ``madvise(MADV_HUGEPAGE)`` asks for 2 MB pages
 where transparent huge pages are in ``madvise`` mode (a common default);
 the memory and its contents are the same either way, and where the call is
-not available or refused nothing changes. The default model's decode step
-at 16 streams of ~300 tokens: 8.7-8.9 -> 7.9-8.4 ms with the cache and
-weights on huge pages (PyTorch's own switch for this, THP_MEM_ALLOC_ENABLE,
-is read once per process, at its first large allocation).
+not available or refused nothing changes (PyTorch's own switch for this,
+THP_MEM_ALLOC_ENABLE, is read once per process, at its first large
+allocation, so the engine asks for its tensors itself).
 """
 
 from __future__ import annotations

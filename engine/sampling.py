@@ -158,8 +158,8 @@ class Sampler:
         self.kernels = kernels
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
-        """torch.argmax over the last dim of [B, V] (a fused kernel on CPU float32:
-        ATen's argmax reads a 32k row about 20x slower than its max)."""
+        """torch.argmax over the last dim of [B, V] (a fused kernel on CPU
+        float32, where ATen's argmax is far slower than its max)."""
         if (
             self.kernels is not None
             and logits.device.type == "cpu"

@@ -43,8 +43,8 @@ PULL_METHOD = f"/{SERVICE}/PullBlocks"
 # Initial metadata of an accepted push: leading blocks the receiver holds already.
 HELD_BLOCKS_KEY = "tandem-kv-held-blocks"
 
-# Loopback measurements (bench/kv_transfer.py) chose these: large HTTP/2
-# frames and flow-control windows, large socket reads.
+# Large HTTP/2 frames and flow-control windows, large socket reads: bulk KV
+# moves at a multiple of gRPC's defaults (bench/kv_transfer.py).
 GRPC_OPTIONS: list[tuple[str, int | str]] = [
     ("grpc.optimization_target", "throughput"),
     ("grpc.http2.max_frame_size", 8 << 20),

@@ -63,21 +63,19 @@ class TransferConfig:
     """Default deadline of one client call."""
     data_channel: bool = True
     """gRPC mover: carry a push's chunks over a raw TCP connection negotiated
-    in the PushBlocks call (datachannel.py; about 3x the throughput of chunks
-    in the gRPC stream). Header, layout check, commit and every error stay
+    in the PushBlocks call (datachannel.py; several times the throughput of
+    chunks in the gRPC stream). Header, layout check, commit and every error stay
     on the gRPC call. False on a server: it offers no data connection and
     clients fall back to the gRPC stream; on a client: it never asks."""
     tls_data_channel: bool = False
     """With cluster TLS, still offer the data connection (TLS by Python's ssl
-    module). Off: under TLS, chunks go over the gRPC stream. On the 2-core dev
-    machine (bench/kv_transfer.py --tls, three runs) bulk pushes were no
-    faster over the TLS data channel (178-537 MB/s, gRPC 270-479) and a small
-    push paid a TLS handshake per data connection (10.0 ms, gRPC 5.8 ms).
-    Without TLS it has no effect."""
+    module). Off: under TLS, chunks go over the gRPC stream, which was as fast
+    for bulk pushes and saves small pushes a TLS handshake per data
+    connection (docs/benchmarks.md). Without TLS it has no effect."""
     max_concurrent_pushes: int = 32
     """Pushes one client runs at once; more wait their turn before their call
-    (and its deadline) starts. Under a burst (1,000 streams at once) this keeps
-    each push short instead of a thousand crawling past their deadlines."""
+    (and its deadline) starts, so that under a burst each push stays short
+    instead of all of them crawling past their deadlines."""
     max_message_bytes: int = 64 << 20
     """Largest gRPC message a KV server or client sends or accepts, and the
     largest data-channel frame payload; must exceed ``chunk_bytes`` by

@@ -5,11 +5,8 @@ stream after every step (worker/output_channel.py), and that write
 is part of the time per output token. Over loopback TCP the ``send()``
 runs the whole TCP receive path in the sender's context, with caches cold
 from the forward pass; a Unix socket queues the bytes on the reader's
-socket and wakes it. On a 2-core Xeon, timing ``RouterConnection.send``
-on a decode worker's engine thread (the reader in a process on the other
-core, one stream): median 12-18 µs a step over a Unix socket, 20-36 µs
-over loopback TCP. The whole step gained less than the noise of
-bench/serving.py on that machine (about 1% of a 1.4 ms step).
+socket and wakes it, about half the engine thread's cost per frame
+(docs/benchmarks.md).
 
 Names live in Linux's abstract namespace: nothing on disk to clean up, and
 a name is gone when its socket closes. A name is reachable from processes

@@ -12,8 +12,8 @@ _IOV_BATCH = 512  # buffers per sendmsg / recvmsg_into (Linux allows 1024)
 
 
 def tune(sock: socket.socket) -> None:
-    """No Nagle delay on the small frames. Socket buffers stay autotuned:
-    fixing them (4 MiB) measured slower on loopback."""
+    """No Nagle delay on the small frames. Socket buffers stay autotuned
+    (fixed sizes were slower on loopback)."""
     if sock.family in (socket.AF_INET, socket.AF_INET6):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 

@@ -64,7 +64,7 @@ class Watchdog:
         if not queue.empty():  # under load the next step is often already here
             return queue.get_nowait()
         while True:
-            try:  # asyncio.timeout, not wait_for: no task per token (10 vs 17 us)
+            try:  # asyncio.timeout, not wait_for: no task per token
                 async with asyncio.timeout(self.stall_check_s):
                     return await queue.get()
             except TimeoutError:

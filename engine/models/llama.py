@@ -3,8 +3,8 @@
 Plain tensors and functional ops: q/k/v and gate/up projections are fused
 at load time, so a layer is a handful of matmuls. Weight matrices are kept
 transposed, [in, out], and applied with ``x @ w``: on CPU that GEMM path
-reads a one-row (decode) input 2-3x faster than ``F.linear`` over the
-[out, in] layout (bench/engine.py measures the whole step). The numerics follow the
+reads a one-row (decode) input faster than ``F.linear`` over the [out, in]
+layout (docs/benchmarks.md). The numerics follow the
 Hugging Face implementation (fp32 RMSNorm, rotate-half RoPE) so greedy
 output matches it token for token.
 """
