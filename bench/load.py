@@ -46,7 +46,10 @@ PROMPT_TOKENS = 32
 @contextlib.contextmanager
 def serve(extra_yaml: str, env_extra: dict[str, str]):
     """`tandem serve` in a subprocess; yields its address."""
-    config = "kv_cache_memory_mb: 256\nport: 0\nmax_queued_requests: 4096\n" + extra_yaml
+    config = (
+        "engine: {kv_cache_memory_mb: 256}\nserver: {port: 0}\n"
+        "limits: {max_queued_requests: 4096}\n" + extra_yaml
+    )
     flags = ("--prefill", "1", "--decode", "1")
     with tandem_serve(config, flags, env_extra) as (address,):
         yield address
@@ -119,9 +122,9 @@ def secure_settings(directory: Path) -> tuple[str, dict[str, str], bytes]:
 
     certs = make_certs(directory, "bench")
     yaml = (
-        f"tls_cert: {certs.cert}\ntls_key: {certs.key}\n"
-        f"cluster_tls_cert: {certs.cert}\ncluster_tls_key: {certs.key}\n"
-        f"cluster_tls_ca: {certs.ca}\n"
+        f"security:\n  tls_cert: {certs.cert}\n  tls_key: {certs.key}\n"
+        f"  cluster_tls_cert: {certs.cert}\n  cluster_tls_key: {certs.key}\n"
+        f"  cluster_tls_ca: {certs.ca}\n"
     )
     return yaml, {"TANDEM_CLUSTER_SECRET": os.urandom(16).hex()}, certs.ca.read_bytes()
 

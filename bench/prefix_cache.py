@@ -347,7 +347,7 @@ def main() -> None:
     ray.init(num_cpus=4, _node_ip_address="127.0.0.2", include_dashboard=False)
     try:
         log("deployment for TTFT (1 prefill + 1 decode) ...")
-        d = Deployment(ServeConfig(prefill=1, decode=1, kv_cache_memory_mb=KV_MB))
+        d = Deployment(ServeConfig(engine={"kv_cache_memory_mb": KV_MB}))
         try:
             results["ttft_90pct_cached"] = bench_ttft(d)
         finally:
@@ -363,14 +363,8 @@ def main() -> None:
         results["conversations"] = {}
         for name, caching in (("prefix_caching_on", True), ("prefix_caching_off", False)):
             log(f"conversations, {name} ...")
-            d = Deployment(
-                ServeConfig(
-                    prefill=1,
-                    decode=1,
-                    kv_cache_memory_mb=KV_MB,
-                    enable_prefix_caching=caching,
-                )
-            )
+            engine = {"kv_cache_memory_mb": KV_MB, "enable_prefix_caching": caching}
+            d = Deployment(ServeConfig(engine=engine))
             try:
                 conv = bench_conversations(d, caching)
             finally:

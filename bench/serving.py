@@ -73,7 +73,10 @@ TPOT_ROUNDS = {1: 15, 64: 3}
 @contextlib.contextmanager
 def serve(binding: bool, *flags: str):
     """`tandem serve` in a subprocess; yields its address."""
-    config = f"kv_cache_memory_mb: 256\nport: 0\ncpu_binding: {str(binding).lower()}\n"
+    config = (
+        "engine: {kv_cache_memory_mb: 256}\nserver: {port: 0}\n"
+        f"pools: {{cpu_binding: {str(binding).lower()}}}\n"
+    )
     with tandem_serve(config, flags) as (address,):
         yield address
 

@@ -1,7 +1,7 @@
 """API keys: one check for the gRPC API (an interceptor) and the HTTP front.
 
 Clients send ``authorization: Bearer <key>`` (gRPC metadata or HTTP header).
-Keys come from the config (``api_keys``, ``api_keys_file``) and the
+Keys come from the config (``security.api_keys``, ``security.api_keys_file``) and the
 ``TANDEM_API_KEYS`` environment variable (comma-separated), never from the
 command line. With no key configured, authentication is off.
 

@@ -1,19 +1,56 @@
-"""Deployment configuration: flags or a YAML file, validated."""
+"""Deployment configuration: a YAML file by sections, plus flags, validated.
+
+``ServeConfig`` has one field per section (``engine``, ``pools``,
+``server``, ``limits``, ``routing``, ``transfer``, ``speculative``,
+``security``, ``tuning``); YAML nests keys under them (``pools: {prefill:
+2}``) and Python passes dicts or section objects
+(``ServeConfig(pools={"prefill": 2})``). Every check of a setting lives on
+its section, or on ``ServeConfig`` when it spans sections; the sections
+build what the workers run with (``EngineConfig``, ``TransferConfig``,
+``ClusterSecurity``), so no other module copies fields one by one.
+"""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 if TYPE_CHECKING:
+    from engine.config import EngineConfig, SpeculativeConfig
     from kv_transfer import TransferConfig
     from net.security import ClusterSecurity
 
 CLUSTER_SECRET_ENV = "TANDEM_CLUSTER_SECRET"
+
+
+class Section(BaseModel):
+    """A section of the serve config: unknown keys are errors, and a key that
+    belongs to another section (or to the flat layout of old) says where it
+    goes."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _misplaced_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            moved = _moved_keys(data, cls.model_fields)
+            if moved:
+                raise _moved_error(f"not keys of this section: {moved}")
+        return data
 
 
 class WorkerResources(BaseModel):
@@ -34,22 +71,38 @@ class WorkerResources(BaseModel):
     way to pin a pool to a node type."""
 
 
-class ServeConfig(BaseModel):
-    """Everything `tandem serve` needs. Every field can come from YAML (--config)
-    and most from flags; flags win."""
-
-    model_config = ConfigDict(extra="forbid")
+class EngineSection(Section):
+    """The model and the engine every worker runs it with. Every field but
+    kv_cache_memory_mb is an ``EngineConfig`` field of the same name."""
 
     model: str | None = None
     """Checkpoint directory or hub id; None: the embedded default model."""
     tokenizer: str | None = None
-    """Tokenizer directory or hub id; defaults to the model's."""
+    """Tokenizer directory or hub id, when it is not in the model's directory."""
     load_format: Literal["auto", "dummy"] = "auto"
-    """auto: read the checkpoint's safetensors; dummy: random weights of its config."""
+    """auto: read the checkpoint's safetensors; dummy: random weights of its config, to
+    benchmark a model without downloading its weights."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Weights and KV cache dtype."""
-    cuda_graphs: bool = False
-    """GPU workers replay decode steps as CUDA graphs captured at fixed batch sizes."""
+    """Weights and KV cache dtype; GPU deployments use bfloat16 or float16 (half the
+    memory, faster)."""
+    block_size: int = Field(16, ge=1)
+    """Tokens per KV block, the unit of prefix caching, routing and KV transfer."""
+    kv_cache_memory_mb: int = Field(512, ge=1)
+    """KV pool size (MiB) of each worker: more holds more sequences and cached
+    prefixes at once; size it to the memory the weights leave free."""
+    max_num_batched_tokens: int = Field(512, ge=1)
+    """Token budget of one engine step; longer prompts are prefilled in chunks. Small
+    chunks let a prefill worker hand prompts to decode as they finish rather than a
+    batch at a time (lower time to first token); GPUs need a few thousand to keep busy."""
+    max_num_seqs: int = Field(256, ge=1)
+    """Most sequences one worker runs at once; lower it to bound the decode batch (and
+    so the time per output token) under load."""
+    max_model_len: int | None = Field(None, ge=2)
+    """Longest prompt plus output; None: the model's limit, capped by the KV pool. Lower
+    it to refuse requests that would hold too much of the pool."""
+    enable_prefix_caching: bool = True
+    """Reuse cached KV blocks of earlier requests with the same prefix; false keeps no
+    finished request's blocks (and turns KV-aware routing off)."""
     cpu_kernels: Literal["auto", "on", "off"] = "auto"
     """Fused C++ kernels for float32 CPU workers: auto (fall back to PyTorch if they
     cannot be built), on (a failed build is an error), off."""
@@ -57,63 +110,103 @@ class ServeConfig(BaseModel):
     """With the CPU kernels: an int8 (hidden size up to 512) or float16 copy of the LM
     head screens plain-greedy steps (same tokens, less work); false saves its memory
     (1 or 2 bytes per head weight)."""
+    cuda_graphs: bool = False
+    """GPU workers replay decode steps as CUDA graphs captured at fixed batch sizes:
+    less CPU overhead per step, at the cost of capture time and one KV block."""
+
+    def engine_config(self, **worker: Any) -> EngineConfig:
+        """The ``EngineConfig`` of one worker: this section plus what differs per
+        worker or comes from other sections (device, num_threads, speculative,
+        kv_transfer_dtype)."""
+        from engine.config import EngineConfig
+
+        fields = self.model_dump(exclude={"kv_cache_memory_mb"})
+        return EngineConfig(**fields, kv_cache_memory_bytes=self.kv_cache_memory_mb << 20, **worker)
+
+
+class PoolsSection(Section):
+    """The worker pools: how many, where they run, and how they are kept up."""
+
     mode: Literal["disaggregated", "colocated"] = "disaggregated"
-    """disaggregated: separate prefill and decode pools; colocated: one pool does both."""
+    """disaggregated: separate prefill and decode pools; colocated: one pool does both
+    (fewer workers, no KV transfer, but prefills share steps with decodes)."""
     prefill: int = Field(1, ge=0)
-    """Prefill workers (disaggregated mode)."""
+    """Prefill workers: at least 1 in disaggregated mode; 0 (or unset) in colocated mode."""
     decode: int = Field(1, ge=1)
     """Decode workers (or colocated workers)."""
     prefill_resources: WorkerResources = Field(default_factory=WorkerResources)
     """Resources of each prefill worker."""
     decode_resources: WorkerResources = Field(default_factory=WorkerResources)
     """Resources of each decode (or colocated) worker."""
-    host: str = "127.0.0.1"
-    """Address the router's gRPC API binds to."""
-    port: int = Field(50051, ge=0, le=65535)
-    """Router port; 0 picks a free one."""
     ray_address: str | None = None
-    """Join this Ray cluster; None starts a local one (on loopback when host is loopback)."""
-    block_size: int = Field(16, ge=1)
-    """Tokens per KV block."""
-    kv_cache_memory_mb: int = Field(512, ge=1)
-    """KV pool size of each worker."""
-    max_num_batched_tokens: int = Field(512, ge=1)
-    """Token budget of one engine step; longer prompts are prefilled in chunks. Small
-    chunks let a prefill worker hand prompts to decode as they finish rather than a
-    batch at a time (lower time to first token; on CPU 512 rows already keep the
-    matmuls at full speed); GPU deployments use a few thousand."""
-    max_num_seqs: int = Field(256, ge=1)
-    """Most sequences one worker runs at once."""
-    max_model_len: int | None = Field(None, ge=2)
-    """Longest prompt plus output; None: the model's limit, capped by the KV pool."""
-    enable_prefix_caching: bool = True
-    """Reuse cached KV blocks of earlier requests with the same prefix."""
-    max_queued_requests: int = Field(1024, ge=1)
-    """Requests in flight beyond this get RESOURCE_EXHAUSTED at once."""
-    routing_policy: Literal["round_robin", "least_loaded"] = "least_loaded"
-    """How the router picks a worker in each pool."""
-    redis_url: str | None = None
-    """Block index in Redis (e.g. redis://127.0.0.1:6379/0), shared by several routers;
-    None: an in-process index in the router."""
-    deployment: str = Field("default", min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
-    """Name of this deployment: its Redis keys are prefixed with it (and the model)."""
-    prefix_routing: bool = True
-    """Route requests to workers that hold their prefix (KV-aware routing)."""
-    load_weight_blocks: float = Field(4.0, ge=0)
-    """KV-aware routing: one request in flight on a worker costs as much as this many
-    cached prefix blocks are worth."""
-    local_prefill_tokens: int = Field(256, ge=0)
-    """When a decode worker holds a request's prefix and at most this many prompt tokens
-    are left to compute, it prefills them itself (no transfer); 0 turns this off."""
-    pull_min_blocks: int = Field(2, ge=0)
-    """A prefill worker pulls prefix blocks (PullBlocks) from the worker holding most of
-    the prompt when it lacks at least this many of them; 0 turns pulls off."""
-    grace_period_s: float = Field(30.0, ge=0)
-    """On SIGTERM, time given to requests in flight before the pools stop."""
-    kv_lease_s: float = Field(30.0, gt=0)
-    """Blocks reserved or pinned for a KV transfer are freed after this."""
-    request_timeout_s: float = Field(600.0, gt=0)
-    """Upper bound on one request when the client sets no deadline."""
+    """Join this Ray cluster (auto: the cluster of this node) to run the pools on several
+    machines; None starts a local one (on loopback when server.host is loopback)."""
+    cpu_binding: bool = True
+    """Where `tandem serve` starts the local Ray cluster for CPU workers: each decode
+    (or colocated) worker's process runs on num_threads cores of its own (the
+    highest-numbered) and the router, Ray's daemons and the prefill workers on the
+    cores left over, so that nothing woken by a step's output runs on a decode core.
+    Nothing is bound when that would leave no core over, on a Ray cluster joined with
+    ray_address, with GPU workers, or when false (to share the machine with other
+    processes that need those cores)."""
+    batch_scheduling: bool = True
+    """Linux: the router process (and a local Ray it starts) and the prefill workers run
+    under SCHED_BATCH, decode workers under the normal policy, so that on shared cores
+    the router woken by a decode worker's output never preempts its engine thread."""
+    worker_niceness: int | None = Field(0, ge=-20, le=19)
+    """Nice value of every worker process (all its threads); None keeps Ray's, 15.
+    Raise it to yield the cores to other work on the machine. Lowering it needs
+    privilege (root, CAP_SYS_NICE or RLIMIT_NICE) on a cluster joined with
+    ray_address; a local cluster starts its workers with it."""
+    worker_max_restarts: int = Field(3, ge=-1)
+    """Ray restarts a dead worker actor this many times (-1: always, 0: never); the
+    router routes to it again once its health check passes."""
+    worker_recovery_timeout_s: float = Field(120.0, gt=0)
+    """How long the router waits for a dead worker to come back before it forgets it;
+    raise it when a worker takes longer to restart (a big model to load)."""
+    worker_check_interval_s: float = Field(0.0, ge=0)
+    """Every this many seconds the router looks for workers whose actor died (their node
+    went away) and starts replacements where Ray finds the pool's resources; set it on
+    clusters whose nodes can go away; 0: off (the pool shrinks by the workers lost)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _colocated_has_no_prefill(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("mode") == "colocated" and "prefill" not in data:
+            return {**data, "prefill": 0}
+        return data
+
+    @model_validator(mode="after")
+    def _check_sizes(self) -> PoolsSection:
+        if self.mode == "disaggregated" and self.prefill < 1:
+            raise ValueError("prefill must be >= 1 in disaggregated mode")
+        if self.mode == "colocated" and self.prefill:
+            raise ValueError("prefill must be 0 or unset in colocated mode")
+        return self
+
+    def resources_of(self, role: str) -> WorkerResources:
+        """The resources of each worker of ``role`` (prefill, decode or colocated)."""
+        return self.prefill_resources if role == "prefill" else self.decode_resources
+
+    def resized(self, prefill: int | None, decode: int | None) -> PoolsSection:
+        """These pools with new sizes (None: unchanged), checked as the config is;
+        raises ValueError naming what is wrong."""
+        sizes = {"prefill": prefill, "decode": decode}
+        data = {**self.model_dump(), **{k: v for k, v in sizes.items() if v is not None}}
+        try:
+            return PoolsSection.model_validate(data)
+        except ValidationError as e:
+            lines = (line.removeprefix("(top level): ") for line in describe_errors(e))
+            raise ValueError("; ".join(lines)) from None
+
+
+class ServerSection(Section):
+    """The router's APIs."""
+
+    host: str = "127.0.0.1"
+    """Address the router's gRPC API binds to (0.0.0.0: every interface)."""
+    port: int = Field(50051, ge=0, le=65535)
+    """Router gRPC port; 0 picks a free one."""
     http_port: int | None = Field(None, ge=0, le=65535)
     """Port of the OpenAI-compatible HTTP API and /metrics; None: no HTTP front; 0 picks a
     free one."""
@@ -125,52 +218,121 @@ class ServeConfig(BaseModel):
     chat_template: str | None = None
     """Jinja chat template file for /v1/chat/completions; None: the tokenizer's, else a
     plain "role: content" fallback."""
+    log_format: Literal["text", "json"] = "text"
+    """Router and worker logs: text (request events as key=value) or JSON lines (for a
+    log collector)."""
+
+
+class LimitsSection(Section):
+    """What one router admits, and for how long."""
+
+    max_queued_requests: int = Field(1024, ge=1)
+    """Requests in flight beyond this get RESOURCE_EXHAUSTED (HTTP 429) at once, so that
+    an overload is refused rather than queued past every deadline."""
+    request_timeout_s: float = Field(600.0, gt=0)
+    """Upper bound on one request when the client sets no deadline."""
+    max_message_mb: int = Field(64, ge=1)
+    """Largest message (MiB) the router's API and Admin service accept or send; a
+    bigger request gets RESOURCE_EXHAUSTED."""
+    grace_period_s: float = Field(30.0, ge=0)
+    """On SIGTERM, time given to requests in flight before the pools stop."""
+
+
+class RoutingSection(Section):
+    """How the router picks workers, and where it keeps the block index."""
+
+    policy: Literal["round_robin", "least_loaded"] = "least_loaded"
+    """How the router picks a worker in each pool when no worker holds a request's
+    prefix (or prefix routing is off)."""
+    prefix_routing: bool = True
+    """Route requests to workers that hold their prefix (KV-aware routing)."""
+    local_prefill_tokens: int = Field(256, ge=0)
+    """When a decode worker holds a request's prefix and at most this many prompt tokens
+    are left to compute, it prefills them itself (no transfer); 0 turns this off, so
+    that decode steps never carry prefill work."""
+    redis_url: str | None = None
+    """Block index in Redis (e.g. redis://127.0.0.1:6379/0), shared by several routers;
+    None: an in-process index in the router."""
+    deployment: str = Field("default", min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
+    """Name of this deployment: its Redis keys are prefixed with it (and the model), so
+    that deployments sharing a Redis do not see each other's blocks."""
+
+
+class TransferSection(Section):
+    """KV transfer between workers and the workers' output streams."""
+
+    dtype: Literal["auto", "int8", "fp8"] = "auto"
+    """Encoding of KV blocks sent between workers: auto: the cache's dtype; int8 or fp8
+    (e4m3): one byte per value plus a float32 scale per block, layer, K/V and kv head,
+    for networks where transfers are the bottleneck."""
+    lease_s: float = Field(30.0, gt=0)
+    """Blocks reserved or pinned for a KV transfer are freed after this long without
+    progress."""
+    timeout_s: float = Field(30.0, gt=0)
+    """Deadline of one KV push or pull; a stalled transfer fails after it, its blocks
+    are freed on both sides and the request is retried. Raise it on slow networks
+    with long prompts."""
+    max_message_mb: int = Field(64, ge=16)
+    """Largest message (MiB) of the internal endpoints (KV transfer, worker output
+    streams) and largest KV data-channel frame; at least 16 (a chunk is 8 MiB)."""
+    local_output_streams: bool = True
+    """A decode worker's output stream to a router on the same machine goes over a Unix
+    socket (no TLS: it never leaves the machine) instead of TCP; false: TCP (and TLS
+    where configured) everywhere."""
+
+    def transfer_config(self, security: ClusterSecurity) -> TransferConfig:
+        """What every worker's KV server and client use."""
+        from kv_transfer import TransferConfig
+
+        return TransferConfig(
+            lease_s=self.lease_s,
+            timeout_s=self.timeout_s,
+            max_message_bytes=self.max_message_mb << 20,
+            security=security,
+            local_streams=self.local_output_streams,
+        )
+
+
+class SpeculativeSection(Section):
+    """Speculative decoding in the decode (or colocated) pool. The fields are those
+    of ``engine.config.SpeculativeConfig``, which checks them."""
+
+    method: Literal["none", "ngram", "draft"] = "none"
+    """ngram proposes by prompt lookup (for outputs that repeat their input: code edits,
+    extraction), draft by a smaller model sharing the tokenizer (draft_model); none: off."""
+    num_speculative_tokens: int = Field(4, ge=1)
+    """Tokens proposed per sequence and step; the target verifies them in one pass."""
+    ngram_min: int = Field(1, ge=1)
+    """Prompt lookup: shortest n-gram matched."""
+    ngram_max: int = Field(4, ge=1)
+    """Prompt lookup: longest n-gram matched (tried first)."""
+    draft_model: str | None = None
+    """Checkpoint directory or hub id of the draft model (method draft), loaded with the
+    target's load_format and dtype."""
+
+    @model_validator(mode="after")
+    def _check(self) -> SpeculativeSection:
+        self.speculative_config()  # the engine's checks (a ValueError names the field)
+        return self
+
+    def speculative_config(self) -> SpeculativeConfig | None:
+        """The engine's speculative options; None when off."""
+        if self.method == "none":
+            return None
+        from engine.config import SpeculativeConfig
+
+        return SpeculativeConfig(**self.model_dump())
+
+
+class SecuritySection(Section):
+    """API keys, TLS, and the cluster's own secret and TLS (docs/security.md)."""
+
     api_keys: list[SecretStr] = Field(default_factory=list)
     """Keys accepted as 'authorization: Bearer <key>' on the gRPC and HTTP APIs (with
     api_keys_file and $TANDEM_API_KEYS); none anywhere: no authentication."""
     api_keys_file: str | None = None
-    """File of accepted API keys, one per line (# starts a comment)."""
-    log_format: Literal["text", "json"] = "text"
-    """Router and worker logs: text (request events as key=value) or JSON lines."""
-    batch_scheduling: bool = True
-    """Linux: the router process (and a local Ray it starts) and the prefill workers run
-    under SCHED_BATCH, decode workers under the normal policy, so that on shared cores
-    the router woken by a decode worker's output never preempts its engine thread."""
-    worker_niceness: int | None = Field(0, ge=-20, le=19)
-    """Nice value of every worker process (all its threads); None keeps Ray's, 15.
-    Lowering it needs privilege (root, CAP_SYS_NICE or RLIMIT_NICE) on a cluster
-    joined with ray_address; a local cluster starts its workers with it."""
-    cpu_binding: bool = True
-    """Where `tandem serve` starts the local Ray cluster for CPU workers: each decode
-    (or colocated) worker's process runs on num_threads cores of its own (the
-    highest-numbered) and the router, Ray's daemons and the prefill workers on the
-    cores left over, so that nothing woken by a step's output runs on a decode core.
-    Nothing is bound when that would leave no core over, on a Ray cluster joined with
-    ray_address, with GPU workers, or when false."""
-    speculative_method: Literal["none", "ngram", "draft"] = "none"
-    """Speculative decoding in the decode (or colocated) pool: ngram proposes by prompt
-    lookup, draft by a smaller model sharing the tokenizer (draft_model); none: off."""
-    num_speculative_tokens: int = Field(4, ge=1)
-    """Tokens proposed per sequence and step; the target verifies them in one pass."""
-    speculative_ngram_min: int = Field(1, ge=1)
-    """Prompt lookup: shortest n-gram matched."""
-    speculative_ngram_max: int = Field(4, ge=1)
-    """Prompt lookup: longest n-gram matched (tried first)."""
-    draft_model: str | None = None
-    """Checkpoint directory or hub id of the draft model (speculative_method draft),
-    loaded with the target's load_format and dtype."""
-    kv_transfer_dtype: Literal["auto", "int8", "fp8"] = "auto"
-    """Encoding of KV blocks sent between workers: auto: the cache's dtype; int8 or fp8
-    (e4m3): one byte per value plus a float32 scale per block, layer, K/V and kv head."""
-    max_message_mb: int = Field(64, ge=1)
-    """Largest message (MiB) the router's API and Admin service accept or send; a
-    bigger request gets RESOURCE_EXHAUSTED."""
-    kv_max_message_mb: int = Field(64, ge=16)
-    """Largest message (MiB) of the internal endpoints (KV transfer, worker output
-    streams) and largest KV data-channel frame."""
-    local_output_streams: bool = True
-    """A decode worker's output stream to a router on the same machine goes over a
-    Unix socket (no TLS: it never leaves the machine) instead of TCP."""
+    """File of accepted API keys, one per line (# starts a comment): keys kept out of
+    the config file."""
     tls_cert: Path | None = None
     """PEM certificate chain of the router's gRPC API; set with tls_key to serve TLS only."""
     tls_key: Path | None = None
@@ -190,41 +352,9 @@ class ServeConfig(BaseModel):
     """Shared secret internal KV and output-stream calls must present (else
     UNAUTHENTICATED); YAML or the TANDEM_CLUSTER_SECRET environment variable, never a
     flag; never logged."""
-    worker_check_interval_s: float = Field(0.0, ge=0)
-    """Every this many seconds the router looks for workers whose actor died (their node
-    went away) and starts replacements where Ray finds the pool's resources; 0: off."""
-    kv_transfer_timeout_s: float = Field(30.0, gt=0)
-    """Deadline of one KV push or pull; a stalled transfer fails after it, its blocks
-    are freed on both sides and the request is retried."""
-    max_attempts: int = Field(4, ge=1)
-    """Tries per request: the first one plus retries after a worker died or a transfer
-    failed (a decode failover resumes from the tokens already streamed)."""
-    retry_backoff_s: float = Field(0.1, ge=0)
-    """Wait before the first retry; it doubles with each further one."""
-    retry_backoff_max_s: float = Field(2.0, ge=0)
-    """Longest wait between two tries of a request."""
-    worker_max_restarts: int = Field(3, ge=-1)
-    """Ray restarts a dead worker actor this many times (-1: always, 0: never); the
-    router routes to it again once its health check passes."""
-    worker_recovery_timeout_s: float = Field(120.0, gt=0)
-    """How long the router waits for a dead worker to come back before it forgets it."""
-    stall_check_s: float = Field(5.0, gt=0)
-    """A request whose worker has been silent this long asks the worker's health."""
-    health_timeout_s: float = Field(10.0, gt=0)
-    """A worker whose engine does not answer a health check in this long counts as dead."""
 
     @model_validator(mode="after")
-    def _check_pools(self) -> ServeConfig:
-        if self.mode == "disaggregated" and self.prefill < 1:
-            raise ValueError("prefill must be >= 1 in disaggregated mode")
-        if self.speculative_method == "draft" and not self.draft_model:
-            raise ValueError("speculative_method draft needs draft_model")
-        if self.speculative_ngram_min > self.speculative_ngram_max:
-            raise ValueError("speculative_ngram_min must be <= speculative_ngram_max")
-        return self
-
-    @model_validator(mode="after")
-    def _check_tls(self) -> ServeConfig:
+    def _check_tls(self) -> SecuritySection:
         for cert, key in (("tls_cert", "tls_key"), ("cluster_tls_cert", "cluster_tls_key")):
             if (getattr(self, cert) is None) != (getattr(self, key) is None):
                 raise ValueError(f"{cert} and {key} go together: set both or neither")
@@ -238,27 +368,6 @@ class ServeConfig(BaseModel):
         if self.cluster_secret is not None and not self.cluster_secret.get_secret_value():
             raise ValueError("cluster_secret must not be empty")
         return self
-
-    @classmethod
-    def load(cls, path: str | Path | None, **overrides: object) -> ServeConfig:
-        """YAML file (optional) plus overrides (None values are ignored)."""
-        data: dict = {}
-        if path is not None:
-            loaded = yaml.safe_load(Path(path).read_text()) or {}
-            if not isinstance(loaded, dict):
-                raise ValueError(f"{path}: expected a mapping at the top level")
-            data.update(loaded)
-        data.update({k: v for k, v in overrides.items() if v is not None})
-        if "cluster_secret" not in data and os.environ.get(CLUSTER_SECRET_ENV):
-            data["cluster_secret"] = os.environ[CLUSTER_SECRET_ENV]
-        return cls.model_validate(data)
-
-    def served_name(self) -> str:
-        """The served model name (/v1/models, GetModelInfo): served_model_name, else the
-        model argument, else the embedded model's name."""
-        from engine.config import DEFAULT_MODEL_NAME
-
-        return self.served_model_name or self.model or DEFAULT_MODEL_NAME
 
     def cluster_security(self) -> ClusterSecurity:
         """The internal endpoints' secret and TLS, for workers and the router."""
@@ -275,14 +384,197 @@ class ServeConfig(BaseModel):
             )
         return ClusterSecurity(secret, tls)
 
-    def transfer_config(self) -> TransferConfig:
-        """What every worker's KV server and client use."""
-        from kv_transfer import TransferConfig
 
-        return TransferConfig(
-            lease_s=self.kv_lease_s,
-            timeout_s=self.kv_transfer_timeout_s,
-            max_message_bytes=self.kv_max_message_mb << 20,
-            security=self.cluster_security(),
-            local_streams=self.local_output_streams,
+class TuningSection(Section):
+    """Knobs the defaults suit almost every deployment for; change them only to
+    answer a problem seen in production."""
+
+    max_attempts: int = Field(4, ge=1)
+    """Tries per request: the first one plus retries after a worker died or a transfer
+    failed (a decode failover resumes from the tokens already streamed); 1: a failure
+    reaches the client at once."""
+    stall_check_s: float = Field(5.0, gt=0)
+    """A request whose worker has been silent this long asks the worker's health; lower
+    it to notice a hung worker sooner."""
+    health_timeout_s: float = Field(10.0, gt=0)
+    """A worker whose engine does not answer a health check in this long counts as dead;
+    raise it when one engine step can take longer (a big model on CPU, a large
+    max_num_batched_tokens)."""
+    load_weight_blocks: float = Field(4.0, ge=0)
+    """KV-aware routing: one request in flight on a worker costs as much as this many
+    cached prefix blocks are worth; higher spreads load, lower follows prefixes."""
+    pull_min_blocks: int = Field(2, ge=0)
+    """A prefill worker pulls prefix blocks (PullBlocks) from the worker holding most of
+    the prompt when it lacks at least this many of them, rather than computing them;
+    0 turns pulls off."""
+
+
+class ServeConfig(BaseModel):
+    """Everything `tandem serve` needs, by section. Every field can come from YAML
+    (--config) and some from flags (tandem_cli/serve.py, SERVE_FLAGS); flags win."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    engine: EngineSection = Field(default_factory=EngineSection)
+    """The model and the engine options of every worker."""
+    pools: PoolsSection = Field(default_factory=PoolsSection)
+    """The worker pools: sizes, resources, placement and recovery."""
+    server: ServerSection = Field(default_factory=ServerSection)
+    """The router's gRPC and HTTP APIs and logs."""
+    limits: LimitsSection = Field(default_factory=LimitsSection)
+    """Admission, deadlines, message sizes and the shutdown grace period."""
+    routing: RoutingSection = Field(default_factory=RoutingSection)
+    """Worker choice, KV-aware routing and the block index."""
+    transfer: TransferSection = Field(default_factory=TransferSection)
+    """KV transfer between workers and the workers' output streams."""
+    speculative: SpeculativeSection = Field(default_factory=SpeculativeSection)
+    """Speculative decoding in the decode (or colocated) pool."""
+    security: SecuritySection = Field(default_factory=SecuritySection)
+    """API keys, TLS and the cluster secret."""
+    tuning: TuningSection = Field(default_factory=TuningSection)
+    """Failover and routing knobs that rarely need changing."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _flat_keys(cls, data: Any) -> Any:
+        """A key of the flat layout of old says which section it moved to."""
+        if isinstance(data, dict):
+            moved = _moved_keys(data, cls.model_fields)
+            if moved:
+                raise _moved_error(
+                    f"the configuration is nested by section (YAML: `pools: {{prefill: 2}}`, "
+                    f"see docs/configuration.md): {moved}"
+                )
+        return data
+
+    @classmethod
+    def load(
+        cls, path: str | Path | None, overrides: Mapping[str, object] | None = None
+    ) -> ServeConfig:
+        """YAML file (optional) plus ``overrides`` by dotted path
+        (``{"pools.prefill": 2}``; None values are ignored), plus the cluster
+        secret from $TANDEM_CLUSTER_SECRET when neither sets it."""
+        data: dict = {}
+        if path is not None:
+            loaded = yaml.safe_load(Path(path).read_text()) or {}
+            if not isinstance(loaded, dict):
+                raise ValueError(f"{path}: expected a mapping at the top level")
+            data = loaded
+        for dotted, value in (overrides or {}).items():
+            if value is not None:
+                _set_path(data, dotted, value)
+        secret = os.environ.get(CLUSTER_SECRET_ENV)
+        security = data.get("security") or {}
+        if secret and isinstance(security, dict) and "cluster_secret" not in security:
+            _set_path(data, "security.cluster_secret", secret)
+        return cls.model_validate(data)
+
+    def updated(self, **sections: Mapping[str, Any] | BaseModel) -> ServeConfig:
+        """A copy with some fields of some sections replaced, validated again:
+        ``config.updated(pools={"prefill": 2}, limits={"grace_period_s": 5})``."""
+        data = self.model_dump(exclude_unset=True)
+        for name, fields in sections.items():
+            if isinstance(fields, BaseModel):
+                fields = fields.model_dump(exclude_unset=True)
+            data[name] = {**data.get(name, {}), **fields}
+        return type(self).model_validate(data)
+
+    def served_name(self) -> str:
+        """The served model name (/v1/models, GetModelInfo): served_model_name, else the
+        model argument, else the embedded model's name."""
+        from engine.config import DEFAULT_MODEL_NAME
+
+        return self.server.served_model_name or self.engine.model or DEFAULT_MODEL_NAME
+
+    def engine_config(self, role: str, num_gpus: float) -> EngineConfig:
+        """The engine options of one worker of ``role`` with ``num_gpus`` GPUs; only
+        decode (and colocated) workers speculate."""
+        return self.engine.engine_config(
+            device="cuda" if num_gpus > 0 else "cpu",
+            num_threads=self.pools.resources_of(role).num_threads,
+            speculative=None if role == "prefill" else self.speculative.speculative_config(),
+            kv_transfer_dtype=self.transfer.dtype,
         )
+
+    def transfer_config(self) -> TransferConfig:
+        """What every worker's KV server and client (and the router's streams) use."""
+        return self.transfer.transfer_config(self.security.cluster_security())
+
+
+SECTIONS: dict[str, type[Section]] = {
+    name: field.annotation  # type: ignore[misc]
+    for name, field in ServeConfig.model_fields.items()
+}
+
+# Keys of the flat configuration of old whose name changed in their section,
+# or that two sections have (dtype, max_message_mb); every other one kept its
+# name in the one section that has it.
+RENAMED_KEYS: dict[str, str] = {
+    "dtype": "engine.dtype",
+    "routing_policy": "routing.policy",
+    "kv_transfer_dtype": "transfer.dtype",
+    "kv_lease_s": "transfer.lease_s",
+    "kv_transfer_timeout_s": "transfer.timeout_s",
+    "kv_max_message_mb": "transfer.max_message_mb",
+    "max_message_mb": "limits.max_message_mb",
+    "speculative_method": "speculative.method",
+    "speculative_ngram_min": "speculative.ngram_min",
+    "speculative_ngram_max": "speculative.ngram_max",
+}
+# Keys of old that are no longer settings, and where their value lives now.
+REMOVED_KEYS: dict[str, str] = {
+    "retry_backoff_s": "router/failover.py, RETRY_BACKOFF_S",
+    "retry_backoff_max_s": "router/failover.py, RETRY_BACKOFF_MAX_S",
+}
+
+
+def _home(key: str) -> str | None:
+    """Where ``key`` belongs: the new place of an old flat key, or the
+    section(s) with a field of that name; None for an unknown key."""
+    if key in RENAMED_KEYS:
+        return RENAMED_KEYS[key]
+    if key in REMOVED_KEYS:
+        return f"no longer a setting ({REMOVED_KEYS[key]})"
+    homes = [f"{name}.{key}" for name, cls in SECTIONS.items() if key in cls.model_fields]
+    return " or ".join(homes) or None
+
+
+def _moved_keys(data: dict, fields: Mapping[str, object]) -> str:
+    """What is wrong with the keys of ``data`` that are not ``fields`` when one
+    of them at least belongs elsewhere; "" when none does (then pydantic's own
+    error for unknown keys says enough)."""
+    unknown = [k for k in data if k not in fields]
+    homes = {k: _home(k) for k in unknown}
+    if not any(homes.values()):
+        return ""
+    return "; ".join(
+        f"{k} is unknown"
+        if where is None
+        else f"{k} is {where}"
+        if where.startswith("no longer")
+        else f"{k} is now {where}"
+        for k, where in homes.items()
+    )
+
+
+def _moved_error(message: str) -> PydanticCustomError:
+    return PydanticCustomError("moved_key", "{message}", {"message": message})
+
+
+def _set_path(data: dict, dotted: str, value: object) -> None:
+    *sections, key = dotted.split(".")
+    for name in sections:
+        data = data.setdefault(name, {})
+        if not isinstance(data, dict):
+            raise ValueError(f"{name}: expected a mapping of its keys, got {data!r}")
+    data[key] = value
+
+
+def describe_errors(e: ValidationError) -> list[str]:
+    """One line per error: where (a dotted path) and what."""
+    lines = []
+    for err in e.errors():
+        where = ".".join(str(part) for part in err["loc"]) or "(top level)"
+        msg = err["msg"].removeprefix("Value error, ")
+        lines.append(f"{where}: {msg}")
+    return lines

@@ -44,11 +44,18 @@ class NoWorkerAvailable(LookupError):
     """Every worker of a pool is down (being restarted) right now."""
 
 
+# Wait before a request's first retry (it doubles with each further one) and
+# the longest wait between two tries: long enough for Ray to report a dead
+# actor, short against any request's deadline.
+RETRY_BACKOFF_S = 0.1
+RETRY_BACKOFF_MAX_S = 2.0
+
+
 @dataclass(frozen=True)
 class RetryPolicy:
     max_attempts: int = 4
-    backoff_s: float = 0.1
-    max_backoff_s: float = 2.0
+    backoff_s: float = RETRY_BACKOFF_S
+    max_backoff_s: float = RETRY_BACKOFF_MAX_S
 
     def delay(self, failures: int) -> float:
         """Wait after the ``failures``-th failed try (1, 2, ...)."""

@@ -11,7 +11,6 @@ from typing import Any
 import ray
 
 from block_index import IndexSettings
-from engine.config import EngineConfig, SpeculativeConfig
 from protocol.workers import WorkerInfo
 from router import health
 from router.config import ServeConfig, WorkerResources
@@ -61,40 +60,6 @@ def actor_options(
     return options
 
 
-def engine_config(
-    config: ServeConfig, resources: WorkerResources, num_gpus: float, role: str = "decode"
-) -> EngineConfig:
-    """The engine options of one worker; only decode (and colocated) workers speculate."""
-    speculative = None
-    if config.speculative_method != "none" and role != "prefill":
-        speculative = SpeculativeConfig(
-            method=config.speculative_method,
-            num_speculative_tokens=config.num_speculative_tokens,
-            ngram_min=config.speculative_ngram_min,
-            ngram_max=config.speculative_ngram_max,
-            draft_model=config.draft_model,
-        )
-    return EngineConfig(
-        model=config.model,
-        tokenizer=config.tokenizer,
-        load_format=config.load_format,
-        dtype=config.dtype,
-        device="cuda" if num_gpus > 0 else "cpu",
-        block_size=config.block_size,
-        kv_cache_memory_bytes=config.kv_cache_memory_mb << 20,
-        max_num_batched_tokens=config.max_num_batched_tokens,
-        max_num_seqs=config.max_num_seqs,
-        max_model_len=config.max_model_len,
-        enable_prefix_caching=config.enable_prefix_caching,
-        num_threads=resources.num_threads,
-        speculative=speculative,
-        kv_transfer_dtype=config.kv_transfer_dtype,
-        cuda_graphs=config.cuda_graphs,
-        cpu_kernels=config.cpu_kernels,
-        greedy_screen=config.greedy_screen,
-    )
-
-
 class WorkerPool:
     """Workers of one role. The actor classes are plain classes made remote here."""
 
@@ -114,7 +79,7 @@ class WorkerPool:
         self.host = host
         self.cores = None if cores is None else CoreAssignment(cores, role)
         self.workers: list[WorkerHandle] = []
-        self.resources = config.prefill_resources if role == "prefill" else config.decode_resources
+        self.resources = config.pools.resources_of(role)
 
     async def scale_to(self, n: int, timeout_s: float | None = None) -> list[WorkerHandle]:
         """Add workers until there are ``n``; returns the new ones, started.
@@ -188,13 +153,14 @@ class WorkerPool:
         name = f"{self.role}-{next(self._ids)}"
         res = self.resources
         num_gpus = gpus_per_worker(res)
-        options = actor_options(res, num_gpus, self.config.worker_max_restarts)
-        engine = engine_config(self.config, res, num_gpus, self.role)
-        index = IndexSettings(redis_url=self.config.redis_url, deployment=self.config.deployment)
+        options = actor_options(res, num_gpus, self.config.pools.worker_max_restarts)
+        engine = self.config.engine_config(self.role, num_gpus)
+        routing = self.config.routing
+        index = IndexSettings(redis_url=routing.redis_url, deployment=routing.deployment)
         transfer = self.config.transfer_config()
-        args = (name, engine, transfer, index, self.host, self.config.log_format)
+        args = (name, engine, transfer, index, self.host, self.config.server.log_format)
         cores = None if self.cores is None else self.cores.claim(name)
-        process = {"cpu_cores": cores, "niceness": self.config.worker_niceness}
+        process = {"cpu_cores": cores, "niceness": self.config.pools.worker_niceness}
         try:
             if self.role == "prefill":
                 from prefill_pool.actor import PrefillActor
@@ -202,7 +168,7 @@ class WorkerPool:
                 actor = (
                     ray.remote(PrefillActor)
                     .options(**options)
-                    .remote(*args, batch_scheduling=self.config.batch_scheduling, **process)
+                    .remote(*args, batch_scheduling=self.config.pools.batch_scheduling, **process)
                 )
             else:
                 from decode_pool.actor import DecodeActor

@@ -54,18 +54,16 @@ class RayBackend:
         the workers bind to; None binds nothing."""
         self.config = config
         self.router_id = f"router-{uuid.uuid4().hex[:8]}"
-        self.colocated = config.mode == "colocated"
+        self.colocated = config.pools.mode == "colocated"
         self.prefill = WorkerPool("prefill", config, cores=cores)
         self.decode = WorkerPool("colocated" if self.colocated else "decode", config, cores=cores)
-        self.policy = make_policy(config.routing_policy)
+        self.policy = make_policy(config.routing.policy)
         self.model_name = config.served_name()
-        self.block_size = config.block_size
+        self.block_size = config.engine.block_size
         self.tokenizer = None
         self.max_model_len = 0  # these two once the workers are up
         self.vocab_size = 0
-        self.retry = RetryPolicy(
-            config.max_attempts, config.retry_backoff_s, config.retry_backoff_max_s
-        )
+        self.retry = RetryPolicy(config.tuning.max_attempts)
         self.failover = FailoverStats()
         self.streams = WorkerStreams(
             self.router_id, self._apply_events, self._suspect, config.transfer_config()
@@ -75,14 +73,14 @@ class RayBackend:
             self._worker_down,
             self._worker_back,
             self.failover,
-            recovery_timeout_s=config.worker_recovery_timeout_s,
-            health_timeout_s=config.health_timeout_s,
+            recovery_timeout_s=config.pools.worker_recovery_timeout_s,
+            health_timeout_s=config.tuning.health_timeout_s,
             on_lost=self._worker_lost,
         )
         self.watchdog = Watchdog(
             self.recovery,
-            stall_check_s=config.stall_check_s,
-            health_timeout_s=config.health_timeout_s,
+            stall_check_s=config.tuning.stall_check_s,
+            health_timeout_s=config.tuning.health_timeout_s,
         )
         self._scale_lock = asyncio.Lock()
         self.index: BlockIndex | None = None
@@ -92,8 +90,8 @@ class RayBackend:
 
     async def start(self) -> None:
         if not self.colocated:
-            await self.prefill.scale_to(self.config.prefill)
-        await self.decode.scale_to(self.config.decode)
+            await self.prefill.scale_to(self.config.pools.prefill)
+        await self.decode.scale_to(self.config.pools.decode)
         workers = self.prefill.workers + self.decode.workers
         info = workers[0].info
         self.tokenizer = await asyncio.to_thread(self._load_tokenizer, info.model_dir)
@@ -102,19 +100,19 @@ class RayBackend:
         self.index = self._make_index(info.model_fingerprint)
         self.routing = PrefixRouter(
             self.index,
-            self.config.block_size,
-            root_hash(info.model_fingerprint, self.config.block_size),
+            self.config.engine.block_size,
+            root_hash(info.model_fingerprint, self.config.engine.block_size),
             self.policy,
-            enabled=self.config.prefix_routing and self.config.enable_prefix_caching,
-            load_weight_blocks=self.config.load_weight_blocks,
-            local_prefill_tokens=self.config.local_prefill_tokens,
-            pull_min_blocks=self.config.pull_min_blocks,
+            enabled=self.config.routing.prefix_routing and self.config.engine.enable_prefix_caching,
+            load_weight_blocks=self.config.tuning.load_weight_blocks,
+            local_prefill_tokens=self.config.routing.local_prefill_tokens,
+            pull_min_blocks=self.config.tuning.pull_min_blocks,
         )
         for worker in workers:  # prefill workers' streams bring their cache events
             await self.streams.subscribe(worker)
-        if self.config.worker_check_interval_s > 0:
+        if self.config.pools.worker_check_interval_s > 0:
             self._watcher = asyncio.create_task(
-                self._watch_workers(self.config.worker_check_interval_s)
+                self._watch_workers(self.config.pools.worker_check_interval_s)
             )
 
     def _load_tokenizer(self, worker_model_dir: str) -> RouterTokenizer | None:
@@ -122,8 +120,8 @@ class RayBackend:
         loaded (on this machine), else the model's hub id; None: token-id
         prompts only. The workers resolve the model (and build the embedded
         default one): this process never loads the model code."""
-        sources = [self.config.tokenizer] if self.config.tokenizer else []
-        sources += [worker_model_dir, self.config.model]
+        sources = [self.config.engine.tokenizer] if self.config.engine.tokenizer else []
+        sources += [worker_model_dir, self.config.engine.model]
         for source in sources:
             if source:
                 with contextlib.suppress(OSError, ValueError):
@@ -132,11 +130,12 @@ class RayBackend:
         return None
 
     def _make_index(self, fingerprint: str) -> BlockIndex:
-        if self.config.redis_url is None:
+        routing = self.config.routing
+        if routing.redis_url is None:
             return InMemoryIndex()
         from block_index import RedisIndex, redis_prefix
 
-        return RedisIndex(self.config.redis_url, redis_prefix(self.config.deployment, fingerprint))
+        return RedisIndex(routing.redis_url, redis_prefix(routing.deployment, fingerprint))
 
     def _apply_events(self, events) -> None:
         for e in events:
@@ -156,12 +155,7 @@ class RayBackend:
     ) -> tuple[int, int]:
         """Resize the pools; removed workers drain before they stop, so no
         request in flight is dropped. Returns (prefill, decode) afterwards."""
-        if self.colocated and prefill:
-            raise ValueError("prefill must be 0 or unset in colocated mode")
-        if decode is not None and decode < 1:
-            raise ValueError("decode must be >= 1")
-        if not self.colocated and prefill is not None and prefill < 1:
-            raise ValueError("prefill must be >= 1 in disaggregated mode")
+        self.config.pools.resized(prefill, decode)  # a ValueError for sizes the config refuses
         async with self._scale_lock:
             gone = []
             try:
@@ -248,7 +242,7 @@ class RayBackend:
         await self.streams.unsubscribe(worker)
 
     def _worker_lost(self, worker: WorkerHandle, pool: WorkerPool) -> None:
-        """Recovery gave a worker up: the next check (worker_check_interval_s)
+        """Recovery gave a worker up: the next check (pools.worker_check_interval_s)
         starts a replacement where the pool's resources remain."""
         pool.release_cores([worker])
         self._missing[pool.role] = self._missing.get(pool.role, 0) + 1

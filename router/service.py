@@ -3,7 +3,7 @@
 Requests from this API and from the HTTP front (router/http/) share one
 ``Lifecycle`` (router/lifecycle.py). One ``Generate`` call, in order:
 refuse while starting or draining (UNAVAILABLE), admit (RESOURCE_EXHAUSTED
-beyond ``max_queued_requests`` in flight), validate and tokenize
+beyond ``limits.max_queued_requests`` in flight), validate and tokenize
 (INVALID_ARGUMENT naming the field), claim the request id (ALREADY_EXISTS),
 then stream one chunk per backend delta and one final message. The
 backend's iterator is always closed before the call ends, so a client

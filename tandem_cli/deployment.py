@@ -26,7 +26,7 @@ class Deployment:
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._thread.start()
         self.backend = RayBackend(config)
-        # Both fronts on 127.0.0.1, free ports; HTTP only when config.http_port is set.
+        # Both fronts on 127.0.0.1, free ports; HTTP only when config.server.http_port is set.
         self.server = server_for(config, self.backend, local=True)
         self.run(self.server.start(), timeout=300)
         self.address = self.server.address

@@ -177,7 +177,9 @@ def _verify_local(args, label, choice, profile, workload, ttft_s, tpot_s) -> Non
     from tandem_cli.serve import init_ray
 
     config = ServeConfig(
-        model=args.model, prefill=choice.num_prefill, decode=choice.num_decode, port=0
+        engine={"model": args.model},
+        pools={"prefill": choice.num_prefill, "decode": choice.num_decode},
+        server={"port": 0},
     )
     started = init_ray(config)
     deployment = Deployment(config)

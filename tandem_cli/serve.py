@@ -19,7 +19,7 @@ from pydantic import ValidationError
 
 from router.auth import ApiKeys
 from router.backend import Backend
-from router.config import ServeConfig
+from router.config import ServeConfig, describe_errors
 from router.service import HttpSettings, RouterServer
 from worker.cpu_binding import CoreLayout, available_cores, bind_process, plan_layout
 from worker.heap import freeze_startup_heap
@@ -30,23 +30,24 @@ log = logging.getLogger(__name__)
 # ray.init() swaps 127.0.0.1 (and "localhost") for the machine's interface
 # address; another loopback address keeps a local cluster on loopback.
 LOCAL_RAY_NODE_IP = "127.0.0.2"
-SERVE_FLAGS = (
-    "model",
-    "prefill",
-    "decode",
-    "mode",
-    "host",
-    "port",
-    "ray_address",
-    "redis_url",
-    "load_format",
-    "grace_period_s",
-    "http_port",
-    "http_host",
-    "chat_template",
-    "served_model_name",
-    "log_format",
-)
+# The flags of `tandem serve` (argparse dests) and the config path each sets.
+SERVE_FLAGS = {
+    "model": "engine.model",
+    "load_format": "engine.load_format",
+    "prefill": "pools.prefill",
+    "decode": "pools.decode",
+    "mode": "pools.mode",
+    "ray_address": "pools.ray_address",
+    "host": "server.host",
+    "port": "server.port",
+    "http_port": "server.http_port",
+    "http_host": "server.http_host",
+    "chat_template": "server.chat_template",
+    "served_model_name": "server.served_model_name",
+    "log_format": "server.log_format",
+    "redis_url": "routing.redis_url",
+    "grace_period_s": "limits.grace_period_s",
+}
 
 
 def command(args: argparse.Namespace) -> int:
@@ -55,23 +56,20 @@ def command(args: argparse.Namespace) -> int:
     except (ValueError, OSError, yaml.YAMLError) as e:  # ValidationError is a ValueError
         print(f"tandem serve: invalid configuration:\n{describe_config_error(e)}", file=sys.stderr)
         return 2
-    configure_logging(config.log_format)
+    configure_logging(config.server.log_format)
     return run(config)
 
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
     """``--config`` YAML plus the flags that were given (flags win)."""
-    return ServeConfig.load(args.config, **{name: getattr(args, name) for name in SERVE_FLAGS})
+    flags = {path: getattr(args, dest) for dest, path in SERVE_FLAGS.items()}
+    return ServeConfig.load(args.config, flags)
 
 
 def describe_config_error(e: Exception) -> str:
     if not isinstance(e, ValidationError):
         return f"  {e}"
-    lines = []
-    for err in e.errors():
-        where = ".".join(str(part) for part in err["loc"]) or "(top level)"
-        lines.append(f"  {where}: {err['msg']}")
-    return "\n".join(lines)
+    return "\n".join(f"  {line}" for line in describe_errors(e))
 
 
 def model_name(config: ServeConfig) -> str:
@@ -81,19 +79,21 @@ def model_name(config: ServeConfig) -> str:
 
 def api_keys(config: ServeConfig) -> ApiKeys:
     """The config's keys, its keys file's and $TANDEM_API_KEYS, together."""
-    return ApiKeys.load([k.get_secret_value() for k in config.api_keys], config.api_keys_file)
+    security = config.security
+    return ApiKeys.load([k.get_secret_value() for k in security.api_keys], security.api_keys_file)
 
 
 def http_settings(config: ServeConfig, *, local: bool = False) -> HttpSettings | None:
-    """The HTTP front's settings; None when http_port is unset (no HTTP front).
-    ``local`` binds 127.0.0.1 on a free port (tests)."""
-    if config.http_port is None:
+    """The HTTP front's settings; None when server.http_port is unset (no HTTP
+    front). ``local`` binds 127.0.0.1 on a free port (tests)."""
+    server = config.server
+    if server.http_port is None:
         return None
     return HttpSettings(
-        host="127.0.0.1" if local else config.http_host or config.host,
-        port=0 if local else config.http_port,
+        host="127.0.0.1" if local else server.http_host or server.host,
+        port=0 if local else server.http_port,
         model_name=model_name(config),
-        chat_template_file=config.chat_template,
+        chat_template_file=server.chat_template,
     )
 
 
@@ -102,14 +102,14 @@ def server_for(config: ServeConfig, backend: Backend, *, local: bool = False) ->
     ports (tests)."""
     return RouterServer(
         backend,
-        host="127.0.0.1" if local else config.host,
-        port=0 if local else config.port,
-        max_queued_requests=config.max_queued_requests,
-        request_timeout_s=config.request_timeout_s,
-        drain_timeout_s=config.grace_period_s,
-        max_message_bytes=config.max_message_mb << 20,
-        tls_cert=config.tls_cert,
-        tls_key=config.tls_key,
+        host="127.0.0.1" if local else config.server.host,
+        port=0 if local else config.server.port,
+        max_queued_requests=config.limits.max_queued_requests,
+        request_timeout_s=config.limits.request_timeout_s,
+        drain_timeout_s=config.limits.grace_period_s,
+        max_message_bytes=config.limits.max_message_mb << 20,
+        tls_cert=config.security.tls_cert,
+        tls_key=config.security.tls_key,
         api_keys=api_keys(config),
         http=http_settings(config, local=local),
     )
@@ -131,7 +131,7 @@ def ray_is_up() -> bool:
 
 
 def init_ray(config: ServeConfig) -> bool:
-    """Connect to ``config.ray_address``, or start a local Ray cluster sized for
+    """Connect to ``pools.ray_address``, or start a local Ray cluster sized for
     the pools (on loopback when the router binds a loopback host).
 
     Returns True when this call started Ray (the caller then shuts it down).
@@ -141,27 +141,28 @@ def init_ray(config: ServeConfig) -> bool:
     if ray_is_up():
         return False
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    if config.ray_address:
-        ray.init(address=config.ray_address)
+    pools_config = config.pools
+    if pools_config.ray_address:
+        ray.init(address=pools_config.ray_address)
         return True
-    pools = [(config.decode, config.decode_resources)]
-    if config.mode == "disaggregated":
-        pools.append((config.prefill, config.prefill_resources))
+    pools = [(pools_config.decode, pools_config.decode_resources)]
+    if pools_config.mode == "disaggregated":
+        pools.append((pools_config.prefill, pools_config.prefill_resources))
     needed_cpus = sum(n * r.num_cpus for n, r in pools)
     custom: dict[str, float] = {}
     for n, r in pools:
         for name, amount in r.resources.items():
             custom[name] = custom.get(name, 0.0) + n * amount
     system: dict = {}
-    if config.worker_niceness is not None:
+    if pools_config.worker_niceness is not None:
         # Workers start at it and need no privilege to keep it (each one also
         # sets it itself: sched_policy.set_niceness); below 0 only they can try.
-        system["worker_niceness"] = max(config.worker_niceness, 0)
+        system["worker_niceness"] = max(pools_config.worker_niceness, 0)
     ray.init(
         num_cpus=max(os.cpu_count() or 1, math.ceil(needed_cpus)),
         resources=custom or None,
         include_dashboard=False,
-        _node_ip_address=LOCAL_RAY_NODE_IP if is_loopback(config.host) else None,
+        _node_ip_address=LOCAL_RAY_NODE_IP if is_loopback(config.server.host) else None,
         _system_config=system or None,
     )
     return True
@@ -170,9 +171,10 @@ def init_ray(config: ServeConfig) -> bool:
 def plan_cores(config: ServeConfig) -> CoreLayout | None:
     """The cores of the local cluster's decode workers and of everything else
     (worker/cpu_binding.py); None when nothing is to be bound."""
-    if not config.cpu_binding or config.ray_address:
+    pools = config.pools
+    if not pools.cpu_binding or pools.ray_address:
         return None
-    resources = config.decode_resources
+    resources = pools.decode_resources
     if resources.num_gpus is None:
         import torch
 
@@ -181,12 +183,12 @@ def plan_cores(config: ServeConfig) -> CoreLayout | None:
     elif resources.num_gpus > 0:
         return None
     cores, threads = available_cores(), resources.num_threads
-    layout = plan_layout(cores, config.decode, threads)
+    layout = plan_layout(cores, pools.decode, threads)
     if layout is None:
         log.info(
             "cpu binding: off (%d cores cannot give %d decode workers %d each and keep one)",
             len(cores),
-            config.decode,
+            pools.decode,
             threads,
         )
     return layout
@@ -194,7 +196,7 @@ def plan_cores(config: ServeConfig) -> CoreLayout | None:
 
 def run(config: ServeConfig) -> int:
     """Serve until SIGINT/SIGTERM; returns the exit code (1 when startup failed)."""
-    if config.batch_scheduling:  # before Ray and the server start their threads
+    if config.pools.batch_scheduling:  # before Ray and the server start their threads
         from worker.sched_policy import set_policy
 
         set_policy(batch=True)
@@ -233,7 +235,7 @@ async def serve(
     # Installed after ray.init (Ray's core worker sets a SIGTERM handler that
     # must not wrap ours) and kept through ray.shutdown(), so that a second
     # signal never lands as a KeyboardInterrupt in the middle of it.
-    with _signals_set(stop, cut_grace, config.grace_period_s):
+    with _signals_set(stop, cut_grace, config.limits.grace_period_s):
         try:
             if backend is None:
                 from router.ray_backend import RayBackend
@@ -245,15 +247,16 @@ async def serve(
                 freeze_startup_heap()
             http = f", HTTP on {server.http.url}" if server.http is not None else ""
             auth = f", {len(server.api_keys)} API keys" if server.api_keys.enabled else ""
+            pools = config.pools
             print(
-                f"tandem: serving {config.model or 'the default model'} on {server.address}"
-                f"{http} (prefill {config.prefill}, decode {config.decode}, {config.mode}{auth})",
+                f"tandem: serving {config.engine.model or 'the default model'} on {server.address}"
+                f"{http} (prefill {pools.prefill}, decode {pools.decode}, {pools.mode}{auth})",
                 flush=True,
             )
             try:
                 await stop.wait()
             finally:
-                await server.stop(config.grace_period_s)  # shuts the backend down too
+                await server.stop(config.limits.grace_period_s)  # shuts the backend down too
         finally:
             if started_ray:
                 import ray

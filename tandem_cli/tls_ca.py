@@ -1,5 +1,5 @@
 """``--tls-ca FILE`` of the client commands (generate, scale, bench): talk TLS
-to a router that serves it (``tls_cert``/``tls_key``), trusting that CA."""
+to a router that serves it (``security.tls_cert``/``tls_key``), trusting that CA."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ The layout is planned once, by the process that starts the local Ray
 cluster (``tandem serve``), before anything else starts: its own threads
 and every process Ray starts inherit the shared cores, and each decode
 worker binds itself to its set when its actor starts. Serving config:
-``cpu_binding``.
+``pools.cpu_binding``.
 """
 
 from __future__ import annotations

@@ -8,11 +8,11 @@ mid-step. The router and the prefill workers are throughput work; under
 SCHED_BATCH they still get their share of the CPU but never preempt on
 wakeup. Decode workers keep the normal policy (and set it explicitly, since
 a policy is inherited from the process that started them). Serving config:
-``batch_scheduling``.
+``pools.batch_scheduling``.
 
 A share of the CPU is weighted by the nice value, and Ray starts its
 workers at 15: the router at 0 outweighed a decode worker on a shared core
-28 to 1. Workers set their own (``worker_niceness``, 0 by default).
+28 to 1. Workers set their own (``pools.worker_niceness``, 0 by default).
 """
 
 from __future__ import annotations

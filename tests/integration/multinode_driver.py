@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import ray
 
 from router.client import TandemClient
-from router.config import ServeConfig, WorkerResources
+from router.config import PoolsSection, ServeConfig, WorkerResources
 from tandem_cli.deployment import Deployment
 
 HEAD_IP = "127.0.0.2"
@@ -68,10 +68,7 @@ def generate(d: Deployment) -> list[list[int]]:
 
 def main() -> None:
     ray.init(address=sys.argv[1], _node_ip_address=HEAD_IP, log_to_driver=False)
-    config = ServeConfig(
-        prefill=1,
-        decode=1,
-        kv_cache_memory_mb=16,
+    pools = PoolsSection(
         # Prefill pinned by a node label alone, decode by a custom resource.
         prefill_resources=WorkerResources(labels={"pool": "prefill"}),
         decode_resources=WorkerResources(resources={"decode_node": 1}),
@@ -79,7 +76,9 @@ def main() -> None:
         # No in-place restarts (the chaos tests cover those): a lost node's worker
         # must be replaced by a new one where the pool's resources remain.
         worker_max_restarts=0,
-        grace_period_s=2,
+    )
+    config = ServeConfig(
+        pools=pools, engine={"kv_cache_memory_mb": 16}, limits={"grace_period_s": 2}
     )
     d = Deployment(config)
     try:

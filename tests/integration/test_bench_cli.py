@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600
 
 @pytest.fixture(scope="module")
 def deployment(ray_cluster):
-    dep = Deployment(ServeConfig(prefill=1, decode=1, kv_cache_memory_mb=32))
+    dep = Deployment(ServeConfig(engine={"kv_cache_memory_mb": 32}))
     yield dep
     dep.stop()
 

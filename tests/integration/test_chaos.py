@@ -26,6 +26,7 @@ from kv_transfer.faults import TransferFaults
 from protocol.sampling import SamplingParams
 from router.client import TandemClient, collect
 from router.config import ServeConfig
+from router.failover import RetryPolicy
 from router.pool_manager import WorkerHandle
 from tandem_cli.deployment import Deployment
 
@@ -69,26 +70,28 @@ def _key(prompt: str, sampling: dict) -> tuple:
     return (prompt, tuple(sorted(sampling.items())))
 
 
-def _config(**overrides) -> ServeConfig:
-    base = {
-        "prefill": 2,
-        "decode": 2,
-        "kv_cache_memory_mb": 32,
-        "kv_lease_s": 120,  # blocks must come back through the abort paths
-        "kv_transfer_timeout_s": TRANSFER_TIMEOUT_S,
-        "worker_max_restarts": 4,
-        "max_attempts": 8,
-        "retry_backoff_s": 0.05,
-        "max_queued_requests": 256,
-        "stall_check_s": 1.0,  # a hung worker is noticed within seconds
-        "health_timeout_s": 3.0,
-    }
-    return ServeConfig(**{**base, **overrides})
+CONFIG = ServeConfig(
+    pools={"prefill": 2, "decode": 2, "worker_max_restarts": 4},
+    engine={"kv_cache_memory_mb": 32},
+    # A long lease: blocks must come back through the abort paths.
+    transfer={"lease_s": 120, "timeout_s": TRANSFER_TIMEOUT_S},
+    limits={"max_queued_requests": 256},
+    # A hung worker is noticed within seconds.
+    tuning={"max_attempts": 8, "stall_check_s": 1.0, "health_timeout_s": 3.0},
+)
+
+
+def _deployment(**sections) -> Deployment:
+    """A deployment of CONFIG with ``sections`` changed, retrying sooner than
+    RETRY_BACKOFF_S so that a run of failures stays short."""
+    deployment = Deployment(CONFIG.updated(**sections))
+    deployment.backend.retry = RetryPolicy(CONFIG.tuning.max_attempts, backoff_s=0.05)
+    return deployment
 
 
 @pytest.fixture(scope="module")
 def cluster(ray_cluster):
-    deployment = Deployment(_config())
+    deployment = _deployment()
     yield deployment
     try:
         _wait_recovered(deployment)
@@ -104,7 +107,8 @@ def _wait_recovered(d: Deployment, timeout_s: float = 240) -> None:
     deadline = time.monotonic() + timeout_s
     b = d.backend
     while time.monotonic() < deadline:
-        if len(b.prefill.workers) == d.config.prefill and len(b.decode.workers) == d.config.decode:
+        pools = d.config.pools
+        if len(b.prefill.workers) == pools.prefill and len(b.decode.workers) == pools.decode:
             return
         time.sleep(0.5)
     raise AssertionError(f"workers not back: {[w.name for w in b.recovery.down]}")
@@ -301,7 +305,7 @@ def test_broken_transfers_are_retried(cluster, reference, fault):
 
 
 def test_redis_stop_and_restart_during_load(ray_cluster, reference, redis_server):
-    d = Deployment(_config(prefill=1, decode=2, redis_url=redis_server.url))
+    d = _deployment(pools={"prefill": 1, "decode": 2}, routing={"redis_url": redis_server.url})
     try:
         outs = asyncio.run(
             _load(
@@ -322,7 +326,7 @@ def test_redis_stop_and_restart_during_load(ray_cluster, reference, redis_server
 
 
 def test_colocated_worker_killed_mid_stream(ray_cluster, reference):
-    d = Deployment(_config(mode="colocated", prefill=0, decode=2))
+    d = _deployment(pools={"mode": "colocated", "prefill": 0, "decode": 2})
     try:
 
         def kill(counts) -> bool:

@@ -53,17 +53,16 @@ def certs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def hardened(ray_cluster, certs):
     config = ServeConfig(
-        prefill=1,
-        decode=1,
-        kv_cache_memory_mb=16,
-        max_model_len=MAX_MODEL_LEN,
-        kv_lease_s=120,  # blocks must come back through the abort paths, not the lease
-        tls_cert=certs.cert,
-        tls_key=certs.key,
-        cluster_tls_cert=certs.cert,
-        cluster_tls_key=certs.key,
-        cluster_tls_ca=certs.ca,
-        cluster_secret=SECRET,
+        engine={"kv_cache_memory_mb": 16, "max_model_len": MAX_MODEL_LEN},
+        transfer={"lease_s": 120},  # blocks must come back through the abort paths, not the lease
+        security={
+            "tls_cert": certs.cert,
+            "tls_key": certs.key,
+            "cluster_tls_cert": certs.cert,
+            "cluster_tls_key": certs.key,
+            "cluster_tls_ca": certs.ca,
+            "cluster_secret": SECRET,
+        },
     )
     deployment = Deployment(config)
     yield deployment

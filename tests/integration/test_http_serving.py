@@ -35,13 +35,12 @@ PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\nclass Handler:\n" * 3]
 @pytest.fixture(scope="module")
 def dep(ray_cluster):
     config = ServeConfig(
-        prefill=1,
-        decode=1,
-        kv_cache_memory_mb=32,
-        kv_lease_s=120,
-        prefix_routing=False,  # every request is prefilled on the prefill pool and pushed
-        http_port=0,
-        api_keys=[KEY],
+        engine={"kv_cache_memory_mb": 32},
+        transfer={"lease_s": 120},
+        # Every request is prefilled on the prefill pool and pushed.
+        routing={"prefix_routing": False},
+        server={"http_port": 0},
+        security={"api_keys": [KEY]},
     )
     deployment = Deployment(config)
     yield deployment

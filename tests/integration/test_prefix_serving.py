@@ -60,7 +60,10 @@ def deployment(ray_cluster):
     # own paths, not the lease.
     d = Deployment(
         ServeConfig(
-            prefill=2, decode=2, kv_cache_memory_mb=32, local_prefill_tokens=0, kv_lease_s=120
+            pools={"prefill": 2, "decode": 2},
+            engine={"kv_cache_memory_mb": 32},
+            routing={"local_prefill_tokens": 0},
+            transfer={"lease_s": 120},
         )
     )
     yield d
@@ -102,7 +105,7 @@ def test_decode_receives_only_the_blocks_it_lacks(deployment, llm):
 
 
 def test_multi_turn_reuses_the_decode_side_blocks(ray_cluster, llm):
-    d = Deployment(ServeConfig(prefill=1, decode=1, kv_cache_memory_mb=32))
+    d = Deployment(ServeConfig(engine={"kv_cache_memory_mb": 32}))
     try:
         turn1 = _tokens(100, 7)
         answer = _complete(d.address, turn1, temperature=0, max_tokens=40, ignore_eos=True)
@@ -120,7 +123,9 @@ def test_multi_turn_reuses_the_decode_side_blocks(ray_cluster, llm):
 
 def test_redis_restart_during_load_fails_no_request(ray_cluster, llm):
     with RedisServer() as redis:
-        d = Deployment(ServeConfig(prefill=1, decode=1, kv_cache_memory_mb=32, redis_url=redis.url))
+        d = Deployment(
+            ServeConfig(engine={"kv_cache_memory_mb": 32}, routing={"redis_url": redis.url})
+        )
         try:
             shared = _tokens(160, 9)
             prompts = [shared + _tokens(24, 100 + i) for i in range(24)]

@@ -48,31 +48,42 @@ def test_tls_router_serves_tls_clients_and_refuses_plaintext(cluster_certs):
     asyncio.run(body())
 
 
-def test_cluster_secret_comes_from_the_environment_and_stays_hidden(monkeypatch):
+def test_cluster_secret_comes_from_the_environment_and_stays_hidden(monkeypatch, tmp_path):
     monkeypatch.setenv(CLUSTER_SECRET_ENV, "s3cret-from-env")
     config = ServeConfig.load(None)
-    assert config.cluster_secret is not None
+    assert config.security.cluster_secret is not None
     assert "s3cret-from-env" not in repr(config)
     assert "s3cret-from-env" not in str(config.model_dump())
-    security = config.cluster_security()
+    security = config.security.cluster_security()
     assert security.secret == b"s3cret-from-env"
     assert "s3cret" not in repr(config.transfer_config())
     monkeypatch.delenv(CLUSTER_SECRET_ENV)
-    assert ServeConfig.load(None).cluster_security().secret == b""
+    assert ServeConfig.load(None).security.cluster_security().secret == b""
+    # The file's secret wins over the environment's.
+    monkeypatch.setenv(CLUSTER_SECRET_ENV, "from-env")
+    secrets = tmp_path / "secret.yaml"
+    secrets.write_text("security: {cluster_secret: from-file}\n")
+    assert ServeConfig.load(secrets).security.cluster_security().secret == b"from-file"
 
 
 def test_tls_settings_are_checked(tmp_path, cluster_certs):
     mine, _ = cluster_certs
     with pytest.raises(ValueError, match="tls_cert and tls_key"):
-        ServeConfig(tls_cert=mine.cert)
+        ServeConfig(security={"tls_cert": mine.cert})
     with pytest.raises(ValueError, match="no file"):
-        ServeConfig(cluster_tls_cert=tmp_path / "nope.pem", cluster_tls_key=mine.key)
+        ServeConfig(
+            security={"cluster_tls_cert": tmp_path / "nope.pem", "cluster_tls_key": mine.key}
+        )
     with pytest.raises(ValueError, match="cluster_tls_ca needs"):
-        ServeConfig(cluster_tls_ca=mine.ca)
+        ServeConfig(security={"cluster_tls_ca": mine.ca})
     config = ServeConfig(
-        cluster_tls_cert=mine.cert, cluster_tls_key=mine.key, cluster_tls_ca=mine.ca
+        security={
+            "cluster_tls_cert": mine.cert,
+            "cluster_tls_key": mine.key,
+            "cluster_tls_ca": mine.ca,
+        }
     )
-    tls = config.cluster_security().tls
+    tls = config.security.cluster_security().tls
     assert tls is not None and tls.ca == str(mine.ca)
 
 

@@ -39,7 +39,7 @@ def _wait_for(condition, timeout_s: float = 120.0) -> None:
 
 @pytest.mark.timeout(900)  # a load through two resizes; the loader alone may take 300 s
 def test_resize_under_load_fails_no_request(ray_cluster, capsys):
-    d = Deployment(ServeConfig(prefill=1, decode=1, kv_cache_memory_mb=32, kv_lease_s=120))
+    d = Deployment(ServeConfig(engine={"kv_cache_memory_mb": 32}, transfer={"lease_s": 120}))
     try:
         stop = threading.Event()
         sent: list[list[int]] = []
@@ -89,7 +89,7 @@ def test_resize_under_load_fails_no_request(ray_cluster, capsys):
 
 
 def test_scale_refuses_bad_sizes(ray_cluster, capsys):
-    d = Deployment(ServeConfig(mode="colocated", decode=1, kv_cache_memory_mb=32))
+    d = Deployment(ServeConfig(pools={"mode": "colocated"}, engine={"kv_cache_memory_mb": 32}))
     try:
         assert main(["scale", "--target", d.address, "--decode", "0"]) == 1
         assert "INVALID_ARGUMENT" in capsys.readouterr().err

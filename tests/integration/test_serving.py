@@ -32,10 +32,12 @@ TEXTS = [
 ]
 
 
-def _config(**overrides) -> ServeConfig:
-    # A long lease: blocks must come back through the abort paths, not the lease.
-    base = {"kv_cache_memory_mb": 32, "max_queued_requests": 128, "kv_lease_s": 120}
-    return ServeConfig(**{**base, **overrides})
+# A long lease: blocks must come back through the abort paths, not the lease.
+CONFIG = ServeConfig(
+    engine={"kv_cache_memory_mb": 32},
+    limits={"max_queued_requests": 128},
+    transfer={"lease_s": 120},
+)
 
 
 @pytest.fixture(scope="module")
@@ -46,9 +48,10 @@ def reference():
     return {t: out for t, out in zip(TEXTS, llm.generate(TEXTS, params), strict=True)}
 
 
-def _deployment(**overrides):
-    """A deployment for a module fixture; no leaks once its tests are done."""
-    deployment = Deployment(_config(**overrides))
+def _deployment(**sections):
+    """A deployment of CONFIG with ``sections`` changed, for a module fixture;
+    no leaks once its tests are done."""
+    deployment = Deployment(CONFIG.updated(**sections))
     yield deployment
     try:
         assert deployment.wait_no_leaks() == {}
@@ -60,12 +63,12 @@ def _deployment(**overrides):
 def disagg(ray_cluster):
     # Plain disaggregation: every request prefilled on the prefill pool
     # (KV-aware routing and local prefill have their own tests).
-    yield from _deployment(prefill=2, decode=2, prefix_routing=False)
+    yield from _deployment(pools={"prefill": 2, "decode": 2}, routing={"prefix_routing": False})
 
 
 @pytest.fixture(scope="module")
 def colocated(ray_cluster):
-    yield from _deployment(mode="colocated", decode=1)
+    yield from _deployment(pools={"mode": "colocated", "decode": 1})
 
 
 async def _complete_all(address: str, prompts, **sampling):
@@ -170,7 +173,7 @@ def test_admission_limit_rejects_at_once(disagg):
     try:
         results = asyncio.run(run())
     finally:
-        service.max_queued_requests = disagg.config.max_queued_requests
+        service.max_queued_requests = disagg.config.limits.max_queued_requests
     rejected = [r for r in results if isinstance(r, grpc.aio.AioRpcError)]
     assert rejected and all(r.code() == grpc.StatusCode.RESOURCE_EXHAUSTED for r in rejected)
     assert any(not isinstance(r, Exception) for r in results)

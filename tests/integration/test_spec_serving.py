@@ -32,9 +32,15 @@ def reference():
     return [out.token_ids for out in llm.generate(TEXTS, params)]
 
 
-def _deployment(**overrides) -> Deployment:
-    base = {"kv_cache_memory_mb": 32, "kv_lease_s": 120, "prefix_routing": False}
-    return Deployment(ServeConfig(**{**base, **overrides}))
+CONFIG = ServeConfig(
+    engine={"kv_cache_memory_mb": 32},
+    transfer={"lease_s": 120},
+    routing={"prefix_routing": False},
+)
+
+
+def _deployment(**sections) -> Deployment:
+    return Deployment(CONFIG.updated(**sections))
 
 
 async def _complete_all(address: str, prompts, **sampling):
@@ -43,7 +49,7 @@ async def _complete_all(address: str, prompts, **sampling):
 
 
 def test_prompt_lookup_in_the_decode_pool_gives_plain_greedy_output(ray_cluster, reference):
-    deployment = _deployment(speculative_method="ngram", num_speculative_tokens=4)
+    deployment = _deployment(speculative={"method": "ngram", "num_speculative_tokens": 4})
     try:
         outs = asyncio.run(_complete_all(deployment.address, TEXTS, **GREEDY))
         assert [o.token_ids for o in outs] == reference
@@ -59,7 +65,7 @@ def test_prompt_lookup_in_the_decode_pool_gives_plain_greedy_output(ray_cluster,
 
 
 def test_int8_kv_transfer_with_speculation_serves_and_frees(ray_cluster, reference):
-    deployment = _deployment(kv_transfer_dtype="int8", speculative_method="ngram")
+    deployment = _deployment(transfer={"dtype": "int8"}, speculative={"method": "ngram"})
     try:
         outs = asyncio.run(_complete_all(deployment.address, TEXTS * 2, **GREEDY))
         assert all(len(o.token_ids) == MAX_TOKENS for o in outs)

@@ -97,20 +97,48 @@ def no_run(monkeypatch):
 
 def test_serve_unknown_yaml_key_exits_2(tmp_path, capsys, no_run):
     bad = tmp_path / "bad.yaml"
-    bad.write_text("prefill: 1\nprefil_workers: 2\ndecode_resources:\n  gpus: 1\n")
+    bad.write_text(
+        "pools:\n  prefill: 1\n  prefil_workers: 2\n  decode_resources:\n    gpus: 1\nenginee: {}\n"
+    )
     assert main(["serve", "--config", str(bad)]) == 2
     err = capsys.readouterr().err
     assert "invalid configuration" in err
-    assert "prefil_workers: Extra inputs are not permitted" in err
-    assert "decode_resources.gpus: Extra inputs are not permitted" in err
+    assert "pools.prefil_workers: Extra inputs are not permitted" in err
+    assert "pools.decode_resources.gpus: Extra inputs are not permitted" in err
+    assert "enginee: Extra inputs are not permitted" in err
+    assert no_run == []
+
+
+def test_serve_flat_yaml_of_old_names_the_sections(tmp_path, capsys, no_run):
+    """A config written before the sections says where each key went."""
+    old = tmp_path / "old.yaml"
+    old.write_text("prefill: 2\nkv_lease_s: 60\nhost: 0.0.0.0\nretry_backoff_s: 1\n")
+    assert main(["serve", "--config", str(old)]) == 2
+    err = capsys.readouterr().err
+    assert "the configuration is nested by section" in err
+    assert "prefill is now pools.prefill" in err
+    assert "kv_lease_s is now transfer.lease_s" in err
+    assert "host is now server.host" in err
+    assert "retry_backoff_s is no longer a setting" in err
+    assert no_run == []
+
+
+def test_serve_key_in_the_wrong_section_names_the_right_one(tmp_path, capsys, no_run):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("pools:\n  decode: 2\n  redis_url: redis://r\n  typo: 1\n")
+    assert main(["serve", "--config", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "pools: not keys of this section: redis_url is now routing.redis_url" in err
+    assert "typo is unknown" in err
     assert no_run == []
 
 
 @pytest.mark.parametrize(
     ("argv", "expected"),
     [
-        (["--prefill", "0"], "prefill must be >= 1 in disaggregated mode"),
-        (["--port", "70000"], "port: Input should be less than or equal to 65535"),
+        (["--prefill", "0"], "pools: prefill must be >= 1 in disaggregated mode"),
+        (["--mode", "colocated", "--prefill", "1"], "prefill must be 0 or unset in colocated"),
+        (["--port", "70000"], "server.port: Input should be less than or equal to 65535"),
         (["--config", "/nonexistent/tandem.yaml"], "No such file"),
     ],
 )
@@ -122,19 +150,24 @@ def test_serve_bad_values_exit_2(argv, expected, capsys, no_run):
 
 def test_serve_flags_override_yaml(tmp_path, no_run):
     cfg = tmp_path / "tandem.yaml"
-    cfg.write_text("prefill: 2\ndecode: 3\nport: 6000\ngrace_period_s: 5\nblock_size: 32\n")
+    cfg.write_text(
+        "pools: {prefill: 2, decode: 3}\nserver: {port: 6000}\n"
+        "limits: {grace_period_s: 5}\nengine: {block_size: 32}\n"
+    )
     assert main(["serve", "--config", str(cfg), "--decode", "4", "--grace-period", "1.5"]) == 0
     (config,) = no_run
-    assert (config.prefill, config.decode, config.port) == (2, 4, 6000)  # YAML unless flagged
-    assert (config.grace_period_s, config.block_size) == (1.5, 32)
-    assert config.host == "127.0.0.1" and config.mode == "disaggregated"  # defaults
+    pools = config.pools
+    assert (pools.prefill, pools.decode, config.server.port) == (2, 4, 6000)  # YAML unless flagged
+    assert (config.limits.grace_period_s, config.engine.block_size) == (1.5, 32)
+    assert config.server.host == "127.0.0.1" and pools.mode == "disaggregated"  # defaults
 
 
 def test_serve_flags_alone():
     argv = ["serve", "--mode", "colocated", "--model", "/m", "--port", "0"]
     args = build_parser().parse_args(argv)
     config = serve.config_from_args(args)
-    assert (config.mode, config.model, config.port, config.prefill) == ("colocated", "/m", 0, 1)
+    assert (config.pools.mode, config.engine.model, config.server.port) == ("colocated", "/m", 0)
+    assert config.pools.prefill == 0  # colocated: no prefill pool
 
 
 def test_init_ray_sizes_a_loopback_cluster(monkeypatch):
@@ -144,7 +177,11 @@ def test_init_ray_sizes_a_loopback_cluster(monkeypatch):
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", lambda **kw: calls.append(kw))
     config = ServeConfig(
-        prefill=2, decode=3, decode_resources={"num_cpus": 2, "resources": {"decode": 1}}
+        pools={
+            "prefill": 2,
+            "decode": 3,
+            "decode_resources": {"num_cpus": 2, "resources": {"decode": 1}},
+        }
     )
     assert serve.init_ray(config) is True
     (kw,) = calls
@@ -153,14 +190,14 @@ def test_init_ray_sizes_a_loopback_cluster(monkeypatch):
     assert kw["resources"] == {"decode": 3.0}
     assert kw["include_dashboard"] is False
     assert kw["_system_config"] == {"worker_niceness": 0}  # not Ray's 15 (worker_niceness)
-    serve.init_ray(config.model_copy(update={"ray_address": "10.0.0.1:6379"}))
+    serve.init_ray(config.updated(pools={"ray_address": "10.0.0.1:6379"}))
     assert calls[-1] == {"address": "10.0.0.1:6379"}
 
 
 def test_serve_runs_until_sigterm_then_drains(capsys):
     async def body():
         backend = FakeBackend(tokenizer=FakeTokenizer())
-        config = ServeConfig(port=0, grace_period_s=5)
+        config = ServeConfig(server={"port": 0}, limits={"grace_period_s": 5})
         stop = asyncio.Event()  # set by SIGTERM; set again below so a failure cannot hang
         serving = asyncio.create_task(serve.serve(config, backend=backend, stop=stop))
         try:

@@ -22,15 +22,16 @@ def test_http_flags_and_keys_only_from_config_or_env(tmp_path, monkeypatch):
     argv = ["serve", "--http-port", "8001", "--http-host", "127.0.0.3", "--log-format", "json"]
     argv += ["--chat-template", "t.jinja", "--served-model-name", "m"]
     config = serve.config_from_args(build_parser().parse_args(argv))
-    assert (config.http_port, config.http_host, config.log_format) == (8001, "127.0.0.3", "json")
-    assert (config.chat_template, config.served_model_name) == ("t.jinja", "m")
+    server = config.server
+    assert (server.http_port, server.http_host, server.log_format) == (8001, "127.0.0.3", "json")
+    assert (server.chat_template, server.served_model_name) == ("t.jinja", "m")
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--api-keys", "k"])
 
     keys_file = tmp_path / "keys"
     keys_file.write_text("from-file\n")
     monkeypatch.setenv("TANDEM_API_KEYS", "from-env")
-    config = ServeConfig(api_keys=["from-yaml"], api_keys_file=str(keys_file))
+    config = ServeConfig(security={"api_keys": ["from-yaml"], "api_keys_file": str(keys_file)})
     assert "from-yaml" not in repr(config) and "from-yaml" not in str(config.model_dump())
     keys = serve.api_keys(config)
     assert len(keys) == 3 and all(keys.check(k) for k in ("from-yaml", "from-file", "from-env"))
@@ -38,13 +39,14 @@ def test_http_flags_and_keys_only_from_config_or_env(tmp_path, monkeypatch):
 
 def test_http_front_is_off_unless_a_port_is_set():
     assert serve.http_settings(ServeConfig()) is None
-    settings = serve.http_settings(ServeConfig(http_port=0, host="127.0.0.5"))
+    settings = serve.http_settings(ServeConfig(server={"http_port": 0, "host": "127.0.0.5"}))
     assert (settings.host, settings.port, settings.model_name) == (
         "127.0.0.5",
         0,
         "tandem-tiny-llama",
     )
-    assert serve.http_settings(ServeConfig(http_port=9, model="/m/x")).model_name == "/m/x"
+    named = ServeConfig(server={"http_port": 9}, engine={"model": "/m/x"})
+    assert serve.http_settings(named).model_name == "/m/x"
 
 
 def test_serve_prints_the_http_url_and_guards_it_with_keys(capsys, monkeypatch):
@@ -52,7 +54,7 @@ def test_serve_prints_the_http_url_and_guards_it_with_keys(capsys, monkeypatch):
 
     async def body():
         backend = FakeBackend(tokenizer=FakeTokenizer())
-        config = ServeConfig(port=0, http_port=0, grace_period_s=5)
+        config = ServeConfig(server={"port": 0, "http_port": 0}, limits={"grace_period_s": 5})
         stop = asyncio.Event()
         serving = asyncio.create_task(serve.serve(config, backend=backend, stop=stop))
         try:

@@ -47,13 +47,12 @@ def test_decode_sets_are_handed_out_once_and_come_back():
 
 
 def test_serve_plans_only_for_a_local_cpu_cluster():
-    cpu = WorkerResources(num_gpus=0)
+    cpu = ServeConfig(pools={"decode_resources": WorkerResources(num_gpus=0)})
     expected = plan_layout(available_cores(), 1, 1)
-    assert plan_cores(ServeConfig(decode_resources=cpu)) == expected
-    assert plan_cores(ServeConfig(decode_resources=cpu, cpu_binding=False)) is None
-    joined = ServeConfig(decode_resources=cpu, ray_address="127.0.0.1:6380")
-    assert plan_cores(joined) is None
-    gpu = ServeConfig(decode_resources=WorkerResources(num_gpus=1))
+    assert plan_cores(cpu) == expected
+    assert plan_cores(cpu.updated(pools={"cpu_binding": False})) is None
+    assert plan_cores(cpu.updated(pools={"ray_address": "127.0.0.1:6380"})) is None
+    gpu = ServeConfig(pools={"decode_resources": {"num_gpus": 1}})
     assert plan_cores(gpu) is None
 
 
@@ -63,7 +62,7 @@ def test_a_pool_whose_actor_cannot_be_created_frees_its_cores(monkeypatch):
     from router import pool_manager
 
     layout = plan_layout(range(4), decode_workers=2, threads=1)
-    config = ServeConfig(decode=2, decode_resources=WorkerResources(num_gpus=0))
+    config = ServeConfig(pools={"decode": 2, "decode_resources": {"num_gpus": 0}})
     pool = pool_manager.WorkerPool("decode", config, cores=layout)
     created, killed = [], []
 

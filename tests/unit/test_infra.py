@@ -35,8 +35,8 @@ def _by_kind(kind: str) -> list[dict]:
 
 def _pinned(config: ServeConfig) -> dict[str, set[str]]:
     return {
-        "prefill": set(config.prefill_resources.resources),
-        "decode": set(config.decode_resources.resources),
+        "prefill": set(config.pools.prefill_resources.resources),
+        "decode": set(config.pools.decode_resources.resources),
     }
 
 
@@ -49,11 +49,12 @@ def test_every_yaml_parses_to_mappings(path):
 
 def test_example_serve_config_validates_and_pins_pools_apart():
     config = ServeConfig.load(SERVE_CONFIG)
-    assert config.mode == "disaggregated"
+    pools = config.pools
+    assert pools.mode == "disaggregated"
     pinned = _pinned(config)
     assert pinned["prefill"] and pinned["decode"]
     assert pinned["prefill"].isdisjoint(pinned["decode"])  # on different node types
-    assert config.prefill_resources.num_gpus == config.decode_resources.num_gpus == 1
+    assert pools.prefill_resources.num_gpus == pools.decode_resources.num_gpus == 1
 
 
 def test_configmap_carries_the_example_serve_config():
@@ -90,9 +91,9 @@ def test_kuberay_groups_offer_the_pinned_resources_and_the_router_is_a_service()
     services = {s["metadata"]["name"]: s for s in _by_kind("Service")}
     router = services["tandem-router"]
     assert router["spec"]["selector"]["ray.io/node-type"] == "head"
-    assert router["spec"]["ports"][0]["port"] == config.port
+    assert router["spec"]["ports"][0]["port"] == config.server.port
     assert services["tandem-redis"]["spec"]["ports"][0]["port"] == 6379
-    assert config.redis_url == "redis://tandem-redis:6379/0"
+    assert config.routing.redis_url == "redis://tandem-redis:6379/0"
 
 
 def _docker_context(dest: Path) -> Path:

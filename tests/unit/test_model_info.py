@@ -182,7 +182,7 @@ def test_ray_backend_names_the_model_as_the_http_front_does():
     from router.ray_backend import RayBackend
 
     assert RayBackend(ServeConfig()).model_name == "tandem-tiny-llama"
-    backend = RayBackend(ServeConfig(model="/m/x", block_size=32))
+    backend = RayBackend(ServeConfig(engine={"model": "/m/x", "block_size": 32}))
     assert (backend.model_name, backend.block_size) == ("/m/x", 32)
-    named = ServeConfig(model="/m/x", served_model_name="m", http_port=0)
+    named = ServeConfig(engine={"model": "/m/x"}, server={"served_model_name": "m", "http_port": 0})
     assert RayBackend(named).model_name == "m" == serve.http_settings(named).model_name

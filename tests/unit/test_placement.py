@@ -9,8 +9,8 @@ import pytest
 import ray
 
 from protocol.workers import WorkerHealth
-from router.config import ServeConfig, WorkerResources
-from router.pool_manager import WorkerHandle, WorkerPool, actor_options, engine_config
+from router.config import EngineSection, ServeConfig, WorkerResources
+from router.pool_manager import WorkerHandle, WorkerPool, actor_options
 
 pytestmark = pytest.mark.unit
 
@@ -28,10 +28,57 @@ def test_custom_resources_and_labels_become_actor_options():
 
 
 def test_workers_with_gpus_run_the_engine_on_cuda():
-    config = ServeConfig(dtype="bfloat16", cuda_graphs=True)
-    gpu = engine_config(config, config.decode_resources, num_gpus=1)
+    config = ServeConfig(engine={"dtype": "bfloat16", "cuda_graphs": True})
+    gpu = config.engine_config("decode", num_gpus=1)
     assert (gpu.device, gpu.dtype, gpu.cuda_graphs) == ("cuda", "bfloat16", True)
-    assert engine_config(config, config.decode_resources, num_gpus=0).device == "cpu"
+    assert config.engine_config("decode", num_gpus=0).device == "cpu"
+
+
+def test_the_engine_section_is_the_workers_engine_config():
+    """Every engine setting reaches the workers' EngineConfig; the pools give
+    each role its threads."""
+    engine = {
+        "model": "/m/x",
+        "tokenizer": "/t/x",
+        "load_format": "dummy",
+        "dtype": "float16",
+        "block_size": 32,
+        "kv_cache_memory_mb": 48,
+        "max_num_batched_tokens": 1024,
+        "max_num_seqs": 8,
+        "max_model_len": 300,
+        "enable_prefix_caching": False,
+        "cpu_kernels": "off",
+        "greedy_screen": False,
+        "cuda_graphs": True,
+    }
+    config = ServeConfig(
+        engine=engine,
+        pools={"prefill_resources": {"num_threads": 3}, "decode_resources": {"num_threads": 2}},
+        transfer={"dtype": "int8"},
+    )
+    assert set(engine) == set(EngineSection.model_fields)  # the test covers every field
+    for role, threads in (("prefill", 3), ("decode", 2), ("colocated", 2)):
+        ec = config.engine_config(role, num_gpus=0)
+        got = {k: getattr(ec, k) for k in engine if k != "kv_cache_memory_mb"}
+        assert got == {k: v for k, v in engine.items() if k != "kv_cache_memory_mb"}
+        assert ec.kv_cache_memory_bytes == 48 << 20
+        assert (ec.num_threads, ec.device, ec.kv_transfer_dtype) == (threads, "cpu", "int8")
+
+
+def test_the_transfer_and_security_sections_make_the_transfer_config():
+    config = ServeConfig(
+        transfer={
+            "lease_s": 7,
+            "timeout_s": 9,
+            "max_message_mb": 20,
+            "local_output_streams": False,
+        },
+        security={"cluster_secret": "s"},
+    )
+    tc = config.transfer_config()
+    assert (tc.lease_s, tc.timeout_s, tc.max_message_bytes) == (7, 9, 20 << 20)
+    assert tc.local_streams is False and tc.security.secret == b"s"
 
 
 class _Method:

@@ -29,7 +29,7 @@ from protocol.workers import WorkerInfo
 from protos.tandem.v1 import worker_pb2
 from router.backend import GenerateInput, GenerateResult, TokenDelta
 from router.config import ServeConfig
-from router.failover import WorkerLost
+from router.failover import RetryPolicy, WorkerLost
 from router.pool_manager import WorkerHandle
 from router.prefix_routing import PrefixRouter
 from router.ray_backend import RayBackend
@@ -182,8 +182,9 @@ class Setup:
 def make_backend(scripts: list[Script], colocated: bool = False) -> Setup:
     mode = "colocated" if colocated else "disaggregated"
     # No wait between tries; the watchdog never asks a fake for its health.
-    config = ServeConfig(mode=mode, retry_backoff_s=0, stall_check_s=60)
+    config = ServeConfig(pools={"mode": mode}, tuning={"stall_check_s": 60})
     backend = RayBackend(config)
+    backend.retry = RetryPolicy(config.tuning.max_attempts, backoff_s=0)
     streams = FakeStreams()
     cluster = Cluster(streams, scripts)
     setup = Setup(backend, cluster, streams)
@@ -196,7 +197,10 @@ def make_backend(scripts: list[Script], colocated: bool = False) -> Setup:
     backend.streams = streams
     backend.index = InMemoryIndex()
     backend.routing = PrefixRouter(
-        backend.index, config.block_size, root_hash("fake-model", config.block_size), backend.policy
+        backend.index,
+        backend.block_size,
+        root_hash("fake-model", backend.block_size),
+        backend.policy,
     )
     return setup
 

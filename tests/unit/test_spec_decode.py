@@ -209,19 +209,25 @@ def test_worker_stats_count_acceptance_and_quantized_store(llama_dir):
 
 
 def test_serve_config_enables_speculation_in_the_decode_pool_only():
-    from router.config import ServeConfig, WorkerResources
-    from router.pool_manager import engine_config
+    from router.config import ServeConfig
 
     config = ServeConfig(
-        speculative_method="ngram", num_speculative_tokens=3, kv_transfer_dtype="fp8"
+        speculative={"method": "ngram", "num_speculative_tokens": 3}, transfer={"dtype": "fp8"}
     )
-    decode = engine_config(config, WorkerResources(), 0, "decode")
+    decode = config.engine_config("decode", 0)
     assert decode.speculative == SpeculativeConfig("ngram", 3, ngram_min=1, ngram_max=4)
-    prefill = engine_config(config, WorkerResources(), 0, "prefill")
+    prefill = config.engine_config("prefill", 0)
     assert prefill.speculative is None
     assert decode.kv_transfer_dtype == prefill.kv_transfer_dtype == "fp8"
-    with pytest.raises(ValueError, match="draft_model"):
-        ServeConfig(speculative_method="draft")
+    draft = ServeConfig(speculative={"method": "draft", "draft_model": "/d", "ngram_max": 6})
+    assert draft.engine_config("colocated", 0).speculative == SpeculativeConfig(
+        "draft", 4, ngram_max=6, ngram_min=1, draft_model="/d"
+    )
+    # The engine's own checks are the section's: a ValueError (pydantic's) naming the section.
+    with pytest.raises(ValueError, match=r"speculative\n.*draft_model"):
+        ServeConfig(speculative={"method": "draft"})
+    with pytest.raises(ValueError, match="ngram_min <= ngram_max"):
+        ServeConfig(speculative={"method": "ngram", "ngram_min": 5})
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft"])
