@@ -199,13 +199,13 @@ def test_worker_stats_count_acceptance_and_quantized_store(llama_dir):
     worker = EngineWorker("w", config)
     assert isinstance(worker.store, QuantizedBlockStore)
     assert worker.store.layout.wire_dtype == "int8"
-    assert worker.stats()["spec_proposed_tokens"] == 0
+    assert worker.stats().spec_proposed_tokens == 0
     _run(worker.engine, _prompts()[3:], GREEDY)
     stats = worker.stats()
-    assert stats["spec_accepted_tokens"] == worker.engine.speculator.num_accepted > 0
-    assert stats["spec_proposed_tokens"] >= stats["spec_accepted_tokens"]
-    assert stats["free_blocks"] == stats["initial_free_blocks"]
-    assert stats["num_holders"] == stats["initial_num_holders"] == 0
+    assert stats.spec_accepted_tokens == worker.engine.speculator.num_accepted > 0
+    assert stats.spec_proposed_tokens >= stats.spec_accepted_tokens
+    assert stats.free_blocks == stats.initial_free_blocks
+    assert stats.num_holders == stats.initial_num_holders == 0
 
 
 def test_serve_config_enables_speculation_in_the_decode_pool_only():
