@@ -1,1 +1,3 @@
-"""Benchmark kit behind `tandem bench`: workloads, a load runner, metrics, reports, plots."""
+"""Benchmark kit behind `tandem bench` and the benchmarks (bench/): workloads, a
+load runner, metrics, reports, plots, and the harnesses that start what they
+measure (an in-process deployment, `tandem serve` in a subprocess)."""

@@ -21,13 +21,13 @@ import uuid
 import pytest
 import ray
 
+from benchkit.deployment import Deployment
 from engine import LLM
 from kv_transfer.faults import TransferFaults
 from protocol.sampling import SamplingParams
 from router.client import TandemClient, collect
 from router.config import ServeConfig
 from router.pool_manager import WorkerHandle
-from tandem_cli.deployment import Deployment
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -1,5 +1,6 @@
-"""A whole tandem deployment (Ray pools + router) inside this process, for
-tests and benchmarks.
+"""A whole tandem deployment (Ray pools + router) inside this process: what
+`tandem plan --verify`, the benchmarks (bench/) and the integration tests
+start. `tandem serve` does not use it.
 
 The router and its backend run on an event loop in a thread of their own,
 so callers stay synchronous and talk to it over gRPC like any client.
