@@ -1,8 +1,7 @@
-"""KV block transfer between workers: interface, pool adapter, movers."""
+"""KV block transfer between workers: interface, pool adapter, the gRPC mover."""
 
 from .grpc_client import GrpcKVClient
 from .grpc_server import GrpcKVServer
-from .inproc import InProcHub, InProcKVClient, InProcKVServer
 from .interface import (
     BlockSink,
     BlockSource,
@@ -25,9 +24,6 @@ __all__ = [
     "CommittedPush",
     "GrpcKVClient",
     "GrpcKVServer",
-    "InProcHub",
-    "InProcKVClient",
-    "InProcKVServer",
     "KVBlocks",
     "KVTransferClient",
     "KVTransferServer",
