@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from kv_transfer.faults import TransferFaults
 from prefill_pool.worker import PrefillWorker
 from protocol.requests import PrefillRequest, PrefillResult
 from worker.base import WorkerActor
@@ -17,6 +16,3 @@ class PrefillActor(WorkerActor):
 
     async def prefill(self, req: PrefillRequest) -> PrefillResult:
         return await self.worker.prefill(req)
-
-    async def set_faults(self, faults: TransferFaults) -> None:
-        self.worker.set_faults(faults)

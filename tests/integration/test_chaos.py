@@ -23,11 +23,11 @@ import ray
 
 from benchkit.deployment import Deployment
 from engine import LLM
-from kv_transfer.faults import TransferFaults
 from protocol.sampling import SamplingParams
 from router.client import TandemClient, collect
 from router.config import ServeConfig
 from router.pool_manager import WorkerHandle
+from tests.faults import FaultyPrefillActor, TransferFaults
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -86,7 +86,8 @@ def _config(**overrides) -> ServeConfig:
 
 @pytest.fixture(scope="module")
 def cluster(ray_cluster):
-    deployment = Deployment(_config())
+    # Prefill workers that take transfer faults on demand (tests/faults.py).
+    deployment = Deployment(_config(), actor_classes={"prefill": FaultyPrefillActor})
     yield deployment
     try:
         _wait_recovered(deployment)
@@ -289,7 +290,7 @@ def test_broken_transfers_are_retried(cluster, reference, fault):
     retries = b.failover.retries
     outs = asyncio.run(_load(cluster.address, []))
     _check(outs, reference)
-    injected = sum(s.get("faults_injected", 0) for s in cluster.worker_stats().values())
+    injected = sum(ray.get(w.actor.faults_injected.remote(), timeout=30) for w in b.prefill.workers)
     assert injected == len(b.prefill.workers)  # each prefill worker broke one push
     assert b.failover.retries >= retries + injected
     assert b.failover.failed == 0

@@ -49,7 +49,6 @@ PREFILL_STATS = {
     **BASE_STATS,
     "kv_bytes_pushed": 1 << 20,
     "kv_bytes_pulled": 4096,
-    "faults_injected": 1,
 }
 
 
@@ -117,7 +116,7 @@ def test_worker_info_needs_the_identity_fields_and_is_frozen():
 
 def test_worker_stats_of_a_prefill_worker():
     stats = WorkerStats.from_dict({**PREFILL_STATS, "role": "prefill"})  # the router adds role
-    assert stats.kv_bytes_pushed == 1 << 20 and stats.faults_injected == 1
+    assert stats.kv_bytes_pushed == 1 << 20 and stats.kv_bytes_pulled == 4096
     assert stats.used_blocks == 38 and not stats.idle
     assert stats.spec_acceptance_rate == 0.75
     assert stats.to_dict() == PREFILL_STATS
@@ -125,7 +124,7 @@ def test_worker_stats_of_a_prefill_worker():
 
 def test_worker_stats_of_a_decode_worker_default_the_prefill_counters():
     stats = WorkerStats.from_dict(BASE_STATS)
-    assert (stats.kv_bytes_pushed, stats.kv_bytes_pulled, stats.faults_injected) == (0, 0, 0)
+    assert (stats.kv_bytes_pushed, stats.kv_bytes_pulled) == (0, 0)
     idle = dataclasses.replace(stats, num_requests=0, free_blocks=127)
     assert idle.idle
     no_spec = {k: v for k, v in BASE_STATS.items() if not k.startswith("spec_")}
