@@ -32,9 +32,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchkit.kv_peer import Peer, PeerSpec
 from engine.kv_cache import KVLayout
 from kv_transfer import TransferConfig
-from kv_transfer.peer import Peer, PeerSpec
 
 LAYOUT = KVLayout("bench", "float32", 8, 16, 4, 64)  # 256 KiB per block
 SMOLLM2_135M = dict(

@@ -43,10 +43,10 @@ from collections.abc import Sequence
 
 import torch
 
+from benchkit.deployment import Deployment
 from engine.hashing import hash_blocks, root_hash
 from router.client import Completion, TandemClient, collect
 from router.config import ServeConfig
-from tandem_cli.deployment import Deployment
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK = 16

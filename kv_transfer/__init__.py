@@ -1,4 +1,4 @@
-"""KV block transfer between workers: interface, pool adapter, movers.
+"""KV block transfer between workers: interface, pool adapter, the gRPC mover.
 
 The names below load on first use: the router imports the torch-free ones
 (``TransferConfig``, ``TransferError`` from kv_transfer/interface.py)
@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .grpc_client import GrpcKVClient
     from .grpc_server import GrpcKVServer
-    from .inproc import InProcHub, InProcKVClient, InProcKVServer
     from .interface import (
         BlockSink,
         BlockSource,
@@ -33,9 +32,6 @@ if TYPE_CHECKING:
 _WHERE = {
     "GrpcKVClient": "grpc_client",
     "GrpcKVServer": "grpc_server",
-    "InProcHub": "inproc",
-    "InProcKVClient": "inproc",
-    "InProcKVServer": "inproc",
     "PoolBlockStore": "pool_store",
     **{
         name: "interface"
@@ -62,9 +58,6 @@ __all__ = [
     "CommittedPush",
     "GrpcKVClient",
     "GrpcKVServer",
-    "InProcHub",
-    "InProcKVClient",
-    "InProcKVServer",
     "KVBlocks",
     "KVTransferClient",
     "KVTransferServer",

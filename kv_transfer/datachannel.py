@@ -107,7 +107,7 @@ class DataSender:
         self.security = security or ClusterSecurity()
         self.sender = sender
         self.timeout_s = timeout_s
-        self.frame_filter = frame_filter  # fault injection: sees each frame's bytes
+        self.frame_filter = frame_filter  # the client's message filter: sees each frame's bytes
         self.connected = False
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()

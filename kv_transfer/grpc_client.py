@@ -49,7 +49,8 @@ class GrpcKVClient(KVTransferClient):
         self, config: TransferConfig | None = None, message_filter: MessageFilter | None = None
     ) -> None:
         """``message_filter`` sees every outgoing push message and may change
-        or drop it (None); it exists for fault-injection tests."""
+        or drop it (None): a hook for whoever builds the client (the workers
+        set none; tests/faults.py breaks pushes with it)."""
         self.config = config or TransferConfig()
         self._filter = message_filter
         self._channels: dict[str, grpc.aio.Channel] = {}

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kv_transfer.faults import TransferFaults
 from protocol.requests import PrefillRequest, PrefillResult
 from worker.actor import WorkerActor
 
@@ -23,6 +22,3 @@ class PrefillActor(WorkerActor):
 
     async def prefill(self, req: PrefillRequest) -> PrefillResult:
         return await self.worker.prefill(req)
-
-    async def set_faults(self, faults: TransferFaults) -> None:
-        self.worker.set_faults(faults)

@@ -34,7 +34,6 @@ from kv_transfer import (
     TransferConfig,
     TransferError,
 )
-from kv_transfer.faults import FaultPlan, TransferFaults
 from protocol.decode_start import DecodeStart
 from protocol.outputs import RequestOutput
 from protocol.requests import PrefillRequest, PrefillResult
@@ -62,11 +61,6 @@ class PrefillWorker(EngineWorker):
         self.kv_server = GrpcKVServer(self.store, self.transfer_config, host=host, port=0)
         self.kv_bytes_pushed = 0
         self.kv_bytes_pulled = 0
-        self.faults = FaultPlan(TransferFaults())
-
-    def set_faults(self, faults: TransferFaults) -> None:
-        """Chaos tests: make the next pushes fail (kv_transfer/faults.py)."""
-        self.faults = FaultPlan(faults)
 
     async def start(self) -> None:
         self.open_outputs(self.host, self.transfer_config)
@@ -89,7 +83,6 @@ class PrefillWorker(EngineWorker):
             super().stats(),
             kv_bytes_pushed=self.kv_bytes_pushed,
             kv_bytes_pulled=self.kv_bytes_pulled,
-            faults_injected=self.faults.injected,
         )
 
     async def _pull_prefix(self, req: PrefillRequest) -> Held | None:
@@ -199,13 +192,7 @@ class PrefillWorker(EngineWorker):
         return KVBlocks(req.request_id, export.block_ids, hashes, known[:-1], known[-1:], start)
 
     async def _push(self, address: str, blocks: KVBlocks) -> PushResult:
-        """Push with the shared client, or a faulty one while chaos faults are set."""
+        """Push ``blocks`` to the decode worker at ``address``: every prefill's KV
+        leaves this worker here (a subclass may wrap it)."""
         assert self._client is not None, "worker not started"
-        fault = self.faults.next_filter()
-        if fault is None:
-            return await self._client.push(address, self.store, blocks)
-        client = GrpcKVClient(self.transfer_config, message_filter=fault)
-        try:
-            return await client.push(address, self.store, blocks)
-        finally:
-            await client.close()
+        return await self._client.push(address, self.store, blocks)

@@ -87,8 +87,6 @@ class WorkerStats:
     """Prefill workers: KV bytes pushed to decode workers (0 on others)."""
     kv_bytes_pulled: int = 0
     """Prefill workers: KV bytes pulled from other workers' prefix caches."""
-    faults_injected: int = 0
-    """Prefill workers: transfer faults injected by chaos tests (kv_transfer/faults.py)."""
 
     @property
     def used_blocks(self) -> int:

@@ -80,6 +80,23 @@ class WorkerPool:
         self.cores = None if cores is None else CoreAssignment(cores, role)
         self.workers: list[WorkerHandle] = []
         self.resources = config.pools.resources_of(role)
+        # The Ray actor class of the workers this pool creates; None: the role's
+        # own (actor_class). Set a subclass of it before the pool starts workers
+        # to run that instead (benchkit/deployment.py's actor_classes).
+        self.actor_cls: type | None = None
+
+    def actor_class(self) -> type:
+        """``actor_cls``, else PrefillActor for prefill workers and DecodeActor
+        for decode and colocated ones."""
+        if self.actor_cls is not None:
+            return self.actor_cls
+        if self.role == "prefill":
+            from prefill_pool.actor import PrefillActor
+
+            return PrefillActor
+        from decode_pool.actor import DecodeActor
+
+        return DecodeActor
 
     async def scale_to(self, n: int, timeout_s: float | None = None) -> list[WorkerHandle]:
         """Add workers until there are ``n``; returns the new ones, started.
@@ -163,17 +180,13 @@ class WorkerPool:
         process = {"cpu_cores": cores, "niceness": self.config.pools.worker_niceness}
         try:
             if self.role == "prefill":
-                from prefill_pool.actor import PrefillActor
-
                 actor = (
-                    ray.remote(PrefillActor)
+                    ray.remote(self.actor_class())
                     .options(**options)
                     .remote(*args, batch_scheduling=self.config.pools.batch_scheduling, **process)
                 )
             else:
-                from decode_pool.actor import DecodeActor
-
-                actor = ray.remote(DecodeActor).options(**options).remote(*args, **process)
+                actor = ray.remote(self.actor_class()).options(**options).remote(*args, **process)
         except BaseException:  # no actor: its cores are free again
             if self.cores is not None:
                 self.cores.release(name)

@@ -172,8 +172,8 @@ def _verify_local(args, label, choice, profile, workload, ttft_s, tpot_s) -> Non
     """Start ``choice``'s pools on a local Ray cluster and replay against them."""
     import ray
 
+    from benchkit.deployment import Deployment
     from router.config import ServeConfig
-    from tandem_cli.deployment import Deployment
     from tandem_cli.serve import init_ray
 
     config = ServeConfig(

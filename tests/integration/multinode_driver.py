@@ -24,9 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import ray
 
+from benchkit.deployment import Deployment
 from router.client import TandemClient
+from benchkit.deployment import Deployment
 from router.config import PoolsSection, ServeConfig, WorkerResources
-from tandem_cli.deployment import Deployment
 
 HEAD_IP = "127.0.0.2"
 MAX_TOKENS = 12

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
+from benchkit.deployment import Deployment
 from router.config import ServeConfig
-from tandem_cli.deployment import Deployment
 from tandem_cli.main import main
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]

@@ -21,14 +21,14 @@ import uuid
 import pytest
 import ray
 
+from benchkit.deployment import Deployment
 from engine import LLM
-from kv_transfer.faults import TransferFaults
 from protocol.sampling import SamplingParams
 from router.client import TandemClient, collect
 from router.config import ServeConfig
 from router.failover import RetryPolicy
 from router.pool_manager import WorkerHandle
-from tandem_cli.deployment import Deployment
+from tests.faults import FaultyPrefillActor, TransferFaults
 
 # Kills, restarts and recoveries under load; the module's teardown waits up to
 # 240 s for every worker to be back.
@@ -81,17 +81,18 @@ CONFIG = ServeConfig(
 )
 
 
-def _deployment(**sections) -> Deployment:
+def _deployment(actor_classes: dict | None = None, **sections) -> Deployment:
     """A deployment of CONFIG with ``sections`` changed, retrying sooner than
     RETRY_BACKOFF_S so that a run of failures stays short."""
-    deployment = Deployment(CONFIG.updated(**sections))
+    deployment = Deployment(CONFIG.updated(**sections), actor_classes=actor_classes)
     deployment.backend.retry = RetryPolicy(CONFIG.tuning.max_attempts, backoff_s=0.05)
     return deployment
 
 
 @pytest.fixture(scope="module")
 def cluster(ray_cluster):
-    deployment = _deployment()
+    # Prefill workers that take transfer faults on demand (tests/faults.py).
+    deployment = _deployment(actor_classes={"prefill": FaultyPrefillActor})
     yield deployment
     try:
         _wait_recovered(deployment)
@@ -295,7 +296,7 @@ def test_broken_transfers_are_retried(cluster, reference, fault):
     retries = b.failover.retries
     outs = asyncio.run(_load(cluster.address, []))
     _check(outs, reference)
-    injected = sum(s.faults_injected for s in cluster.worker_stats().values())
+    injected = sum(ray.get(w.actor.faults_injected.remote(), timeout=30) for w in b.prefill.workers)
     assert injected == len(b.prefill.workers)  # each prefill worker broke one push
     assert b.failover.retries >= retries + injected
     assert b.failover.failed == 0

@@ -25,12 +25,12 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from benchkit.deployment import Deployment
 from kv_transfer import GrpcKVClient, TransferError
 from net.security import ClusterSecurity
 from protos.tandem.v1 import generate_pb2 as pb
 from router.client import TandemClient
 from router.config import ServeConfig
-from tandem_cli.deployment import Deployment
 from tests.kv_harness import make_store
 from tests.tls_certs import make_certs, openssl_available
 

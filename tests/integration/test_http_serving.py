@@ -18,9 +18,9 @@ import httpx
 import openai
 import pytest
 
+from benchkit.deployment import Deployment
 from router.client import TandemClient
 from router.config import ServeConfig
-from tandem_cli.deployment import Deployment
 from tandem_cli.main import main
 from tests.http_helpers import metric_samples
 

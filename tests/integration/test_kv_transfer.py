@@ -1,6 +1,6 @@
 """KV transfer between processes over real gRPC on 127.0.0.1.
 
-Every peer is its own process (kv_transfer/peer.py). Each test checks
+Every peer is its own process (benchkit/kv_peer.py). Each test checks
 that the free block counts of every pool it touched return to their
 starting values: no path may strand blocks. The transfer tests run twice:
 chunks over the data connection (the default), and over the gRPC stream
@@ -18,6 +18,7 @@ import grpc
 import pytest
 import torch
 
+from benchkit.kv_peer import Peer, PeerSpec
 from engine.block_pool import BlockPool
 from engine.kv_cache import KVCache, KVLayout
 from kv_transfer import (
@@ -29,7 +30,6 @@ from kv_transfer import (
     wire,
 )
 from kv_transfer.grpc_server import PUSH_METHOD
-from kv_transfer.peer import Peer, PeerSpec
 from net import handshake
 from net.security import ClusterSecurity
 from protos.tandem.v1 import kv_transfer_pb2 as pb

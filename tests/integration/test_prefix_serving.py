@@ -15,11 +15,11 @@ import time
 
 import pytest
 
+from benchkit.deployment import Deployment
 from engine import LLM
 from protocol.sampling import SamplingParams
 from router.client import TandemClient
 from router.config import ServeConfig
-from tandem_cli.deployment import Deployment
 from tests.redis_server import RedisServer
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]

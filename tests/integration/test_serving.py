@@ -14,11 +14,11 @@ import contextlib
 import grpc
 import pytest
 
+from benchkit.deployment import Deployment
 from engine import LLM
 from protocol.sampling import SamplingParams
 from router.client import TandemClient
 from router.config import ServeConfig
-from tandem_cli.deployment import Deployment
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
 

@@ -7,11 +7,11 @@ import asyncio
 
 import pytest
 
+from benchkit.deployment import Deployment
 from engine import LLM
 from protocol.sampling import SamplingParams
 from router.client import TandemClient
 from router.config import ServeConfig
-from tandem_cli.deployment import Deployment
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
 

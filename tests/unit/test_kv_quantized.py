@@ -15,15 +15,13 @@ from engine.kv_cache import KVCache, KVLayout
 from kv_transfer import (
     GrpcKVClient,
     GrpcKVServer,
-    InProcHub,
-    InProcKVClient,
-    InProcKVServer,
     KVBlocks,
     PoolBlockStore,
     TransferConfig,
     TransferError,
 )
 from kv_transfer.quantized import QuantizedBlockStore, dequantize, quantize
+from tests.kv_inproc import InProcHub, InProcKVClient, InProcKVServer
 
 pytestmark = pytest.mark.unit
 

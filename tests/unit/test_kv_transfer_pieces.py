@@ -25,9 +25,6 @@ from kv_transfer import (
     CommittedPush,
     GrpcKVClient,
     GrpcKVServer,
-    InProcHub,
-    InProcKVClient,
-    InProcKVServer,
     KVBlocks,
     PoolBlockStore,
     TransferConfig,
@@ -42,6 +39,7 @@ from net import handshake, sockets
 from net.security import ClusterSecurity
 from protos import codegen
 from protos.tandem.v1 import kv_transfer_pb2 as pb
+from tests.kv_inproc import InProcHub, InProcKVClient, InProcKVServer
 from tests.pool_checks import leftover_holders
 
 pytestmark = pytest.mark.unit

@@ -101,6 +101,22 @@ class _Actor:
         self.health = _Method(outcome)
 
 
+def test_a_pool_runs_its_role_actor_or_the_class_it_was_given():
+    from decode_pool.actor import DecodeActor
+    from prefill_pool.actor import PrefillActor
+
+    assert WorkerPool("prefill", ServeConfig()).actor_class() is PrefillActor
+    assert WorkerPool("decode", ServeConfig()).actor_class() is DecodeActor
+    assert WorkerPool("colocated", ServeConfig()).actor_class() is DecodeActor
+
+    class OtherPrefillActor(PrefillActor):
+        pass
+
+    pool = WorkerPool("prefill", ServeConfig())
+    pool.actor_cls = OtherPrefillActor
+    assert pool.actor_class() is OtherPrefillActor
+
+
 def test_only_workers_whose_actor_died_are_dead():
     pool = WorkerPool("decode", ServeConfig())
     pool.workers = [

@@ -1,11 +1,23 @@
-"""Fault injection for chaos tests: make a worker's next pushes fail in a
-chosen way, through the gRPC client's message filter.
+"""Transfer faults for the chaos tests (tests/integration/test_chaos.py):
+prefill workers whose next pushes fail in a chosen way.
+
+A deployment started with ``actor_classes={"prefill": FaultyPrefillActor}``
+(benchkit/deployment.py, which sets router/pool_manager.py's
+``WorkerPool.actor_cls``) runs this actor instead of PrefillActor; nothing in
+the product knows of it. ``set_faults`` arms the worker's next pushes: each
+takes at most one fault, and a push with a fault goes through a GrpcKVClient
+of its own with a message filter (kv_transfer/grpc_client.py), the others
+through the worker's shared client, as in production.
 
 A filter sees every outgoing push message (the header first, then each chunk,
 or each data-channel frame with its payload, then the commit). ``corrupt``
 flips the last byte of the first chunk, so the receiver's checksum check
 fails (DATA_LOSS); ``stall`` holds the first chunk back for ``stall_s``, so
 the push's deadline passes before it is sent.
+
+The Ray workers import this module by name, so the repository root must be
+on their ``sys.path``: Ray puts the driver's working directory there, and the
+tests run from the repository root (pytest's rootdir).
 """
 
 from __future__ import annotations
@@ -15,7 +27,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-MessageFilter = Callable[[bytes], bytes | None]
+from kv_transfer import GrpcKVClient, KVBlocks, PushResult
+from kv_transfer.grpc_client import MessageFilter
+from prefill_pool.actor import PrefillActor
+from prefill_pool.worker import PrefillWorker
 
 
 @dataclass(frozen=True)
@@ -76,3 +91,35 @@ def _on_first_chunk(fault: Callable[[bytes], bytes]) -> MessageFilter:
         return fault(msg) if count == 2 else msg
 
     return apply
+
+
+class FaultyPrefillWorker(PrefillWorker):
+    """A PrefillWorker whose pushes take the faults of its plan."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.faults = FaultPlan(TransferFaults())
+
+    async def _push(self, address: str, blocks: KVBlocks) -> PushResult:
+        fault = self.faults.next_filter()
+        if fault is None:
+            return await super()._push(address, blocks)
+        client = GrpcKVClient(self.transfer_config, message_filter=fault)
+        try:
+            return await client.push(address, self.store, blocks)
+        finally:
+            await client.close()
+
+
+class FaultyPrefillActor(PrefillActor):
+    """PrefillActor plus the chaos tests' calls."""
+
+    worker_class = FaultyPrefillWorker
+
+    async def set_faults(self, faults: TransferFaults) -> None:
+        """Make the next pushes fail (replaces what is left of earlier faults)."""
+        self.worker.faults = FaultPlan(faults)
+
+    async def faults_injected(self) -> int:
+        """Faults injected since the actor process started."""
+        return self.worker.faults.injected

@@ -2,8 +2,10 @@
 
 The child runs a GrpcKVServer and a GrpcKVClient over either a pool of
 random blocks or a whole LLMEngine, on one asyncio loop (so no pool lock is
-needed). The integration tests and bench/kv_transfer.py use it to put
-sender and receiver in separate processes on 127.0.0.1.
+needed). bench/kv_transfer.py and the integration tests
+(tests/integration/test_kv_transfer.py) use it to put sender and receiver in
+separate processes on 127.0.0.1. ``push`` can stall or corrupt its messages
+(through GrpcKVClient's message filter) for the tests of broken transfers.
 """
 
 from __future__ import annotations
@@ -21,11 +23,14 @@ import torch
 from engine.block_pool import BlockPool, Holder
 from engine.hashing import hash_blocks, root_hash
 from engine.kv_cache import KVCache, KVLayout
-
-from .grpc_client import GrpcKVClient
-from .grpc_server import GrpcKVServer
-from .interface import KVBlocks, TransferConfig, TransferError
-from .pool_store import PoolBlockStore
+from kv_transfer import (
+    GrpcKVClient,
+    GrpcKVServer,
+    KVBlocks,
+    PoolBlockStore,
+    TransferConfig,
+    TransferError,
+)
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
-"""A whole tandem deployment (Ray pools + router) inside this process, for
-tests and benchmarks.
+"""A whole tandem deployment (Ray pools + router) inside this process: what
+`tandem plan --verify`, the benchmarks (bench/) and the integration tests
+start. `tandem serve` does not use it.
 
 The router and its backend run on an event loop in a thread of their own,
 so callers stay synchronous and talk to it over gRPC like any client.
@@ -10,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Mapping
 from typing import Any
 
 from protocol.workers import WorkerStats
@@ -20,12 +21,22 @@ from tandem_cli.serve import server_for
 
 
 class Deployment:
-    def __init__(self, config: ServeConfig) -> None:
+    def __init__(
+        self, config: ServeConfig, actor_classes: Mapping[str, type] | None = None
+    ) -> None:
+        """``actor_classes``: Ray actor classes to run instead of a pool's own, by
+        pool: "prefill" (a PrefillActor subclass) or "decode" (a DecodeActor
+        subclass, for colocated workers too); router/pool_manager.py
+        ``WorkerPool.actor_cls``. The chaos tests inject transfer faults so."""
         self.config = config
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._thread.start()
         self.backend = RayBackend(config)
+        for pool, cls in (actor_classes or {}).items():
+            if pool not in ("prefill", "decode"):
+                raise ValueError(f"no {pool!r} pool (prefill, decode)")
+            getattr(self.backend, pool).actor_cls = cls
         # Both fronts on 127.0.0.1, free ports; HTTP only when config.server.http_port is set.
         self.server = server_for(config, self.backend, local=True)
         self.run(self.server.start(), timeout=300)

@@ -1,6 +1,10 @@
-"""An in-process mover: the same messages, sender, receiver and leases as
-gRPC, handed over by function call. For tests, and as the template for a
-same-host mover (shared memory) that skips the network."""
+"""An in-process KV mover for the unit tests: the same messages, sender,
+receiver, service and leases as gRPC (kv_transfer/), handed over by function
+call, so the transport-independent logic is tested without a network.
+
+It is also the shortest example of a mover over ``KVTransferService``
+(``open_push``/``open_pull``): a same-host mover (shared memory) that skips
+the network would start from it and from kv_transfer/grpc_server.py."""
 
 from __future__ import annotations
 
@@ -11,11 +15,9 @@ from itertools import chain
 import grpc
 
 from engine.block_pool import Held
-from protos.tandem.v1 import kv_transfer_pb2 as pb
-
-from . import wire
-from .grpc_client import MessageFilter
-from .interface import (
+from kv_transfer import wire
+from kv_transfer.grpc_client import MessageFilter
+from kv_transfer.interface import (
     BlockSink,
     BlockSource,
     KVBlocks,
@@ -28,11 +30,12 @@ from .interface import (
     TransferError,
     TransferState,
 )
-from .lease import lease_holder
-from .pool_store import PoolBlockStore
-from .receiver import KVReceiver
-from .sender import KVSender
-from .service import KVTransferService
+from kv_transfer.lease import lease_holder
+from kv_transfer.pool_store import PoolBlockStore
+from kv_transfer.receiver import KVReceiver
+from kv_transfer.sender import KVSender
+from kv_transfer.service import KVTransferService
+from protos.tandem.v1 import kv_transfer_pb2 as pb
 
 
 class InProcHub:
