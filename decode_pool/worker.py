@@ -198,4 +198,3 @@ class DecodeWorker(EngineWorker):
             task = asyncio.ensure_future(self.abort(rid))
             self._background.add(task)
             task.add_done_callback(self._background.discard)
-

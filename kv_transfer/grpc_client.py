@@ -33,7 +33,6 @@ from .interface import (
     TransferError,
     TransferState,
 )
-from .lease import lease_holder
 from .receiver import KVReceiver
 from .sender import KVSender
 
@@ -70,19 +69,7 @@ class GrpcKVClient(KVTransferClient):
     async def _push(
         self, address: str, source: BlockSource, blocks: KVBlocks, timeout_s: float | None
     ) -> PushResult:
-        holder = lease_holder("send", blocks.request_id)
-        sender = KVSender(
-            source,
-            holder,
-            blocks.request_id,
-            blocks.block_ids,
-            blocks.block_hashes,
-            blocks.token_ids,
-            self.config.chunk_bytes,
-            blocks.next_token_ids,
-            blocks.decode_start,
-        )
-        source.pin(holder, blocks.block_ids)  # once the sender, which releases them, exists
+        sender = KVSender.push(source, blocks, self.config.chunk_bytes)
         timeout = timeout_s or self.config.timeout_s
         token = secrets.token_bytes(TOKEN_BYTES) if self.config.data_channel else None
         metadata = self.config.security.metadata()

@@ -15,7 +15,8 @@ from collections.abc import Iterator, Sequence
 from engine.block_pool import Holder
 from protos.tandem.v1 import kv_transfer_pb2 as pb
 
-from .interface import BlockSource, TransferState, new_staging
+from .interface import BlockSource, KVBlocks, TransferState, new_staging
+from .lease import lease_holder
 from .wire import encode_chunk, encode_header, layout_to_proto, plan_chunks
 
 
@@ -46,6 +47,24 @@ class KVSender:
         self.chunk_bytes = chunk_bytes
         self.skipped = 0  # leading blocks the receiver holds: no chunk carries them
         self.bytes_sent = 0
+
+    @classmethod
+    def push(cls, source: BlockSource, blocks: KVBlocks, chunk_bytes: int) -> KVSender:
+        """The sender of a push: its own lease holder pins ``blocks`` (once
+        the sender, which releases them, exists)."""
+        sender = cls(
+            source,
+            lease_holder("send", blocks.request_id),
+            blocks.request_id,
+            blocks.block_ids,
+            blocks.block_hashes,
+            blocks.token_ids,
+            chunk_bytes,
+            blocks.next_token_ids,
+            blocks.decode_start,
+        )
+        source.pin(sender.holder, blocks.block_ids)
+        return sender
 
     @property
     def total_bytes(self) -> int:

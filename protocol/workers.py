@@ -123,5 +123,3 @@ class WorkerHealth:
     free_blocks: int
     initial_free_blocks: int
     num_requests: int
-
-

@@ -30,7 +30,6 @@ from kv_transfer.interface import (
     TransferError,
     TransferState,
 )
-from kv_transfer.lease import lease_holder
 from kv_transfer.pool_store import PoolBlockStore
 from kv_transfer.receiver import KVReceiver
 from kv_transfer.sender import KVSender
@@ -107,19 +106,7 @@ class InProcKVClient(KVTransferClient):
         self, address: str, source: BlockSource, blocks: KVBlocks, *, timeout_s: float | None = None
     ) -> PushResult:
         service = self.hub.lookup(address)
-        holder = lease_holder("send", blocks.request_id)
-        sender = KVSender(
-            source,
-            holder,
-            blocks.request_id,
-            blocks.block_ids,
-            blocks.block_hashes,
-            blocks.token_ids,
-            self.config.chunk_bytes,
-            blocks.next_token_ids,
-            blocks.decode_start,
-        )
-        source.pin(holder, blocks.block_ids)  # once the sender, which releases them, exists
+        sender = KVSender.push(source, blocks, self.config.chunk_bytes)
         cancelled = _Cancelled()
         push = service.open_push(cancelled)
         reply = None

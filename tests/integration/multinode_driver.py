@@ -26,7 +26,6 @@ import ray
 
 from benchkit.deployment import Deployment
 from router.client import TandemClient
-from benchkit.deployment import Deployment
 from router.config import PoolsSection, ServeConfig, WorkerResources
 
 HEAD_IP = "127.0.0.2"

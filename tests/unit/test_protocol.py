@@ -16,6 +16,7 @@ pytestmark = pytest.mark.unit
 
 REPO = Path(__file__).resolve().parents[2]
 
+
 def test_protocol_and_the_router_tokenizer_import_no_torch():
     code = (
         "import sys\n"
