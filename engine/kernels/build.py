@@ -26,7 +26,6 @@ import logging
 import os
 import platform
 import shutil
-import socket
 import sys
 import time
 from collections.abc import Iterator
@@ -261,7 +260,7 @@ def _remember(target: Target, output: str) -> None:
     lines = output.splitlines()
     when = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     text = (
-        f"The CPU kernel build failed on {socket.gethostname()} at {when} (pid {os.getpid()}).\n"
+        f"The CPU kernel build failed on {platform.node()} at {when} (pid {os.getpid()}).\n"
         f"Processes using this directory do not try again: {RETRY}.\n"
         f"Flags: {' '.join(target.cflags)}\n"
         f"The compiler's last {min(len(lines), TAIL_LINES)} lines:\n\n"
