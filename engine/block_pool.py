@@ -3,10 +3,9 @@
 Every reference to a block belongs to a ``Holder``, a (kind, id) pair:
 
 - ``request``: a sequence's block table (id: the request id),
-- ``lease``: blocks reserved, pinned or received for one KV transfer (id:
-  the transfer, see ``kv_transfer.lease.lease_holder``),
-- ``pin``: prefix blocks a decode worker keeps for a request whose other
-  blocks are on their way (id: the request id),
+- ``lease``: blocks reserved, pinned or received for one KV transfer,
+  including the cached prefix a push's receiver already held and so was
+  not sent (id: the transfer, see ``kv_transfer.lease.lease_holder``),
 - ``draft``: a draft model's blocks for a request, in the draft's own pool,
 - ``scratch``: blocks an engine sets aside for its lifetime.
 
@@ -48,7 +47,7 @@ from typing import Literal, get_args
 
 from engine.hashing import BlockHash
 
-HolderKind = Literal["request", "lease", "pin", "draft", "scratch"]
+HolderKind = Literal["request", "lease", "draft", "scratch"]
 HOLDER_KINDS: frozenset[str] = frozenset(get_args(HolderKind))
 
 

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.unit
 
 ROOT = root_hash("test-model", 2)
 A, B, C = Holder("request", "a"), Holder("request", "b"), Holder("request", "c")
-PIN = Holder("pin", "a")
+PIN = Holder("lease", "pin-a")  # a transfer holding a cached prefix
 LEASE = Holder("lease", "recv:r#0")
 
 
@@ -273,8 +273,8 @@ def test_transfer_misuse_is_an_error_and_changes_nothing():
 
 
 def test_holder_kinds_are_checked():
-    assert str(Holder("pin", "r1")) == "pin:r1"
-    assert Holder("pin", "a") == PIN and hash(Holder("pin", "a")) == hash(PIN)
-    assert Holder("pin", "a") != Holder("request", "a") and PIN != ("pin", "a")
+    assert str(Holder("lease", "r1")) == "lease:r1"
+    assert Holder("lease", "pin-a") == PIN and hash(Holder("lease", "pin-a")) == hash(PIN)
+    assert Holder("lease", "a") != Holder("request", "a") and PIN != ("lease", "pin-a")
     with pytest.raises(ValueError, match="holder kind"):
         Holder("bogus", "x")  # type: ignore[arg-type]
