@@ -21,7 +21,13 @@ from router.auth import ApiKeys
 from router.backend import Backend
 from router.config import ServeConfig, describe_errors
 from router.service import HttpSettings, RouterServer
-from worker.cpu_binding import CoreLayout, available_cores, bind_process, plan_layout
+from worker.cpu_binding import (
+    CoreLayout,
+    available_cores,
+    bind_process,
+    nvidia_gpus_visible,
+    plan_layout,
+)
 from worker.heap import freeze_startup_heap
 from worker.logfmt import configure_logging
 
@@ -176,9 +182,7 @@ def plan_cores(config: ServeConfig) -> CoreLayout | None:
         return None
     resources = pools.decode_resources
     if resources.num_gpus is None:
-        import torch
-
-        if torch.cuda.is_available():  # Ray gives each worker a GPU
+        if nvidia_gpus_visible():  # Ray gives each worker a GPU
             return None
     elif resources.num_gpus > 0:
         return None

@@ -114,7 +114,11 @@ class FaultyPrefillWorker(PrefillWorker):
 class FaultyPrefillActor(PrefillActor):
     """PrefillActor plus the chaos tests' calls."""
 
-    worker_class = FaultyPrefillWorker
+    worker: FaultyPrefillWorker
+
+    @staticmethod
+    def make_worker(name, config, transfer, index, host) -> FaultyPrefillWorker:
+        return FaultyPrefillWorker(name, config, transfer, index, host)
 
     async def set_faults(self, faults: TransferFaults) -> None:
         """Make the next pushes fail (replaces what is left of earlier faults)."""

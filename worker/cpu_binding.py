@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 from collections.abc import Collection
 from dataclasses import dataclass
+from pathlib import Path
 
 from worker.sched_policy import each_thread
 
@@ -101,3 +102,13 @@ def _span(cores: Cores) -> str:
     if len(cores) > 1 and cores[-1] - cores[0] == len(cores) - 1:
         return f"cores {cores[0]}-{cores[-1]}"
     return ("core " if len(cores) == 1 else "cores ") + ",".join(map(str, cores))
+
+
+def nvidia_gpus_visible() -> bool:
+    """Whether this machine shows this process an NVIDIA GPU (the driver's
+    device list, less CUDA_VISIBLE_DEVICES hiding them all), without loading
+    torch or CUDA: the router process asks before it starts Ray."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        return False
+    return any(Path("/proc/driver/nvidia/gpus").glob("*")) or Path("/dev/nvidia0").exists()

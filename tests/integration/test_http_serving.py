@@ -113,7 +113,10 @@ def test_sdk_stream_chat_equals_grpc(dep):
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    tokenizer = dep.backend.tokenizer
+    # The reference renders with Hugging Face's tokenizer, not the router's.
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(dep.backend.decode.workers[0].info.model_dir)
     rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     ids = tokenizer.encode(rendered, add_special_tokens=False)
     reference = _grpc_complete(dep, ids, temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -194,7 +197,8 @@ def test_bench_drives_the_http_front(dep, tmp_path, capsys, monkeypatch):
     s = run["summary"]
     assert s["completed"] == 6 and s["failed"] == 0
     assert s["output_tokens"] == 6 * 6
-    assert s["ttft_s"]["count"] == 6 and s["itl_s"]["count"] == 6 * 5
+    # One gap per token after a request's first chunk (a chunk may carry two).
+    assert s["ttft_s"]["count"] == 6 and 6 * 4 <= s["itl_s"]["count"] <= 6 * 5
     assert s["prompt_tokens"] >= 6 * 16
 
 

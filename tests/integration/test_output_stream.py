@@ -401,9 +401,10 @@ async def _one_request_streams(pair: Pair, streams: WorkerStreams) -> None:
     assert [list(d.token_ids) for d in await _drain(queue)] == [[1], [2]]
 
 
-def _offered(address: str, host_id: str | None = None) -> dict:
-    """What a worker's handle says of its Unix socket (host_id: this machine's)."""
-    return {"outputs_local": address, "host_id": host_identity() if host_id is None else host_id}
+def _offer(worker: WorkerHandle, address: str, host_id: str | None = None) -> None:
+    """The worker's handle names its Unix socket (host_id: this machine's)."""
+    host = host_identity() if host_id is None else host_id
+    worker.info = dataclasses.replace(worker.info, outputs_local=address, host_id=host)
 
 
 needs_local = pytest.mark.skipif(not host_identity(), reason="no abstract Unix sockets here")
@@ -417,7 +418,7 @@ def test_a_router_on_the_same_machine_reads_over_the_unix_socket(cluster_certs, 
     security = ClusterSecurity(SECRET, tls_files(cluster_certs[0]) if tls else None)
 
     async def body(pair: Pair):
-        pair.worker.info.update(_offered(pair.server.local_address))
+        _offer(pair.worker, pair.server.local_address)
         streams = await pair.subscribe()
         assert _family(streams) == socket.AF_UNIX
         await _one_request_streams(pair, streams)
@@ -428,7 +429,7 @@ def test_a_router_on_the_same_machine_reads_over_the_unix_socket(cluster_certs, 
 @needs_local
 def test_the_unix_socket_refuses_a_handshake_without_the_secret():
     async def body(pair: Pair):
-        pair.worker.info.update(_offered(pair.server.local_address))
+        _offer(pair.worker, pair.server.local_address)
         with pytest.raises(ConnectionError):
             await pair.subscribe("intruder")
         assert not pair.server.has_router("intruder")
@@ -447,7 +448,7 @@ def test_a_router_uses_tcp_when_the_unix_socket_is_not_for_it(case):
             address = "unix-abstract:tandem-out-nobody-listens-here"
         else:
             pair.reader_config = dataclasses.replace(pair.reader_config, local_streams=False)
-        pair.worker.info.update(_offered(address, host_id))
+        _offer(pair.worker, address, host_id)
         streams = await pair.subscribe()
         assert _family(streams) == socket.AF_INET
         await _one_request_streams(pair, streams)

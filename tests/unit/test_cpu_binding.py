@@ -83,3 +83,23 @@ def test_a_pool_whose_actor_cannot_be_created_frees_its_cores(monkeypatch):
     assert created == [(2,)] and len(killed) == 1 and pool.workers == []
     assert pool.cores.claim("d-next") == (2,)
     assert pool.cores.claim("d-after") == (3,)
+
+
+def test_gpus_are_seen_through_the_driver_and_hidden_by_cuda_visible_devices(monkeypatch, tmp_path):
+    from worker import cpu_binding
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    gpus = tmp_path / "gpus"
+    gpus.mkdir()
+    real_path = cpu_binding.Path
+
+    def fake_path(p):
+        mapped = {"/proc/driver/nvidia/gpus": gpus, "/dev/nvidia0": tmp_path / "none"}
+        return real_path(mapped.get(p, p))
+
+    monkeypatch.setattr(cpu_binding, "Path", fake_path)
+    assert not cpu_binding.nvidia_gpus_visible()  # a driver with no GPU listed
+    (gpus / "0000:01:00.0").mkdir()
+    assert cpu_binding.nvidia_gpus_visible()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "-1")
+    assert not cpu_binding.nvidia_gpus_visible()
