@@ -88,8 +88,9 @@ async def _serve_worker(conn) -> None:
     config = EngineConfig(num_threads=1, kv_cache_memory_bytes=256 << 20)
     worker = DecodeWorker("decode-bench", config, TransferConfig(), host="127.0.0.1")
     bare = LLMEngine(config)
-    addresses = await worker.start()
-    conn.send(dataclasses.asdict(addresses))  # what the actor tells the router
+    addresses = await worker.start()  # older checkouts: their addresses
+    # What the actor tells the router: WorkerInfo, or a dict in older checkouts.
+    conn.send(worker.describe() if addresses is None else dataclasses.asdict(addresses))
     loop = asyncio.get_running_loop()
     params = SamplingParams(temperature=0, max_tokens=OUT_TOKENS, ignore_eos=True)
     started = (0.0, 0)
@@ -134,7 +135,8 @@ async def _side(tree: str) -> None:
     streams = WorkerStreams(ROUTER_ID, lambda events: None, lambda w, why: None, TransferConfig())
     handle = WorkerHandle("decode-bench", "decode", None, info)
     await streams.subscribe(handle)
-    print(json.dumps({"ready": info["outputs"]}), flush=True)
+    outputs = info["outputs"] if isinstance(info, dict) else info.outputs
+    print(json.dumps({"ready": outputs}), flush=True)
 
     async def ask(cmd):
         parent.send(cmd)

@@ -48,8 +48,8 @@ def workers(d: Deployment) -> dict[str, dict]:
         out[w.name] = {
             "role": w.role,
             "node_ip": actor["Address"]["IPAddress"],
-            "kv": w.info.get("kv"),
-            "outputs": w.info.get("outputs"),
+            "kv": w.info.kv_address,
+            "outputs": w.info.outputs,
         }
     return out
 
