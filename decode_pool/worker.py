@@ -14,15 +14,18 @@ here instead (colocated mode, or a short tail after a cached prefix).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 
 import grpc
 
 from block_index import IndexSettings
 from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
 from kv_transfer import CommittedPush, GrpcKVServer, TransferConfig, TransferError
 from protocol.decode_start import BadStart, DecodeStart
 from protocol.outputs import RequestOutput
@@ -90,7 +93,7 @@ class DecodeWorker(EngineWorker):
         rid = push.request_id
         start = DecodeStart.decode(push.decode_start)  # checked at the header
         if self._was_aborted(rid) or not self._own(rid, start.router_id):
-            self.loop.call(lambda e: e.block_pool.release_held([push.blocks]))
+            self._on_engine(lambda e: e.block_pool.release_held([push.blocks]))
             return
         tokens = push.token_ids + push.next_token_ids
         prompt, outputs = tokens[: start.num_prompt_tokens], tokens[start.num_prompt_tokens :]
@@ -106,18 +109,22 @@ class DecodeWorker(EngineWorker):
         )
 
         def begin(engine) -> None:
-            assert self.outputs is not None
-            self.outputs.publish([first], [])
-            if first.finished:
-                engine.block_pool.release_held([push.blocks])
-                return
+            out = first
             try:
-                engine.add_prefilled_request(rid, prompt, outputs, start.params, [push.blocks])
-            except Exception as exc:  # the engine freed the blocks
+                if first.finished:
+                    engine.block_pool.release_held([push.blocks])
+                else:  # the request holds the blocks now (freed if it is refused)
+                    engine.add_prefilled_request(rid, prompt, outputs, start.params, [push.blocks])
+            except Exception as exc:
                 log.warning("request %s could not start: %s", rid, exc)
-                self.outputs.publish([RequestOutput.aborted(rid)], [])
+                out = RequestOutput.aborted(rid)
+            self.publish_outputs([out])  # with the cache events of the commit
 
-        self.loop.call(begin)
+        self._on_engine(begin)
+
+    def _on_engine(self, fn: Callable[[LLMEngine], object]) -> None:
+        """Run ``fn`` on the engine thread; its failure is logged, not lost."""
+        self.loop.call(fn).add_done_callback(_log_failure)
 
     async def start_full(self, req: DecodeRequest) -> None:
         """Prefill and decode here (colocated mode, or a short uncached rest);
@@ -161,10 +168,7 @@ class DecodeWorker(EngineWorker):
 
     def _own(self, request_id: str, router_id: str) -> bool:
         """Send the request's outputs to ``router_id``; False if it has no stream."""
-        if self.outputs is None or not self.outputs.has_router(router_id):
-            return False
-        self.outputs.own(request_id, router_id)
-        return True
+        return self.outputs is not None and self.outputs.own(request_id, router_id)
 
     def _disown(self, request_id: str) -> None:
         if self.outputs is not None:
@@ -198,3 +202,8 @@ class DecodeWorker(EngineWorker):
             task = asyncio.ensure_future(self.abort(rid))
             self._background.add(task)
             task.add_done_callback(self._background.discard)
+
+
+def _log_failure(future: concurrent.futures.Future) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        log.error("an engine call failed", exc_info=future.exception())

@@ -69,7 +69,6 @@ class GrpcKVClient(KVTransferClient):
     async def _push(
         self, address: str, source: BlockSource, blocks: KVBlocks, timeout_s: float | None
     ) -> PushResult:
-        sender = KVSender.push(source, blocks, self.config.chunk_bytes)
         timeout = timeout_s or self.config.timeout_s
         token = secrets.token_bytes(TOKEN_BYTES) if self.config.data_channel else None
         metadata = self.config.security.metadata()
@@ -80,6 +79,11 @@ class GrpcKVClient(KVTransferClient):
             request_serializer=_identity,
             response_deserializer=pb.PushReply.FromString,
         )(timeout=timeout, metadata=metadata)
+        try:  # the blocks are pinned from here until sender.close() below
+            sender = KVSender.push(source, blocks, self.config.chunk_bytes)
+        except BaseException:
+            call.cancel()
+            raise
         loop = asyncio.get_running_loop()
         messages = sender.messages()
         pending: asyncio.Future | None = None  # the worker thread's job in flight
@@ -93,7 +97,7 @@ class GrpcKVClient(KVTransferClient):
             if call.done() or _metadata_value(metadata, PUSH_REFUSED_KEY) is not None:
                 await call.done_writing()
                 await call  # refused: raises with the server's status
-            sender.skip(int(_metadata_value(metadata, HELD_BLOCKS_KEY) or 0))
+            _skip_held(sender, metadata)
             port = _metadata_value(metadata, DATA_PORT_KEY)
             if token is not None and port is not None:
                 data = DataSender(
@@ -217,3 +221,11 @@ def _metadata_value(metadata, key: str) -> str | None:
         if k == key:
             return v if isinstance(v, str) else v.decode()
     return None
+
+
+def _skip_held(sender: KVSender, metadata) -> None:
+    """Send only the blocks the receiver does not hold already."""
+    try:
+        sender.skip(int(_metadata_value(metadata, HELD_BLOCKS_KEY) or 0))
+    except ValueError as exc:  # a receiver that answered nonsense
+        raise TransferError(grpc.StatusCode.INTERNAL, f"bad held-blocks answer: {exc}") from None

@@ -174,7 +174,9 @@ class GrpcKVServer(KVTransferServer):
         except asyncio.CancelledError:
             if not push.expired:
                 raise
-            # Cancelled by its lease, not by the client: tell the client why.
+            # Cancelled by the service, not by the client: tell the client why.
+            if push.abandoned:
+                await context.abort(grpc.StatusCode.CANCELLED, "the request was aborted")
             await context.abort(
                 grpc.StatusCode.ABORTED,
                 f"no progress for {self.service.config.lease_s} s: blocks released",

@@ -138,7 +138,8 @@ class IncomingPush:
         self._cancel = cancel
         self.receiver = KVReceiver(service.store, reuse_prefix=True)
         self._committed = False
-        self.expired = False
+        self.expired = False  # ended by the service: its lease passed, or abandon()
+        self.abandoned = False
         self._lease = service.leases.grant(service.config.lease_s, self._expire)
 
     @property
@@ -200,6 +201,7 @@ class IncomingPush:
 
     def abandon(self) -> None:
         """Its request was cancelled: free the blocks and end the call."""
+        self.abandoned = True
         self._expire()
 
     def _check_request_id(self, request_id: str) -> None:

@@ -24,8 +24,9 @@ import logging
 import time
 
 from block_index import IndexSettings
-from engine.block_pool import Held
+from engine.block_pool import Held, Holder
 from engine.config import EngineConfig
+from engine.llm_engine import KVExport, LLMEngine
 from kv_transfer import (
     GrpcKVClient,
     GrpcKVServer,
@@ -127,11 +128,14 @@ class PrefillWorker(EngineWorker):
         if out.finish_reason == "abort":  # the abort may have come before the add: drop it
             await asyncio.shield(self.loop.acall(lambda e: e.abort(rid)))
             return PrefillResult(rid, True, 0, 0, prefilled - start, 0.0, self._events_seq())
+        held: Held | None = None
         try:
-            blocks = self._blocks_to_push(req, out)
+            blocks, held = self._blocks_to_push(req, out)
             pushed = await self._push(req.decode_kv_address, blocks)
             self.kv_bytes_pushed += pushed.bytes_sent
         finally:
+            if held is not None:
+                self.loop.call_here(lambda e: e.block_pool.release_held([held]))
             if not out.finished:
                 self.loop.call_here(lambda e: e.abort(rid))
         done = time.perf_counter()
@@ -167,11 +171,16 @@ class PrefillWorker(EngineWorker):
         super()._on_cache_events(stored, removed)
         self.publish_outputs([])
 
-    def _blocks_to_push(self, req: PrefillRequest, out: RequestOutput) -> KVBlocks:
+    def _blocks_to_push(
+        self, req: PrefillRequest, out: RequestOutput
+    ) -> tuple[KVBlocks, Held | None]:
         """The request's blocks and its first token, with what the decode
-        worker starts it with. A request its first token ended moves no
-        block: the push only carries that token to the decode worker, the
-        one source of the request's tokens."""
+        worker starts it with, and a hold on the blocks until the push is
+        over (taken with the export, under the engine's lock: the request may
+        be aborted while the push waits for its turn, and its blocks must not
+        go to another request meanwhile). A request its first token ended
+        moves no block: the push only carries that token to the decode
+        worker, the one source of the request's tokens."""
         start = DecodeStart(
             req.router_id,
             len(req.prompt_token_ids),
@@ -183,13 +192,20 @@ class PrefillWorker(EngineWorker):
             out.finish_reason if out.finished else None,
         ).encode()
         if out.finished:
-            return KVBlocks(req.request_id, [], [], [], out.new_token_ids, start)
-        # Prefilled: out of the batch, its blocks held for the push.
-        export = self.loop.call_here(lambda e: e.export_kv(req.request_id, with_data=False))
+            return KVBlocks(req.request_id, [], [], [], out.new_token_ids, start), None
+        holder = Holder("lease", f"export:{req.request_id}")
+
+        def export_and_hold(engine: LLMEngine) -> KVExport:
+            export = engine.export_kv(req.request_id, with_data=False)  # out of the batch
+            engine.block_pool.acquire(holder, export.block_ids)
+            return export
+
+        export = self.loop.call_here(export_and_hold)
         hashes = export.block_hashes + [None] * (len(export.block_ids) - len(export.block_hashes))
         known = export.prompt_token_ids + export.output_token_ids
         # known[:-1] have their KV computed; the last is the token just sampled.
-        return KVBlocks(req.request_id, export.block_ids, hashes, known[:-1], known[-1:], start)
+        blocks = KVBlocks(req.request_id, export.block_ids, hashes, known[:-1], known[-1:], start)
+        return blocks, Held(holder, list(export.block_ids))
 
     async def _push(self, address: str, blocks: KVBlocks) -> PushResult:
         """Push ``blocks`` to the decode worker at ``address``: every prefill's KV

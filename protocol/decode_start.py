@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from protocol.outputs import RequestOutput, TokenLogprobs
 from protocol.sampling import SamplingParams
 
+FINISH_REASONS = (None, "stop", "length")  # a start never carries "abort"
+
 
 class BadStart(ValueError):
     """A decode start that does not parse or validate."""
@@ -39,7 +41,7 @@ class DecodeStart:
         try:
             raw = json.loads(data)
             logprobs = raw["first_logprobs"]
-            return cls(
+            start = cls(
                 router_id=_typed(raw["router_id"], str),
                 num_prompt_tokens=_typed(raw["num_prompt_tokens"], int),
                 params=SamplingParams(**raw["params"]),
@@ -54,8 +56,17 @@ class DecodeStart:
                 num_output_tokens=_typed(raw["num_output_tokens"], int),
                 finish_reason=raw.get("finish_reason"),
             )
+            start._check()
+            return start
         except (ValueError, TypeError, KeyError) as exc:
             raise BadStart(f"malformed decode start: {exc}") from None
+
+    def _check(self) -> None:
+        if self.finish_reason not in FINISH_REASONS:
+            raise ValueError(f"finish_reason {self.finish_reason!r}")
+        if self.num_prompt_tokens < 1 or self.num_output_tokens < 1:
+            raise ValueError("a start has prompt tokens and at least the first output token")
+        self.first_text.encode()  # lone surrogates cannot go on the output stream
 
     def first_output(self, request_id: str, token_ids: list[int]) -> RequestOutput:
         """The first frame of the request's stream: the prefill's token."""

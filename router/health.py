@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 class Health(enum.Enum):
     HEALTHY = "healthy"  # started, the incarnation the router knows
     RESTARTED = "restarted"  # Ray restarted the actor: it lost its state (not started yet)
+    STALE = "stale"  # started, but not the incarnation the router knows
     SILENT = "silent"  # no answer in time: hung, or still restarting
     DEAD = "dead"  # Ray says the actor died for good: no restart will come
 
@@ -33,7 +34,7 @@ async def check(worker: WorkerHandle, timeout_s: float) -> Health:
         return Health.DEAD
     except Exception:  # a timeout, an actor restarting or unreachable
         return Health.SILENT
-    known = worker.info.incarnation if worker.info is not None else None
-    if not health.started or health.incarnation != known:
+    if not health.started:
         return Health.RESTARTED
-    return Health.HEALTHY
+    known = worker.info.incarnation if worker.info is not None else None
+    return Health.HEALTHY if health.incarnation == known else Health.STALE

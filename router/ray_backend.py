@@ -319,6 +319,7 @@ class RayBackend:
         d.in_flight += 1
         ok = False
         prefill: asyncio.Future[PrefillResult] | None = None
+        streaming = False  # the decode worker's first frame has come
         try:
             if p is None:
                 req = DecodeRequest(rid, self.router_id, inp.prompt_token_ids, streamed, inp.params)
@@ -326,7 +327,12 @@ class RayBackend:
             else:
                 prefill = asyncio.ensure_future(self._prefill(rid, inp, plan, streamed))
             while True:
-                delta = await self._next_delta(queue, d, plan.prefill, prefill)
+                # Once the decode worker streams, the request is its own: a
+                # prefill call failing after its push (a lost reply) costs
+                # only the transfer figures, not the try.
+                waiting = prefill if not streaming else None
+                delta = await self._next_delta(queue, d, plan.prefill, waiting)
+                streaming = True
                 if delta is not LOST:
                     delta = merge_queued(delta, queue)
                 if delta is LOST or (delta.finished and delta.finish_reason == "abort"):

@@ -205,9 +205,16 @@ class OutputServer:
     def has_router(self, router_id: str) -> bool:
         return router_id in self._routers
 
-    def own(self, request_id: str, router_id: str) -> None:
+    def own(self, request_id: str, router_id: str) -> bool:
+        """Send the request's outputs to ``router_id``; False (and nothing
+        changes) when that router has no stream here. One step under the lock
+        that a closing stream takes, so no request is owned by a router whose
+        stream is already gone (which would leave it running for nobody)."""
         with self._lock:
+            if router_id not in self._routers:
+                return False
             self._owner[request_id] = router_id
+            return True
 
     def disown(self, request_id: str) -> None:
         with self._lock:
