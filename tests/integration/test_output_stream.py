@@ -113,8 +113,9 @@ def test_steps_reach_the_owning_router_in_order_with_cache_events():
     async def body(pair: Pair):
         streams = await pair.subscribe()
         assert pair.server.has_router("router-a")
-        pair.server.own("r1", "router-a")
-        pair.server.own("r2", "router-b")  # another router's: not sent here
+        assert pair.server.own("r1", "router-a")
+        # A router with no stream here owns nothing: r2's steps go nowhere.
+        assert not pair.server.own("r2", "router-b")
         q1 = streams.register("r1", pair.worker)
         event = KVEvent("decode-0", (b"h" * 16,), (b"x" * 16,))
         for step in range(1, 4):

@@ -38,8 +38,11 @@ class Outputs:
     def has_router(self, router_id: str) -> bool:
         return router_id == ROUTER
 
-    def own(self, request_id: str, router_id: str) -> None:
+    def own(self, request_id: str, router_id: str) -> bool:
+        if not self.has_router(router_id):
+            return False
         self._owner[request_id] = router_id
+        return True
 
     def disown(self, request_id: str) -> None:
         self._owner.pop(request_id, None)

@@ -112,3 +112,34 @@ def test_the_workers_describe_themselves_with_the_types(llama_dir):
     for s in (p_stats, d_stats):
         assert isinstance(s, WorkerStats) and s.idle and s.total_blocks == 16
     assert isinstance(health, WorkerHealth) and health.name == "prefill-0" and health.started
+
+
+def test_a_decode_start_round_trips_and_refuses_what_the_stream_cannot_carry():
+    import json
+
+    from protocol.decode_start import BadStart, DecodeStart
+    from protocol.outputs import TokenLogprobs
+
+    start = DecodeStart(
+        "router-a",
+        12,
+        SamplingParams(max_tokens=4),
+        " x",
+        [TokenLogprobs(5, -0.5, [(5, -0.5)])],
+        3,
+        1,
+    )
+    assert DecodeStart.decode(start.encode()) == start
+    good = json.loads(start.encode())
+    for field, bad in [
+        ("finish_reason", 7),
+        ("finish_reason", "abort"),
+        ("first_text", "\ud800"),
+        ("num_prompt_tokens", 0),
+        ("num_output_tokens", True),
+        ("params", {"max_tokens": -1}),
+    ]:
+        with pytest.raises(BadStart):
+            DecodeStart.decode(json.dumps({**good, field: bad}).encode())
+    with pytest.raises(BadStart):
+        DecodeStart.decode(b"not json")
