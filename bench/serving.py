@@ -99,6 +99,11 @@ class StreamsRun:
     elapsed_s: float
     finals: list  # each stream's final message
     arrivals: list[list[tuple[float, int]]]  # each stream's chunks: (time, tokens)
+    started: float = 0.0  # when every stream was sent (perf_counter)
+
+    def ttfts_ms(self) -> list[float]:
+        """Each stream's time to first token, as the client saw it."""
+        return [(chunks[0][0] - self.started) * 1e3 for chunks in self.arrivals if chunks]
 
     def gaps(self) -> list[float]:
         """Every inter-token gap the client saw (a chunk of k tokens: k gaps of 1/k)."""
@@ -143,7 +148,12 @@ async def run_streams(
         start = time.perf_counter()
         results = await asyncio.gather(*(one(client, p) for p in batch))
         elapsed = time.perf_counter() - start
-    return StreamsRun(elapsed, [f for f, _ in results], [c for _, c in results])
+    run = StreamsRun(elapsed, [f for f, _ in results], [c for _, c in results], start)
+    TTFTS_MS.setdefault(len(batch), []).extend(run.ttfts_ms())
+    return run
+
+
+TTFTS_MS: dict[int, list[float]] = {}  # streams at once -> client TTFTs of every run
 
 
 def throughput(address: str, batch: list[list[int]]) -> float:
@@ -285,6 +295,13 @@ def main() -> None:
             print(streams, results[f"tpot_{streams}"], flush=True)
         with bound(client_cores):
             results["disaggregated_tok_s"] = throughput(address, batch)
+        # Client TTFT through the disaggregated router: 1 and 64 streams (the
+        # TPOT rounds), 16 concurrent 256-token prompts (the throughput runs).
+        results["client_ttft_ms_p50"] = {
+            f"{n}_streams": round(statistics.median(v), 2)
+            for n, v in sorted(TTFTS_MS.items())
+            if n != 2  # the warm-up
+        }
     with serve(binding, "--mode", "colocated", "--decode", "1") as address, bound(client_cores):
         asyncio.run(run_streams(address, random_prompts(2, 64, seed=99)))
         results["colocated_tok_s"] = throughput(address, batch)
