@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 
@@ -44,11 +43,6 @@ class WorkerInfo:
     host_id: str | None = None
     """Who can reach ``outputs_local`` (net/local_socket.py ``host_identity``):
     a router uses the socket only when its own identity is this one."""
-
-    @property
-    def serves_outputs(self) -> bool:
-        """A decode or colocated worker: the router reads its tokens from it."""
-        return self.outputs is not None
 
 
 @dataclass(frozen=True)
@@ -108,9 +102,6 @@ class WorkerStats:
         if not self.spec_proposed_tokens:
             return None
         return self.spec_accepted_tokens / self.spec_proposed_tokens
-
-    def to_dict(self) -> dict[str, int]:
-        return dataclasses.asdict(self)
 
 
 @dataclass(frozen=True)

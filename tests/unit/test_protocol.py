@@ -107,7 +107,7 @@ def test_the_workers_describe_themselves_with_the_types(llama_dir):
     for info in (p_info, d_info):
         assert isinstance(info, WorkerInfo) and info.kv_address.startswith("127.0.0.1:")
         assert info.max_model_len > 0 and Path(info.model_dir) == llama_dir
-        assert info.serves_outputs  # every worker streams (cache events at least)
+        assert info.outputs is not None  # every worker streams (cache events at least)
     assert p_info.model_fingerprint == d_info.model_fingerprint
     for s in (p_stats, d_stats):
         assert isinstance(s, WorkerStats) and s.idle and s.total_blocks == 16
