@@ -32,6 +32,7 @@ from worker.logfmt import log_event
 from .backend import Backend, GenerateInput, GenerateResult, TokenDelta
 from .messages import RequestError
 from .metrics import RouterMetrics
+from .tenancy import CacheDomains
 
 STARTING = "the server is starting"
 """``Lifecycle.unavailable`` while the backend starts."""
@@ -58,8 +59,11 @@ class Lifecycle:
         max_queued_requests: int = 1024,
         request_timeout_s: float = 600.0,
         metrics: RouterMetrics | None = None,
+        cache_domains: CacheDomains | None = None,
     ) -> None:
         self.backend = backend
+        self.cache_domains = cache_domains or CacheDomains()
+        """How a request's tenant (its prefix-cache domain) is found, on both fronts."""
         self.max_queued_requests = max_queued_requests
         self.request_timeout_s = request_timeout_s
         self.metrics = metrics or RouterMetrics()

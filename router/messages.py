@@ -14,6 +14,7 @@ from protocol.sampling import SamplingParams
 from protos.tandem.v1 import generate_pb2 as pb
 
 from .backend import Backend, GenerateInput, GenerateResult, TokenDelta
+from .tenancy import check_client_salt, derive_salt
 
 DEFAULT_MAX_TOKENS = 16  # vLLM's default when a request leaves max_tokens unset
 MAX_REQUEST_ID_CHARS = 256
@@ -117,17 +118,33 @@ def request_id_of(request: pb.GenerateRequest) -> str:
     return rid or uuid.uuid4().hex
 
 
+def cache_salt_of(request: pb.GenerateRequest, tenant: bytes) -> bytes:
+    """The block-hash salt of the request's domain: ``tenant`` (router/tenancy.py)
+    and its checked ``cache_salt``."""
+    client_salt = request.cache_salt if request.HasField("cache_salt") else None
+    if client_salt is not None:
+        try:
+            check_client_salt(client_salt)
+        except ValueError as e:
+            raise invalid_argument(str(e)) from None
+    return derive_salt(tenant, client_salt)
+
+
 async def to_generate_input(
-    request: pb.GenerateRequest, backend: Backend, received_s: float | None = None
+    request: pb.GenerateRequest,
+    backend: Backend,
+    received_s: float | None = None,
+    tenant: bytes = b"",
 ) -> GenerateInput:
     """Validate and tokenize a request received at ``received_s`` (perf_counter;
-    None: now). Raises RequestError (INVALID_ARGUMENT)."""
+    None: now) from ``tenant`` (empty: none). Raises RequestError (INVALID_ARGUMENT)."""
     rid = request_id_of(request)
     params = sampling_params(request, backend)
+    salt = cache_salt_of(request, tenant)
     ids = await prompt_token_ids(request, backend)
     if received_s is None:
-        return GenerateInput(request_id=rid, prompt_token_ids=ids, params=params)
-    return GenerateInput(rid, ids, params, received_s)
+        return GenerateInput(request_id=rid, prompt_token_ids=ids, params=params, cache_salt=salt)
+    return GenerateInput(rid, ids, params, received_s, salt)
 
 
 def chunk_message(delta: TokenDelta) -> pb.GenerateResponse:

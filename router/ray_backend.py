@@ -28,7 +28,13 @@ from block_index import BlockIndex, InMemoryIndex, KVEvent
 from engine.hashing import root_hash
 from protocol.requests import DecodeRequest, PrefillRequest, PrefillResult
 from protos.tandem.v1 import worker_pb2
-from router.backend import GenerateInput, GenerateResult, TokenDelta, WorkerReport
+from router.backend import (
+    GenerateInput,
+    GenerateResult,
+    PlacementTimeout,
+    TokenDelta,
+    WorkerReport,
+)
 from router.config import ServeConfig
 from router.failover import FailoverStats, NoWorkerAvailable, RetryPolicy, WorkerLost, is_retryable
 from router.messages import RequestError
@@ -164,7 +170,7 @@ class RayBackend:
                         continue
                     self._missing.pop(pool.role, None)  # an explicit size replaces the old one
                     if n > len(pool.workers):
-                        for worker in await pool.scale_to(n):
+                        for worker in await self._grow(pool, n):
                             await self.streams.subscribe(worker)
                     else:
                         gone += pool.take_out(len(pool.workers) - n)
@@ -175,13 +181,31 @@ class RayBackend:
                 await WorkerPool.stop_workers(gone)
             return len(self.prefill.workers), len(self.decode.workers)
 
+    async def _grow(self, pool: WorkerPool, n: int) -> list[WorkerHandle]:
+        """``pool.scale_to(n)`` within ``pools.placement_timeout_s``; past it the
+        new workers are gone and PlacementTimeout says so."""
+        timeout_s = self.config.pools.placement_timeout_s
+        try:
+            return await pool.scale_to(n, timeout_s)
+        except TimeoutError:
+            added = n - len(pool.workers)
+            raise PlacementTimeout(
+                f"{added} new {pool.role} workers were not placed and started within "
+                f"pools.placement_timeout_s ({timeout_s:g} s): no node has room for their "
+                f"resources, or they start slowly; they were removed, and the pools are "
+                f"prefill {len(self.prefill.workers)}, decode {len(self.decode.workers)}"
+            ) from None
+
     async def replace_dead_workers(
-        self, ping_timeout_s: float = 10.0, placement_timeout_s: float = 120.0
+        self, ping_timeout_s: float = 10.0, placement_timeout_s: float | None = None
     ) -> list[str]:
         """Drop the workers whose actor died for good (a node went away and Ray
         could not restart it) and start as many new ones, which Ray places on
         nodes that have the pool's resources; replacements that cannot be placed
-        yet are tried again on the next call. Returns the names dropped."""
+        yet are tried again on the next call (``placement_timeout_s`` None:
+        ``pools.placement_timeout_s``). Returns the names dropped."""
+        if placement_timeout_s is None:
+            placement_timeout_s = self.config.pools.placement_timeout_s
         async with self._scale_lock:
             dropped: list[str] = []
             for pool in (self.prefill, self.decode):

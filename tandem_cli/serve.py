@@ -17,10 +17,11 @@ from collections.abc import Callable
 import yaml
 from pydantic import ValidationError
 
-from router.auth import ApiKeys
+from router.auth import ADMIN_KEYS_ENV, ApiKeys
 from router.backend import Backend
 from router.config import ServeConfig, describe_errors
-from router.service import HttpSettings, RouterServer
+from router.service import HttpSettings, RouterServer, check_keys
+from router.tenancy import CacheDomains
 from worker.cpu_binding import (
     CoreLayout,
     available_cores,
@@ -69,7 +70,9 @@ def command(args: argparse.Namespace) -> int:
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
     """``--config`` YAML plus the flags that were given (flags win)."""
     flags = {path: getattr(args, dest) for dest, path in SERVE_FLAGS.items()}
-    return ServeConfig.load(args.config, flags)
+    config = ServeConfig.load(args.config, flags)
+    check_keys(api_keys(config), admin_keys(config), CacheDomains(config.security.cache_domain))
+    return config
 
 
 def describe_config_error(e: Exception) -> str:
@@ -87,6 +90,13 @@ def api_keys(config: ServeConfig) -> ApiKeys:
     """The config's keys, its keys file's and $TANDEM_API_KEYS, together."""
     security = config.security
     return ApiKeys.load([k.get_secret_value() for k in security.api_keys], security.api_keys_file)
+
+
+def admin_keys(config: ServeConfig) -> ApiKeys:
+    """The config's admin keys, its admin keys file's and $TANDEM_ADMIN_KEYS, together."""
+    security = config.security
+    keys = [k.get_secret_value() for k in security.admin_keys]
+    return ApiKeys.load(keys, security.admin_keys_file, env_name=ADMIN_KEYS_ENV)
 
 
 def http_settings(config: ServeConfig, *, local: bool = False) -> HttpSettings | None:
@@ -117,6 +127,9 @@ def server_for(config: ServeConfig, backend: Backend, *, local: bool = False) ->
         tls_cert=config.security.tls_cert,
         tls_key=config.security.tls_key,
         api_keys=api_keys(config),
+        admin_keys=admin_keys(config),
+        cache_domains=CacheDomains(config.security.cache_domain),
+        max_pool_workers=config.pools.max_workers,
         http=http_settings(config, local=local),
     )
 

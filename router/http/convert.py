@@ -34,6 +34,8 @@ def _sampling(body: SamplingFields, request_id: str) -> pb.GenerateRequest:
         request.stop.extend([body.stop] if isinstance(body.stop, str) else body.stop)
     if body.stop_token_ids:
         request.stop_token_ids.extend(body.stop_token_ids)
+    if body.cache_salt is not None:
+        request.cache_salt = body.cache_salt
     return request
 
 

@@ -74,7 +74,8 @@ async def handle(state: FrontState, raw: Request, kind: Kind) -> Response:
             request = await chat_request(body, rid, state.chat_template(), tokenizer)
         else:
             request = completion_request(body, rid)
-        inp = await to_generate_input(request, state.lifecycle.backend, call.start)
+        tenant = state.lifecycle.cache_domains.tenant(raw.headers.get("authorization"))
+        inp = await to_generate_input(request, state.lifecycle.backend, call.start, tenant)
         call.claim(inp)
     except RequestError as e:
         call.finish(e.code)

@@ -2,8 +2,9 @@
 
 Field names and defaults follow OpenAI's API; tandem's extensions (the same
 names as the gRPC ``GenerateRequest``) are ``top_k``, ``min_p``,
-``repetition_penalty``, ``ignore_eos``, ``stop_token_ids`` and
-``return_token_ids`` (adds each chunk's ``token_ids`` to its choice).
+``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``,
+``return_token_ids`` (adds each chunk's ``token_ids`` to its choice) and
+``cache_salt`` (vLLM's prefix-cache domain).
 Unknown fields are ignored, as OpenAI clients often send a few extra.
 """
 
@@ -44,6 +45,8 @@ class SamplingFields(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     return_token_ids: bool = False
+    cache_salt: str | None = None
+    """Prefix-cache domain (vLLM's name and type); checked with the gRPC field's rules."""
 
     @property
     def include_usage(self) -> bool:
