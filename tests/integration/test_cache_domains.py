@@ -3,8 +3,9 @@
 own cache; outputs stay those of a cold run and no block leaks.
 
 Needs the cache salt in the block hashes (``GenerateInput.cache_salt``
-carried to the workers and into every hash): until then the cross-domain
-assertions fail, which is what they are for.
+carried to the workers and into every hash, the grants branch): until then
+the cross-domain assertions fail, hence the strict xfail, which turns into a
+failure (XPASS) once the salt is in the hashes: remove it then.
 """
 
 from __future__ import annotations
@@ -19,7 +20,14 @@ from protocol.sampling import SamplingParams
 from router.client import TandemClient
 from router.config import ServeConfig
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.slow,
+    pytest.mark.timeout(600),
+    pytest.mark.xfail(
+        strict=True, reason="until GenerateInput.cache_salt goes into the block hashes (grants)"
+    ),
+]
 
 KEY_A, KEY_B = "sk-domain-a", "sk-domain-b"
 GREEDY = {"temperature": 0, "max_tokens": 8, "ignore_eos": True}
