@@ -171,7 +171,7 @@ class PoolsSection(Section):
     max_workers: int = Field(64, ge=1)
     """Most workers in each pool: a larger prefill or decode in the config, or asked of
     Admin.Scale (INVALID_ARGUMENT), is refused."""
-    placement_timeout_s: float = Field(300.0, gt=0)
+    placement_timeout_s: float = Field(120.0, gt=0)
     """How long Admin.Scale (and the replacement of dead workers) waits for new workers
     to be placed and started; past it, those not started are removed and Scale fails
     with DEADLINE_EXCEEDED. Raise it for a big model that takes long to load."""

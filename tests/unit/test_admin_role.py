@@ -179,3 +179,24 @@ def test_tandem_scale_sends_the_admin_key_from_the_environment(monkeypatch, caps
         assert main(["scale", "--target", router.address, "--decode", "3"]) == 0
         assert "prefill 1, decode 3" in capsys.readouterr().out
     assert backend.scale_calls == [(None, 3, 30.0)]
+
+
+def test_ray_backend_gives_up_on_placement_after_the_configured_time():
+    from router.pool_manager import WorkerHandle
+    from router.ray_backend import RayBackend
+
+    backend = RayBackend(ServeConfig(pools={"placement_timeout_s": 7}))
+    pool = backend.decode
+    pool.workers = [WorkerHandle("d0", "decode", None)]
+    asked = []
+
+    async def scale_to(n, timeout_s=None):  # Ray places nothing in time
+        asked.append((n, timeout_s))
+        raise TimeoutError
+
+    pool.scale_to = scale_to
+    for _ in range(2):  # the scale lock is free again after a failure
+        with pytest.raises(PlacementTimeout, match=r"1 new decode workers .*\(7 s\)"):
+            asyncio.run(backend.scale(None, 2, 0.0))
+    assert asked == [(2, 7.0), (2, 7.0)]
+    assert [w.name for w in pool.workers] == ["d0"]
