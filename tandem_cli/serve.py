@@ -264,6 +264,8 @@ async def serve(
                 freeze_startup_heap()
             http = f", HTTP on {server.http.url}" if server.http is not None else ""
             auth = f", {len(server.api_keys)} API keys" if server.api_keys.enabled else ""
+            if server.admin_keys.enabled:
+                auth += f", {len(server.admin_keys)} admin keys"
             pools = config.pools
             print(
                 f"tandem: serving {config.engine.model or 'the default model'} on {server.address}"
