@@ -34,6 +34,7 @@ from .auth import ApiKeyInterceptor, ApiKeys
 from .backend import Backend, GenerateResult
 from .http import FrontState, HttpFront
 from .lifecycle import STARTING, Call, Lifecycle, ServiceStats, short
+from .limits import RequestLimits
 from .messages import RequestError, chunk_message, final_message, to_generate_input
 from .metrics import RouterMetrics
 from .model_info import ModelInfo
@@ -56,9 +57,10 @@ class HttpSettings:
 
 
 class TandemService(generate_pb2_grpc.TandemServicer):
-    def __init__(self, lifecycle: Lifecycle) -> None:
+    def __init__(self, lifecycle: Lifecycle, keys: ApiKeys | None = None) -> None:
         self.lifecycle = lifecycle
         self.backend = lifecycle.backend
+        self.keys = keys or ApiKeys()
 
     @property
     def stats(self) -> ServiceStats:
@@ -100,8 +102,9 @@ class TandemService(generate_pb2_grpc.TandemServicer):
     async def _generate(
         self, call: Call, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> None:
-        call.admit()
-        inp = await to_generate_input(request, self.backend, call.start)
+        metadata = dict(context.invocation_metadata() or ())
+        call.admit(self.keys.identity(metadata.get("authorization")))
+        inp = await to_generate_input(request, self.backend, call.start, self.lifecycle.limits)
         call.claim(inp)
         timeout_s = self.lifecycle.timeout_s(context.time_remaining())
         async with call.deadline(timeout_s), contextlib.aclosing(call.stream()) as items:
@@ -146,6 +149,7 @@ class RouterServer:
         http: HttpSettings | None = None,
         tls_cert: Path | None = None,
         tls_key: Path | None = None,
+        limits: RequestLimits | None = None,
     ) -> None:
         """With ``tls_cert`` and ``tls_key`` (PEM files) the port serves TLS only."""
         self.backend = backend
@@ -159,8 +163,9 @@ class RouterServer:
             max_queued_requests=max_queued_requests,
             request_timeout_s=request_timeout_s,
             metrics=self.metrics,
+            limits=limits,
         )
-        self.service = TandemService(self.lifecycle)
+        self.service = TandemService(self.lifecycle, self.api_keys)
         self.http: HttpFront | None = None
         if http is not None:
             state = FrontState(

@@ -118,6 +118,7 @@ def server_for(config: ServeConfig, backend: Backend, *, local: bool = False) ->
         tls_key=config.security.tls_key,
         api_keys=api_keys(config),
         http=http_settings(config, local=local),
+        limits=config.limits.request_limits(),
     )
 
 
