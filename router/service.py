@@ -32,9 +32,10 @@ from .admin import SERVICE_NAME as ADMIN_SERVICE
 from .admin import AdminService
 from .auth import ApiKeyInterceptor, ApiKeys
 from .backend import Backend, GenerateResult
+from .grpc_limits import GenerateSizeInterceptor
 from .http import FrontState, HttpFront
 from .lifecycle import STARTING, Call, Lifecycle, ServiceStats, short
-from .limits import RequestLimits
+from .limits import RequestLimits, generate_message_limit
 from .messages import RequestError, chunk_message, final_message, to_generate_input
 from .metrics import RouterMetrics
 from .model_info import ModelInfo
@@ -184,7 +185,10 @@ class RouterServer:
     def _build_server(self) -> grpc.aio.Server:
         """The grpc.aio server, built inside the event loop it will serve."""
         server = grpc.aio.server(
-            interceptors=[ApiKeyInterceptor(self.api_keys, self._refused)],
+            interceptors=[
+                ApiKeyInterceptor(self.api_keys, self._refused),
+                GenerateSizeInterceptor(GENERATE_METHOD, self.generate_message_limit),
+            ],
             options=[
                 ("grpc.max_receive_message_length", self._max_message_bytes),
                 ("grpc.max_send_message_length", self._max_message_bytes),
@@ -207,6 +211,16 @@ class RouterServer:
             raise OSError(f"could not bind {self.host}:{self.port}")
         self.port = port
         return server
+
+    def generate_message_limit(self) -> int:
+        """The largest Generate request accepted: what max_model_len tokens can use
+        (router/limits.py), within ``limits.max_message_mb``."""
+        backend = self.backend
+        if self.lifecycle.unavailable == STARTING or not backend.max_model_len:
+            return self._max_message_bytes  # such calls get UNAVAILABLE anyway
+        return generate_message_limit(
+            backend.max_model_len, backend.tokenizer, self.lifecycle.limits, self._max_message_bytes
+        )
 
     def _refused(self, method: str) -> None:
         self.metrics.auth_refused.inc()
