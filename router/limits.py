@@ -17,6 +17,9 @@ from .tokenizer import RouterTokenizer
 
 FALLBACK_BYTES_PER_TOKEN = 64
 """Bytes one token may stand for when the tokenizer's vocabulary is not known."""
+TRANSPORT_BYTES_PER_TOKEN = 256
+"""What the gRPC transport allows per token when it binds, before the tokenizer is
+loaded: more than the longest vocabulary entry of the tokenizers we serve."""
 TOKEN_ID_WIRE_BYTES = 5
 """The most bytes one ``int32`` token id takes in a packed protobuf field (a varint)."""
 MESSAGE_HEADROOM_BYTES = 64 << 10
@@ -69,11 +72,12 @@ def prompt_byte_limit(tokenizer: object, max_model_len: int) -> int:
 
 
 def generate_message_limit(
-    max_model_len: int, tokenizer: object, limits: RequestLimits, cap_bytes: int
+    max_model_len: int, bytes_per_token: int, limits: RequestLimits, cap_bytes: int
 ) -> int:
     """The largest GenerateRequest (bytes) that a servable request can need: a
-    prompt of max_model_len tokens (as text or as ids), the stop strings, and
-    headroom for the other fields; never more than ``cap_bytes``."""
-    prompt = max(prompt_byte_limit(tokenizer, max_model_len), max_model_len * TOKEN_ID_WIRE_BYTES)
+    prompt of max_model_len tokens (as text of ``bytes_per_token`` bytes a token,
+    or as ids), the stop strings, and headroom for the other fields; never more
+    than ``cap_bytes``."""
+    prompt = max_model_len * max(bytes_per_token, TOKEN_ID_WIRE_BYTES)
     stops = limits.max_stop_bytes + limits.max_stop_strings * 4  # + a tag and length each
     return min(cap_bytes, prompt + stops + MESSAGE_HEADROOM_BYTES)

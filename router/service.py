@@ -35,7 +35,7 @@ from .backend import Backend, GenerateResult
 from .grpc_limits import GenerateSizeInterceptor
 from .http import FrontState, HttpFront
 from .lifecycle import STARTING, Call, Lifecycle, ServiceStats, short
-from .limits import RequestLimits, generate_message_limit
+from .limits import RequestLimits, generate_message_limit, max_token_bytes
 from .messages import RequestError, chunk_message, final_message, to_generate_input
 from .metrics import RouterMetrics
 from .model_info import ModelInfo
@@ -218,9 +218,9 @@ class RouterServer:
         backend = self.backend
         if self.lifecycle.unavailable == STARTING or not backend.max_model_len:
             return self._max_message_bytes  # such calls get UNAVAILABLE anyway
-        return generate_message_limit(
-            backend.max_model_len, backend.tokenizer, self.lifecycle.limits, self._max_message_bytes
-        )
+        per_token = max_token_bytes(backend.tokenizer)
+        limits, cap = self.lifecycle.limits, self._max_message_bytes
+        return generate_message_limit(backend.max_model_len, per_token, limits, cap)
 
     def _refused(self, method: str) -> None:
         self.metrics.auth_refused.inc()

@@ -17,9 +17,16 @@ from tokenizers import Tokenizer, models
 from engine.detokenizer import IncrementalDetokenizer, StopMatcher, StopMatcherCache
 from protos.tandem.v1 import generate_pb2 as pb
 from protos.tandem.v1 import generate_pb2_grpc
-from router.limits import FALLBACK_BYTES_PER_TOKEN, RequestLimits, prompt_byte_limit
+from router.config import ServeConfig
+from router.limits import (
+    FALLBACK_BYTES_PER_TOKEN,
+    TRANSPORT_BYTES_PER_TOKEN,
+    RequestLimits,
+    prompt_byte_limit,
+)
 from router.service import RouterServer
 from router.tokenizer import RouterTokenizer
+from tandem_cli.serve import transport_message_limit
 from tests.fakes import FakeBackend, FakeTokenizer
 from tests.http_helpers import MODEL, serving
 from worker.logfmt import format_fields
@@ -326,3 +333,12 @@ def test_log_fields_cannot_break_or_forge_a_line(value):
     line = format_fields({"request_id": value, "status": "OK"})
     assert line.isprintable() and line.isascii()
     assert line.endswith(" status=OK") and line.count("=") - value.count("=") == 2
+
+
+def test_the_grpc_port_takes_what_a_configured_max_model_len_can_use():
+    cap = 64 << 20
+    assert transport_message_limit(ServeConfig()) == cap  # the model's limit is not known yet
+    limit = transport_message_limit(ServeConfig(engine={"max_model_len": 4096}))
+    assert 4096 * TRANSPORT_BYTES_PER_TOKEN < limit < 2 << 20
+    huge = ServeConfig(engine={"max_model_len": 10**6}, limits={"max_message_mb": 8})
+    assert transport_message_limit(huge) == 8 << 20
