@@ -30,7 +30,7 @@ import grpc
 from worker.logfmt import log_event
 
 from .backend import Backend, GenerateInput, GenerateResult, TokenDelta
-from .limits import RequestLimits, prompt_byte_limit
+from .limits import RequestLimits
 from .messages import RequestError
 from .metrics import RouterMetrics
 
@@ -92,10 +92,6 @@ class Lifecycle:
         self.metrics.requests.labels(call.protocol, code.name).inc()
         if self.stats.in_flight == 0:
             self._idle.set()
-
-    def prompt_byte_limit(self) -> int:
-        """The longest prompt text (UTF-8 bytes) worth tokenizing (the backend has started)."""
-        return prompt_byte_limit(self.backend.tokenizer, self.backend.max_model_len)
 
     def timeout_s(self, client_remaining_s: float | None) -> float:
         """The request's time limit: the client's deadline, capped by the server's."""
