@@ -26,6 +26,7 @@ import time
 from block_index import IndexSettings
 from engine.block_pool import Held, Holder
 from engine.config import EngineConfig
+from engine.detokenizer import stop_matcher
 from engine.llm_engine import KVExport, LLMEngine
 from kv_transfer import (
     GrpcKVClient,
@@ -111,9 +112,10 @@ class PrefillWorker(EngineWorker):
         pulled: Held | None = None
         try:
             pulled = await self._pull_prefix(req)
+            matcher = await asyncio.to_thread(stop_matcher, req.params.stop)
             await self.loop.acall(
                 lambda e: e.add_request(
-                    rid, req.prompt_token_ids, req.params, True, req.output_token_ids
+                    rid, req.prompt_token_ids, req.params, True, req.output_token_ids, matcher
                 )
             )
             out = await first

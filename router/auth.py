@@ -118,6 +118,14 @@ class ApiKeys:
         """Whether a key is in both sets (a user key must never be an admin key)."""
         return bool(set(self._digests) & set(other._digests))
 
+    def identity(self, authorization: str | None) -> bytes | None:
+        """The digest of the key an accepted ``authorization`` header carries (what
+        per-key limits count by); None when authentication is off or the key is refused."""
+        key = bearer_token(authorization)
+        if not self._digests or key is None or not self.check(key):
+            return None
+        return _digest(key)
+
 
 def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()

@@ -28,6 +28,9 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from protocol.sampling import MAX_STOP_STRINGS, MAX_STOP_TOTAL_CHARS
+from router.limits import RequestLimits
+
 if TYPE_CHECKING:
     from engine.config import EngineConfig, SpeculativeConfig
     from kv_transfer import TransferConfig
@@ -246,6 +249,23 @@ class LimitsSection(Section):
     bigger request gets RESOURCE_EXHAUSTED."""
     grace_period_s: float = Field(30.0, ge=0)
     """On SIGTERM, time given to requests in flight before the pools stop."""
+    max_in_flight_per_key: int = Field(256, ge=1)
+    """Requests one API key may have in flight; past it RESOURCE_EXHAUSTED (HTTP 429).
+    Applies only when API keys are configured."""
+    max_http_body_mb: int = Field(16, ge=1, le=1024)
+    """Largest HTTP request body (MiB); a bigger one gets 413 before it is read."""
+    max_stop_strings: int = Field(16, ge=0, le=MAX_STOP_STRINGS)
+    """Most stop strings one request may give (INVALID_ARGUMENT / 400 past it)."""
+    max_stop_bytes: int = Field(4096, ge=1, le=MAX_STOP_TOTAL_CHARS)
+    """Most UTF-8 bytes one request's stop strings may hold in all."""
+
+    def request_limits(self) -> RequestLimits:
+        return RequestLimits(
+            max_stop_strings=self.max_stop_strings,
+            max_stop_bytes=self.max_stop_bytes,
+            max_http_body_bytes=self.max_http_body_mb << 20,
+            max_in_flight_per_key=self.max_in_flight_per_key,
+        )
 
 
 class RoutingSection(Section):

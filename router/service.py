@@ -33,8 +33,10 @@ from .admin import MAX_POOL_WORKERS, AdminService
 from .admin import SERVICE_NAME as ADMIN_SERVICE
 from .auth import ApiKeyInterceptor, ApiKeys, metadata_value
 from .backend import Backend, GenerateResult
+from .grpc_limits import GenerateSizeInterceptor
 from .http import FrontState, HttpFront
 from .lifecycle import STARTING, Call, Lifecycle, ServiceStats, short
+from .limits import RequestLimits, generate_message_limit, max_token_bytes
 from .messages import RequestError, chunk_message, final_message, to_generate_input
 from .metrics import RouterMetrics
 from .model_info import ModelInfo
@@ -58,9 +60,10 @@ class HttpSettings:
 
 
 class TandemService(generate_pb2_grpc.TandemServicer):
-    def __init__(self, lifecycle: Lifecycle) -> None:
+    def __init__(self, lifecycle: Lifecycle, keys: ApiKeys | None = None) -> None:
         self.lifecycle = lifecycle
         self.backend = lifecycle.backend
+        self.keys = keys or ApiKeys()
 
     @property
     def stats(self) -> ServiceStats:
@@ -102,10 +105,12 @@ class TandemService(generate_pb2_grpc.TandemServicer):
     async def _generate(
         self, call: Call, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> None:
-        call.admit()
         authorization = metadata_value(context.invocation_metadata(), "authorization")
+        call.admit(self.keys.identity(authorization))
         tenant = self.lifecycle.cache_domains.tenant(authorization)
-        inp = await to_generate_input(request, self.backend, call.start, tenant)
+        inp = await to_generate_input(
+            request, self.backend, call.start, tenant, self.lifecycle.limits
+        )
         call.claim(inp)
         timeout_s = self.lifecycle.timeout_s(context.time_remaining())
         async with call.deadline(timeout_s), contextlib.aclosing(call.stream()) as items:
@@ -162,6 +167,7 @@ class RouterServer:
         http: HttpSettings | None = None,
         tls_cert: Path | None = None,
         tls_key: Path | None = None,
+        limits: RequestLimits | None = None,
     ) -> None:
         """With ``tls_cert`` and ``tls_key`` (PEM files) the port serves TLS only.
         ``admin_keys`` open the Admin service (none: it refuses every call); no key
@@ -183,8 +189,9 @@ class RouterServer:
             request_timeout_s=request_timeout_s,
             metrics=self.metrics,
             cache_domains=domains,
+            limits=limits,
         )
-        self.service = TandemService(self.lifecycle)
+        self.service = TandemService(self.lifecycle, self.api_keys)
         self.http: HttpFront | None = None
         if http is not None:
             state = FrontState(
@@ -203,7 +210,10 @@ class RouterServer:
     def _build_server(self) -> grpc.aio.Server:
         """The grpc.aio server, built inside the event loop it will serve."""
         server = grpc.aio.server(
-            interceptors=[ApiKeyInterceptor(self.api_keys, self._refused, self.admin_keys)],
+            interceptors=[
+                ApiKeyInterceptor(self.api_keys, self._refused, self.admin_keys),
+                GenerateSizeInterceptor(GENERATE_METHOD, self.generate_message_limit),
+            ],
             options=[
                 ("grpc.max_receive_message_length", self._max_message_bytes),
                 ("grpc.max_send_message_length", self._max_message_bytes),
@@ -226,6 +236,16 @@ class RouterServer:
             raise OSError(f"could not bind {self.host}:{self.port}")
         self.port = port
         return server
+
+    def generate_message_limit(self) -> int:
+        """The largest Generate request accepted: what max_model_len tokens can use
+        (router/limits.py), within ``limits.max_message_mb``."""
+        backend = self.backend
+        if self.lifecycle.unavailable == STARTING or not backend.max_model_len:
+            return self._max_message_bytes  # such calls get UNAVAILABLE anyway
+        per_token = max_token_bytes(backend.tokenizer)
+        limits, cap = self.lifecycle.limits, self._max_message_bytes
+        return generate_message_limit(backend.max_model_len, per_token, limits, cap)
 
     def _refused(self, method: str) -> None:
         self.metrics.auth_refused.inc()

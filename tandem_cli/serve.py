@@ -20,6 +20,7 @@ from pydantic import ValidationError
 from router.auth import ADMIN_KEYS_ENV, ApiKeys
 from router.backend import Backend
 from router.config import ServeConfig, describe_errors
+from router.limits import TRANSPORT_BYTES_PER_TOKEN, generate_message_limit
 from router.service import HttpSettings, RouterServer, check_keys
 from router.tenancy import CacheDomains
 from worker.cpu_binding import (
@@ -113,6 +114,19 @@ def http_settings(config: ServeConfig, *, local: bool = False) -> HttpSettings |
     )
 
 
+def transport_message_limit(config: ServeConfig) -> int:
+    """The largest message the router's gRPC port takes, fixed when it binds:
+    ``limits.max_message_mb``, lowered to what a request can use when
+    ``engine.max_model_len`` is set (the model's own limit is known only once the
+    workers are up; then Generate requests are held to it exactly)."""
+    cap = config.limits.max_message_mb << 20
+    max_model_len = config.engine.max_model_len
+    if max_model_len is None:
+        return cap
+    limits = config.limits.request_limits()
+    return generate_message_limit(max_model_len, TRANSPORT_BYTES_PER_TOKEN, limits, cap)
+
+
 def server_for(config: ServeConfig, backend: Backend, *, local: bool = False) -> RouterServer:
     """The router server of a config; ``local`` binds both fronts to 127.0.0.1 on free
     ports (tests)."""
@@ -123,7 +137,7 @@ def server_for(config: ServeConfig, backend: Backend, *, local: bool = False) ->
         max_queued_requests=config.limits.max_queued_requests,
         request_timeout_s=config.limits.request_timeout_s,
         drain_timeout_s=config.limits.grace_period_s,
-        max_message_bytes=config.limits.max_message_mb << 20,
+        max_message_bytes=transport_message_limit(config),
         tls_cert=config.security.tls_cert,
         tls_key=config.security.tls_key,
         api_keys=api_keys(config),
@@ -131,6 +145,7 @@ def server_for(config: ServeConfig, backend: Backend, *, local: bool = False) ->
         cache_domains=CacheDomains(config.security.cache_domain),
         max_pool_workers=config.pools.max_workers,
         http=http_settings(config, local=local),
+        limits=config.limits.request_limits(),
     )
 
 
