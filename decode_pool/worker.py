@@ -114,7 +114,9 @@ class DecodeWorker(EngineWorker):
                 if first.finished:
                     engine.block_pool.release_held([push.blocks])
                 else:  # the request holds the blocks now (freed if it is refused)
-                    engine.add_prefilled_request(rid, prompt, outputs, start.params, [push.blocks])
+                    engine.add_prefilled_request(
+                        rid, prompt, outputs, start.params, [push.blocks], push.cache_salt
+                    )
             except Exception as exc:
                 log.warning("request %s could not start: %s", rid, exc)
                 out = RequestOutput.aborted(rid)
@@ -143,7 +145,12 @@ class DecodeWorker(EngineWorker):
         try:
             await self.loop.acall(
                 lambda e: e.add_request(
-                    req.request_id, req.prompt_token_ids, req.params, False, req.output_token_ids
+                    req.request_id,
+                    req.prompt_token_ids,
+                    req.params,
+                    False,
+                    req.output_token_ids,
+                    req.cache_salt,
                 )
             )
         except BaseException:

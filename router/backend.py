@@ -25,6 +25,9 @@ class GenerateInput:
     received_s: float = field(default_factory=time.perf_counter)
     """When the router received the request (``time.perf_counter``): the one
     clock TTFT is measured on, tokenization included."""
+    cache_salt: bytes = b""
+    """The request's prefix-cache domain (the final, derived salt): every
+    block hash of it uses it. Empty: the default domain."""
 
 
 @dataclass
