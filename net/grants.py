@@ -24,6 +24,7 @@ a key anyone can derive; the cluster secret itself is what keeps it private
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import hmac
 import struct
@@ -105,6 +106,7 @@ class GrantChecker:
         self.target = target
         self._clock = clock
         self._used: dict[tuple[str, str], float] = {}  # (purpose, request id) -> expiry, s
+        self._by_expiry: collections.deque[tuple[float, tuple[str, str]]] = collections.deque()
 
     def __repr__(self) -> str:
         return f"GrantChecker(target={self.target!r})"
@@ -113,11 +115,20 @@ class GrantChecker:
         """Raise GrantRefused unless ``grant`` allows this transfer, unused."""
         expiry = self.check(grant, purpose, request_id, digest)
         now = self._clock()
-        if len(self._used) > 1024:
-            self._used = {k: t for k, t in self._used.items() if t > now}
-        if self._used.get((purpose, request_id), 0.0) > now:
+        self._forget_expired(now)
+        key = (purpose, request_id)
+        if self._used.get(key, 0.0) > now:
             raise GrantUsed(f"the {purpose} grant for request {request_id!r} was used already")
-        self._used[(purpose, request_id)] = expiry
+        self._used[key] = expiry
+        self._by_expiry.append((expiry, key))
+
+    def _forget_expired(self, now: float) -> None:
+        """Drop used grants past their expiry (grants are minted with one TTL,
+        so they expire about in the order they are used)."""
+        while self._by_expiry and self._by_expiry[0][0] <= now:
+            expiry, key = self._by_expiry.popleft()
+            if self._used.get(key) == expiry:
+                del self._used[key]
 
     def check(self, grant: bytes, purpose: str, request_id: str, digest: bytes) -> float:
         """The grant's expiry (s since the epoch) if it allows this transfer."""

@@ -131,3 +131,14 @@ def test_reprs_hold_no_key():
     minter, checker, _ = _pair()
     assert SECURITY.secret.hex() not in repr(minter) + repr(checker)
     assert "k" * 8 not in repr(minter) + repr(checker)
+
+
+def test_a_used_grant_is_remembered_until_it_expires_then_forgotten():
+    minter, checker, clock = _pair(ttl_s=30.0)
+    first = minter.mint(PUSH, D, "req#1", push_digest(b""))
+    checker.use(first, PUSH, "req#1", push_digest(b""))
+    clock.now += 29.0
+    with pytest.raises(GrantUsed):
+        checker.use(first, PUSH, "req#1", push_digest(b""))
+    clock.now += 2.0  # the first expired; a new grant for the id is new
+    checker.use(minter.mint(PUSH, D, "req#1", push_digest(b"")), PUSH, "req#1", push_digest(b""))
