@@ -3,8 +3,8 @@
 A push's receiver recomputes every full block's hash from the header's
 token ids (engine/hashing.py: rooted in its own model fingerprint and block
 size, the request's cache salt as ``extra``); a header that names other
-hashes (b"": none named) is refused. A puller asked for hashes it computed from its own
-prompt: the header must name those, over the tokens it expects.
+hashes (b"": none named) is refused. A puller asked for hashes it computed
+from its own prompt: the header must name those, over the tokens it expects.
 
 KV that crossed the wire quantized (``wire_dtype``) is close to, not equal
 to, what the model computes: its blocks are indexed under a salt derived
@@ -70,10 +70,10 @@ def pulled_hashes(
     token_ids: Sequence[int],
 ) -> list[bytes]:
     """What a pull's blocks are indexed under, once its header is checked
-    against what was asked for: the leading
-    ``num_blocks`` of ``asked``, over the leading tokens of ``token_ids``
-    (the asked blocks' tokens; empty: not checked). Quantized KV is not
-    indexed (no parent hash to re-salt a chain that starts mid-prompt)."""
+    against what was asked for: the leading ``num_blocks`` of ``asked``, over
+    the leading tokens of ``token_ids`` (the asked blocks' tokens; empty: not
+    checked). Quantized KV is not indexed (no parent hash to re-salt a chain
+    that starts mid-prompt)."""
     n, bs = header.num_blocks, layout.block_size
     if n > len(asked):
         raise TransferError(_INVALID, f"{n} blocks for {len(asked)} asked")
