@@ -117,7 +117,13 @@ class DecodeWorker(EngineWorker):
                     engine.block_pool.release_held([push.blocks])
                 else:  # the request holds the blocks now (freed if it is refused)
                     engine.add_prefilled_request(
-                        rid, prompt, outputs, start.params, [push.blocks], matcher
+                        rid,
+                        prompt,
+                        outputs,
+                        start.params,
+                        [push.blocks],
+                        matcher,
+                        push.cache_salt,
                     )
             except Exception as exc:
                 log.warning("request %s could not start: %s", rid, exc)
@@ -154,6 +160,7 @@ class DecodeWorker(EngineWorker):
                     False,
                     req.output_token_ids,
                     matcher,
+                    req.cache_salt,
                 )
             )
         except BaseException:
