@@ -1,11 +1,6 @@
 """Prefix-cache domains end to end: a request of one domain never gets
 ``cached_tokens`` for another domain's prompt, while a domain still hits its
 own cache; outputs stay those of a cold run and no block leaks.
-
-Needs the cache salt in the block hashes (``GenerateInput.cache_salt``
-carried to the workers and into every hash, the grants branch): until then
-the cross-domain assertions fail, hence the strict xfail, which turns into a
-failure (XPASS) once the salt is in the hashes: remove it then.
 """
 
 from __future__ import annotations
@@ -24,9 +19,6 @@ pytestmark = [
     pytest.mark.integration,
     pytest.mark.slow,
     pytest.mark.timeout(600),
-    pytest.mark.xfail(
-        strict=True, reason="until GenerateInput.cache_salt goes into the block hashes (grants)"
-    ),
 ]
 
 KEY_A, KEY_B = "sk-domain-a", "sk-domain-b"
