@@ -23,6 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchkit.attack_target import engine_alone, rss_mb, target_of, worker_pids
+from benchkit.attacker_kv import Outcome
 from benchkit.attacks import (
     ATTACKS,
     FORGE,
@@ -60,7 +61,11 @@ def main() -> None:
         rows = [(a.name, run_attacker(a.args(target)), a.expected) for a in [*ATTACKS, FORGE]]
         decode = target.of_role("decode", "colocated")[0].name
         free = dep.worker_stats()[decode].free_blocks
-        first, _, _ = reserve_pool(target, free, args.hold_s, lambda: None)
+        first, seen = reserve_pool(
+            target, free, args.hold_s, lambda: dep.worker_stats()[decode].free_blocks
+        )
+        if seen is not None:
+            first = Outcome(first.status, f"{first.detail}; {seen} blocks free while held")
         rows.append((RESERVE.name, first, RESERVE.expected))
         pids = worker_pids(dep)
         before = {n: rss_mb(p) for n, p in pids.items()}

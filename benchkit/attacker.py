@@ -45,6 +45,9 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument("--hold-s", type=float, default=10.0)
         else:
             p.add_argument("--tokens", required=True, type=_tokens, help="the prompt's token ids")
+        if name != "pull":
+            p.add_argument("--outputs", required=True, help="the worker's output streams")
+            p.add_argument("--router-id", required=True, help="the real router's id")
     p = sub.add_parser("stream", help="log in to an output stream")
     p.add_argument("--outputs", required=True, help="host:port or unix-abstract:NAME")
     p.add_argument("--router-id", default="router-attacker")
@@ -63,9 +66,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--key", required=True)
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--distinct", type=int, default=1)
-    p = sub.add_parser("nan")
-    p.add_argument("--target", required=True)
-    p.add_argument("--key", required=True)
+    for name in ("nan", "nan-prompt"):
+        p = sub.add_parser(name)
+        p.add_argument("--target", required=True)
+        p.add_argument("--key", required=True)
     return parser
 
 
@@ -73,10 +77,17 @@ def run(args: argparse.Namespace) -> kv.Outcome:
     match args.attack:
         case "pull":
             return asyncio.run(kv.pull(args.kv, args.layout, args.tokens))
-        case "push":
-            return asyncio.run(kv.push(args.kv, args.layout, args.tokens))
-        case "reserve":
-            return asyncio.run(kv.reserve(args.kv, args.layout, args.blocks, args.hold_s, emit))
+        case "push" | "reserve":
+            router_id, stream = kv.login_for_pushes(args.outputs, args.router_id)
+            try:
+                if args.attack == "push":
+                    return asyncio.run(kv.push(args.kv, args.layout, args.tokens, router_id))
+                return asyncio.run(
+                    kv.reserve(args.kv, args.layout, args.blocks, args.hold_s, router_id, emit)
+                )
+            finally:
+                if stream is not None:
+                    stream.close()
         case "stream":
             return kv.stream_login(args.outputs, args.router_id, args.read_s)
         case "scale":
@@ -87,6 +98,8 @@ def run(args: argparse.Namespace) -> kv.Outcome:
             return asyncio.run(api.stop_flood(args.target, args.key, args.requests, args.distinct))
         case "nan":
             return asyncio.run(api.extreme_sampling(args.target, args.key))
+        case "nan-prompt":
+            return asyncio.run(api.poisoned_prompt(args.target, args.key))
     raise AssertionError(args.attack)
 
 

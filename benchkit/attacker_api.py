@@ -8,16 +8,20 @@ from __future__ import annotations
 import asyncio
 import collections
 import random
+import select
+import socket
 import string
+import urllib.parse
 
 import grpc
-import httpx
 
 from benchkit.attacker_kv import Outcome
 from protos.tandem.v1 import admin_pb2, admin_pb2_grpc
 from router.auth import client_metadata
 from router.client import TandemClient, open_channel
 
+NAN_PROMPT = [13, 37, 13, 37]
+"""The prompt start tests/faults.py's poisoned engines give NaN logits."""
 STOP_STRINGS = 4096
 STOP_CHARS = 256
 EXTREME_SAMPLING: dict[str, object] = {
@@ -49,26 +53,52 @@ async def scale(target: str, key: str | None, prefill: int, decode: int) -> Outc
 
 
 def big_body(http_url: str, key: str, megabytes: int) -> Outcome:
-    """POST /v1/completions with a body of ``megabytes`` MB (a valid JSON
-    completion request whose prompt is that long)."""
-    head, tail = b'{"model": "m", "max_tokens": 1, "prompt": "', b'"}'
-    size = (megabytes << 20) - len(head) - len(tail)
+    """POST /v1/completions with a body of ``megabytes`` MB (a JSON completion
+    request whose prompt is that long) over a raw socket, so that an answer
+    the server sends before the body is all sent is read, not lost."""
+    url = urllib.parse.urlsplit(http_url)
+    # A model the server does not serve: a server that reads the whole body
+    # answers 404 instead of tokenizing 100 MB (that would be another attack).
+    head, tail = b'{"model": "no-such-model", "max_tokens": 1, "prompt": "', b'"}'
+    size = megabytes << 20
+    request = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {url.netloc}\r\n"
+        f"Authorization: Bearer {key}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {size}\r\nConnection: close\r\n\r\n"
+    ).encode()
+    body = [
+        head,
+        *[b"a" * (1 << 20)] * (megabytes - 1),
+        b"a" * ((1 << 20) - len(head) - len(tail)),
+        tail,
+    ]
+    with socket.create_connection((url.hostname, url.port), timeout=120) as conn:
+        sent = 0
+        try:
+            conn.sendall(request)
+            for piece in body:
+                if select.select([conn], [], [], 0)[0]:
+                    break  # the server answered before the whole body
+                conn.sendall(piece)
+                sent += len(piece)
+        except OSError:
+            pass  # the server closed its end: its answer may be waiting
+        return _http_answer(conn, sent)
 
-    def body():
-        yield head
-        chunk = b"a" * (1 << 20)
-        for start in range(0, size, len(chunk)):
-            yield chunk[: min(len(chunk), size - start)]
-        yield tail
 
-    headers = {"authorization": f"Bearer {key}", "content-type": "application/json"}
+def _http_answer(conn: socket.socket, sent: int) -> Outcome:
+    reply = b""
     try:
-        reply = httpx.post(
-            f"{http_url}/v1/completions", content=body(), headers=headers, timeout=300
-        )
-    except httpx.HTTPError as e:
-        return Outcome("dropped", f"{type(e).__name__}: {e}"[:200])
-    return Outcome(f"HTTP {reply.status_code}", reply.text[:200])
+        while len(reply) < 4096 and (data := conn.recv(4096)):
+            reply += data
+    except OSError:
+        pass
+    status_line, _, rest = reply.partition(b"\r\n")
+    parts = status_line.split()
+    if len(parts) < 2 or not parts[0].startswith(b"HTTP/"):
+        return Outcome("dropped", f"no answer after {sent >> 20} MB of the body")
+    text = rest.partition(b"\r\n\r\n")[2].decode(errors="replace")
+    return Outcome(f"HTTP {int(parts[1])}", f"after {sent >> 20} MB of the body: {text}"[:200])
 
 
 def _stop_list(rng: random.Random) -> list[str]:
@@ -97,9 +127,20 @@ async def stop_flood(target: str, key: str, requests: int, distinct: int) -> Out
 
 async def extreme_sampling(target: str, key: str) -> Outcome:
     """One request on the edges of every sampling bound (EXTREME_SAMPLING)."""
+    return await _one_request(target, key, "def f(x):", **EXTREME_SAMPLING)
+
+
+async def poisoned_prompt(target: str, key: str) -> Outcome:
+    """One sampled request whose prompt starts with NAN_PROMPT: on a worker
+    whose engine tests/faults.py poisons, its logits are NaN (as a broken
+    KV block or kernel would make them); on any other, a plain request."""
+    return await _one_request(target, key, [*NAN_PROMPT, 100, 200], temperature=1.0, seed=3)
+
+
+async def _one_request(target: str, key: str, prompt, **sampling: object) -> Outcome:
     async with TandemClient(target, timeout_s=120, api_key=key) as client:
         try:
-            done = await client.complete("def f(x):", max_tokens=8, **EXTREME_SAMPLING)
+            done = await client.complete(prompt, max_tokens=8, **sampling)
         except grpc.aio.AioRpcError as e:
             return Outcome(e.code().name, (e.details() or "")[:200])
     return Outcome("OK", f"{len(done.token_ids)} tokens, finish {done.finish_reason}")

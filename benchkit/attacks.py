@@ -30,6 +30,8 @@ REFUSED_KV = frozenset({"UNAUTHENTICATED", "PERMISSION_DENIED"})
 """A KV call without the cluster secret or a router's grant."""
 DROPPED = frozenset({"dropped"})
 """A raw endpoint (output stream) ends the connection in the handshake."""
+CONTAINED = frozenset({"OK", "INVALID_ARGUMENT", "INTERNAL", "ABORTED", "DATA_LOSS"})
+"""A request answered, or failed alone: the honest streams show the rest went on."""
 
 SYSTEM_PROMPT = "You are a careful assistant. Answer in one short sentence and cite a source. " * 3
 """A popular prefix honest users send: the attacker pulls its blocks."""
@@ -85,6 +87,11 @@ def _kv(w: WorkerEndpoints, t: Target) -> list[str]:
     return ["--kv", str(w.kv_address), "--layout", json.dumps(dataclasses.asdict(t.layout))]
 
 
+def _push_to(w: WorkerEndpoints, t: Target) -> list[str]:
+    """A push's arguments: the worker, and how to name a router it streams to."""
+    return [*_kv(w, t), "--outputs", str(w.outputs), "--router-id", t.router_id]
+
+
 def _tokens(ids: Sequence[int]) -> list[str]:
     return ["--tokens", ",".join(map(str, ids))]
 
@@ -134,14 +141,18 @@ ATTACKS = [
     Attack(
         "a request on the edges of every sampling bound (non-finite logits)",
         lambda t: ["nan", "--target", t.address, "--key", t.user_key],
-        # Answered, or failed alone: the honest streams show the rest went on.
-        frozenset({"OK", "INVALID_ARGUMENT", "INTERNAL", "ABORTED", "DATA_LOSS"}),
+        CONTAINED,
+    ),
+    Attack(
+        "a request whose logits a poisoned engine makes NaN",
+        lambda t: ["nan-prompt", "--target", t.address, "--key", t.user_key],
+        CONTAINED,
     ),
 ]
 """The attacks whose outcome is all there is to check."""
 FORGE = Attack(
     "push forged KV under a popular prefix's hashes",
-    lambda t: ["push", *_kv(_decode(t), t), *_tokens(t.forged_tokens)],
+    lambda t: ["push", *_push_to(_decode(t), t), *_tokens(t.forged_tokens)],
     REFUSED_KV,
 )
 STOP_FLOOD = Attack(
@@ -156,7 +167,7 @@ TAKEOVER = Attack(
 )
 RESERVE = Attack(
     "reserve the decode pool with a header-only push",
-    lambda t: ["reserve", *_kv(_decode(t), t), "--blocks", "0", "--hold-s", "0"],
+    lambda t: ["reserve", *_push_to(_decode(t), t), "--blocks", "0", "--hold-s", "0"],
     REFUSED_KV,
 )
 """Run by ``reserve_pool`` (it needs the pool's size and a look while held)."""
@@ -192,8 +203,8 @@ def run_attacker(args: list[str], timeout_s: float = 300.0) -> Outcome:
 
 def reserve_pool(target: Target, blocks: int, hold_s: float, while_held: Callable[[], object]):
     """The header-only push for ``blocks`` blocks of the decode worker: its
-    first outcome, what ``while_held()`` returned (run while the call is
-    held, or not at all when the push was refused), and its last outcome."""
+    outcome and what ``while_held()`` returned (run while the call is held;
+    None when the push was refused). Returns once the attacker has exited."""
     args = RESERVE.args(target)
     args[args.index("--blocks") + 1] = str(blocks)
     args[args.index("--hold-s") + 1] = str(hold_s)
@@ -205,12 +216,12 @@ def reserve_pool(target: Target, blocks: int, hold_s: float, while_held: Callabl
         assert proc.stdout is not None
         first = proc.stdout.readline()
         if not first:
-            return Outcome("attacker failed", "no output"), None, None
+            return Outcome("attacker failed", "no output"), None
         outcome = _outcome(first)
         seen = while_held() if outcome.status == "OK" else None
-        last = proc.stdout.readline()
+        proc.stdout.read()
         proc.wait(timeout=hold_s + 60)
-        return outcome, seen, _outcome(last) if last else outcome
+        return outcome, seen
     finally:
         if proc.poll() is None:
             proc.kill()

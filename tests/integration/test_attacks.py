@@ -17,6 +17,7 @@ import grpc
 import pytest
 
 from benchkit.attack_target import engine_alone, rss_mb, target_of, worker_pids
+from benchkit.attacker_kv import Outcome
 from benchkit.attacks import (
     ATTACKS,
     FORGE,
@@ -107,6 +108,17 @@ def _complete(dep: Deployment, prompt: str, timeout_s: float = 120) -> list[int]
         return e.code().name
 
 
+def _with(outcome: Outcome, more: str) -> Outcome:
+    return Outcome(outcome.status, f"{outcome.detail}; {more}")
+
+
+def _said(answer: list[int] | str, want: list[int]) -> str:
+    """An honest request's answer, in words: its own tokens, others, or a status."""
+    if answer == want:
+        return "its own tokens"
+    return "other tokens" if isinstance(answer, list) else answer
+
+
 @pytest.mark.parametrize("attack", ATTACKS, ids=[a.name for a in ATTACKS])
 def test_the_attack_is_refused(attack, target, honest, findings):
     got = run_attacker(attack.args(target))
@@ -116,7 +128,6 @@ def test_the_attack_is_refused(attack, target, honest, findings):
 
 def test_forged_kv_is_refused_and_never_served(dep, target, honest, reference, findings):
     got = run_attacker(FORGE.args(target))
-    findings.append((FORGE.name, got, FORGE.expected))
     served_at_once = _complete(dep, FORGED_PROMPT)
     honest.pause()
     try:  # once the forged push's lease is over, its blocks would be in the cache
@@ -125,11 +136,13 @@ def test_forged_kv_is_refused_and_never_served(dep, target, honest, reference, f
     finally:
         honest.resume()
     want = reference.outputs[FORGED_PROMPT]
+    said = f"{_said(served_at_once, want)}, after the leases {_said(served_later, want)}"
+    findings.append((FORGE.name, _with(got, f"an honest user of it got {said}"), FORGE.expected))
     assert (served_at_once, served_later, leaks) == (want, want, {})
     assert got.status in FORGE.expected, got
 
 
-def test_a_header_only_push_cannot_hold_the_pool(dep, target, honest, findings):
+def test_a_header_only_push_cannot_hold_the_pool(dep, target, honest, reference, findings):
     decode = target.of_role("decode", "colocated")[0].name
     honest.pause()
     try:
@@ -139,11 +152,14 @@ def test_a_header_only_push_cannot_hold_the_pool(dep, target, honest, findings):
         def while_held():
             return dep.worker_stats()[decode].free_blocks, _complete(dep, HONEST_PROMPTS[2], 30)
 
-        first, seen, last = reserve_pool(target, free, hold_s=15, while_held=while_held)
+        first, seen = reserve_pool(target, free, hold_s=15, while_held=while_held)
         leaks = dep.wait_no_leaks(LEASES_S)
     finally:
         honest.resume()
-    findings.append((RESERVE.name, first if seen is None else last, RESERVE.expected))
+    if seen is not None:
+        said = _said(seen[1], reference.outputs[HONEST_PROMPTS[2]])
+        first = _with(first, f"while held: {seen[0]} blocks free, an honest request got {said}")
+    findings.append((RESERVE.name, first, RESERVE.expected))
     assert leaks == {}
     assert first.status in RESERVE.expected, (first, seen)
 
@@ -153,15 +169,19 @@ def test_a_stop_string_flood_is_refused_with_bounded_memory(dep, target, honest,
     before = {name: rss_mb(pid) for name, pid in pids.items()}
     got = run_attacker(STOP_FLOOD.args(target))
     growth = {name: rss_mb(pid) - before[name] for name, pid in pids.items()}
-    findings.append((STOP_FLOOD.name, got, STOP_FLOOD.expected))
+    grown = ", ".join(f"{name} {mb:+.0f} MiB" for name, mb in growth.items())
+    findings.append((STOP_FLOOD.name, _with(got, f"worker RSS {grown}"), STOP_FLOOD.expected))
     assert max(growth.values()) < STOP_FLOOD_RSS_MB, growth
     assert got.status in STOP_FLOOD.expected, got
 
 
 def test_the_routers_id_cannot_take_over_its_stream(dep, target, honest, reference, findings):
     got = run_attacker(TAKEOVER.args(target))
-    findings.append((TAKEOVER.name, got, TAKEOVER.expected))
     after = _complete(dep, HONEST_PROMPTS[0])  # the router's stream still carries its tokens
+    said = _said(after, reference.outputs[HONEST_PROMPTS[0]])
+    findings.append(
+        (TAKEOVER.name, _with(got, f"the router's next request got {said}"), TAKEOVER.expected)
+    )
     assert after == reference.outputs[HONEST_PROMPTS[0]]
     assert got.status in TAKEOVER.expected, got
 
