@@ -60,10 +60,13 @@ def main() -> None:
         load.start()
         rows = [(a.name, run_attacker(a.args(target)), a.expected) for a in [*ATTACKS, FORGE]]
         decode = target.of_role("decode", "colocated")[0].name
+        load.pause()  # the pool's free blocks stay put until the header takes them
+        dep.wait_no_leaks(90)
         free = dep.worker_stats()[decode].free_blocks
         first, seen = reserve_pool(
             target, free, args.hold_s, lambda: dep.worker_stats()[decode].free_blocks
         )
+        load.resume()
         if seen is not None:
             first = Outcome(first.status, f"{first.detail}; {seen} blocks free while held")
         rows.append((RESERVE.name, first, RESERVE.expected))
