@@ -29,7 +29,7 @@ from benchkit.attacks import (
     FORGE,
     HONEST_PROMPTS,
     RESERVE,
-    STOP_FLOOD,
+    STOP_FLOODS,
     TAKEOVER,
     HonestLoad,
     reserve_pool,
@@ -72,7 +72,7 @@ def main() -> None:
         rows.append((RESERVE.name, first, RESERVE.expected))
         pids = worker_pids(dep)
         before = {n: rss_mb(p) for n, p in pids.items()}
-        rows.append((STOP_FLOOD.name, run_attacker(STOP_FLOOD.args(target)), STOP_FLOOD.expected))
+        rows += [(f.name, run_attacker(f.args(target)), f.expected) for f in STOP_FLOODS]
         growth = {n: round(rss_mb(p) - before[n], 1) for n, p in pids.items()}
         rows.append((TAKEOVER.name, run_attacker(TAKEOVER.args(target)), TAKEOVER.expected))
         load.pause()
@@ -84,7 +84,7 @@ def main() -> None:
     print(table(rows))
     print(
         f"\nhonest streams: {load.streams} served, {len(load.mismatches)} with other tokens, "
-        f"{len(load.errors)} failed; worker RSS growth over the stop flood (MiB): {growth}; "
+        f"{len(load.errors)} failed; worker RSS growth over the stop floods (MiB): {growth}; "
         f"blocks left held: {leaks or 'none'}"
     )
     print(

@@ -61,11 +61,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--http", required=True)
     p.add_argument("--key", required=True)
     p.add_argument("--mb", type=int, default=100)
-    p = sub.add_parser("stops")
-    p.add_argument("--target", required=True)
-    p.add_argument("--key", required=True)
-    p.add_argument("--requests", type=int, default=64)
-    p.add_argument("--distinct", type=int, default=1)
+    for name in ("stops", "stops-http"):
+        p = sub.add_parser(name)
+        p.add_argument("--target", required=True, help="gRPC address; HTTP URL for stops-http")
+        p.add_argument("--key", required=True)
+        p.add_argument("--requests", type=int, default=64)
+        p.add_argument("--distinct", type=int, default=1, help="different stop lists among them")
     for name in ("nan", "nan-prompt"):
         p = sub.add_parser(name)
         p.add_argument("--target", required=True)
@@ -96,6 +97,9 @@ def run(args: argparse.Namespace) -> kv.Outcome:
             return api.big_body(args.http, args.key, args.mb)
         case "stops":
             return asyncio.run(api.stop_flood(args.target, args.key, args.requests, args.distinct))
+        case "stops-http":
+            flood = api.stop_flood_http(args.target, args.key, args.requests, args.distinct)
+            return asyncio.run(flood)
         case "nan":
             return asyncio.run(api.extreme_sampling(args.target, args.key))
         case "nan-prompt":

@@ -14,6 +14,7 @@ import string
 import urllib.parse
 
 import grpc
+import httpx
 
 from benchkit.attacker_kv import Outcome
 from protos.tandem.v1 import admin_pb2, admin_pb2_grpc
@@ -120,6 +121,28 @@ async def stop_flood(target: str, key: str, requests: int, distinct: int) -> Out
 
     async with TandemClient(target, timeout_s=300, api_key=key) as client:
         codes = await asyncio.gather(*(one(client, i) for i in range(requests)))
+    return _counted(codes)
+
+
+async def stop_flood_http(http_url: str, key: str, requests: int, distinct: int) -> Outcome:
+    """``stop_flood`` on POST /v1/completions (a valid request otherwise)."""
+    lists = [_stop_list(random.Random(i)) for i in range(distinct)]
+    headers = {"authorization": f"Bearer {key}"}
+    async with httpx.AsyncClient(base_url=http_url, headers=headers, timeout=300) as client:
+        model = (await client.get("/v1/models")).json()["data"][0]["id"]
+
+        async def one(i: int) -> str:
+            body = {"model": model, "prompt": "Hello", "max_tokens": 4, "stop": lists[i % distinct]}
+            try:
+                return f"HTTP {(await client.post('/v1/completions', json=body)).status_code}"
+            except httpx.HTTPError as e:
+                return type(e).__name__
+
+        codes = await asyncio.gather(*(one(i) for i in range(requests)))
+    return _counted(codes)
+
+
+def _counted(codes: list[str]) -> Outcome:
     counts = collections.Counter(codes)
     status = codes[0] if len(counts) == 1 else "mixed"
     return Outcome(status, ", ".join(f"{n} {code}" for code, n in sorted(counts.items())))

@@ -155,11 +155,19 @@ FORGE = Attack(
     lambda t: ["push", *_push_to(_decode(t), t), *_tokens(t.forged_tokens)],
     REFUSED_KV,
 )
-STOP_FLOOD = Attack(
-    "64 requests of 4,096 stop strings of 256 characters",
-    lambda t: ["stops", "--target", t.address, "--key", t.user_key, "--requests", "64"],
-    frozenset({"INVALID_ARGUMENT"}),
-)
+STOP_FLOODS = [
+    Attack(
+        "64 requests of 4,096 stop strings of 256 characters (gRPC)",
+        lambda t: ["stops", "--target", t.address, "--key", t.user_key, "--requests", "64"],
+        # The field's bound, or the message size the context length allows.
+        frozenset({"INVALID_ARGUMENT", "RESOURCE_EXHAUSTED"}),
+    ),
+    Attack(
+        "64 requests of 4,096 stop strings of 256 characters (HTTP)",
+        lambda t: ["stops-http", "--target", t.http_url, "--key", t.user_key, "--requests", "64"],
+        frozenset({"HTTP 400"}),
+    ),
+]
 TAKEOVER = Attack(
     "take over the router's id on an output stream",
     lambda t: ["stream", "--outputs", str(_decode(t).outputs), "--router-id", t.router_id],
