@@ -6,6 +6,7 @@ it. Every test ends with the pool as it started."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 
 import pytest
@@ -20,8 +21,10 @@ from engine.sampling import (
     make_generator,
 )
 from protocol.sampling import SamplingParams
+from protocol.workers import UNHEALTHY_FAILED_STEPS
 from tests.faults import NAN_PROMPT, inject_nan, starts_with_nan_prompt
 from tests.pool_checks import leftover_holders
+from worker.base import EngineWorker
 
 pytestmark = pytest.mark.unit
 
@@ -210,3 +213,46 @@ def test_a_row_with_every_token_masked_gets_an_error_not_a_raise():
     clean = sampler(_logits(3), _rows([SEEDED, SEEDED, GREEDY]))
     assert got[1].error == NOTHING_TO_SAMPLE
     assert (got[0], got[2]) == (clean[0], clean[2])
+
+
+# ---- the worker's health ----------------------------------------------------
+
+
+def test_a_worker_whose_steps_keep_failing_answers_its_health_check_failing(llama_dir):
+    async def main() -> list[tuple[int, bool]]:
+        worker = EngineWorker("w", EngineConfig(model=str(llama_dir), num_kv_blocks=64))
+        forward = worker.engine._forward
+
+        def broken_forward(batch):
+            raise RuntimeError("device lost")
+
+        async def one_request(rid: str) -> str | None:
+            done: asyncio.Future = asyncio.get_running_loop().create_future()
+            worker.listen(
+                rid, lambda out: out.finished and not done.done() and done.set_result(out)
+            )
+            await worker.loop.acall(lambda e: e.add_request(rid, _prompt(10, 1), GREEDY))
+            return (await done).finish_reason
+
+        answers = []
+        worker.start_loop()
+        try:
+            worker.engine._forward = broken_forward
+            for i in range(UNHEALTHY_FAILED_STEPS):
+                assert await one_request(f"bad{i}") == "error"
+                health = await worker.health()
+                answers.append((health.failed_steps, health.failing))
+            worker.engine._forward = forward  # the device works again
+            assert await one_request("good") == "length"
+            health = await worker.health()
+            answers.append((health.failed_steps, health.failing))
+            assert worker.stats().idle
+        finally:
+            worker.stop_loop()
+        return answers
+
+    answers = asyncio.run(main())
+    assert answers[:-1] == [
+        (i + 1, i + 1 >= UNHEALTHY_FAILED_STEPS) for i in range(UNHEALTHY_FAILED_STEPS)
+    ]
+    assert answers[-1] == (0, False)
