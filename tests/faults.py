@@ -46,6 +46,9 @@ from prefill_pool.worker import PrefillWorker
 NAN_PROMPT = [13, 37, 13, 37]
 """A prompt that starts with these token ids gets NaN logits on a worker of
 a Faulty*Actor class."""
+NAN_LATE_PROMPT = [13, 37, 13, 38]
+"""Likewise, once the request has two output tokens (its decode fails, after
+two tokens were streamed)."""
 
 
 def inject_nan(engine: LLMEngine, poisoned: Callable[[Sequence], bool]) -> None:
@@ -64,7 +67,9 @@ def inject_nan(engine: LLMEngine, poisoned: Callable[[Sequence], bool]) -> None:
 
 
 def starts_with_nan_prompt(seq: Sequence) -> bool:
-    return seq.prompt_token_ids[: len(NAN_PROMPT)] == NAN_PROMPT
+    """``NAN_PROMPT`` at once, ``NAN_LATE_PROMPT`` from its third token on."""
+    head = seq.prompt_token_ids[: len(NAN_PROMPT)]
+    return head == NAN_PROMPT or (head == NAN_LATE_PROMPT and len(seq.output_token_ids) >= 2)
 
 
 @dataclass(frozen=True)
