@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from engine import EngineConfig, LLMEngine
+from engine.config import SpeculativeConfig
 from engine.sampling import (
     NONFINITE_LOGITS,
     NOTHING_TO_SAMPLE,
@@ -256,3 +257,41 @@ def test_a_worker_whose_steps_keep_failing_answers_its_health_check_failing(llam
         (i + 1, i + 1 >= UNHEALTHY_FAILED_STEPS) for i in range(UNHEALTHY_FAILED_STEPS)
     ]
     assert answers[-1] == (0, False)
+
+
+def test_a_nan_request_under_speculative_decoding_fails_alone(llama_dir):
+    """Its rows turn NaN in the first step that verifies proposals for it
+    (if it never speculated it would finish "length"); the others get what
+    plain decoding gives them."""
+    repetitive = [7, 8, 9, 10] * 9  # prompt lookup proposes for it
+    requests = {"a": (_prompt(19, 1), GREEDY), "b": (_prompt(40, 2), GREEDY)}
+    reference = _run(_engine(llama_dir), requests)["tokens"]
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(llama_dir),
+            num_kv_blocks=64,
+            speculative=SpeculativeConfig("ngram", num_speculative_tokens=3),
+        )
+    )
+    forward = engine._forward
+
+    def poisoned_forward(batch):
+        sample_rows, spec_rows, hidden = forward(batch)
+        row = 0
+        for item in batch:  # each sequence's rows, in batch order
+            seq = item.seq
+            if seq.request_id == "bad" and seq.spec_token_ids:  # rows the verify reads
+                hidden = hidden.clone()
+                hidden[row : row + item.num_tokens] = math.nan
+            row += item.num_tokens
+        return sample_rows, spec_rows, hidden
+
+    engine._forward = poisoned_forward
+    got = _run(engine, {**requests, "bad": (repetitive, GREEDY)})
+    assert (got["last"]["bad"].finish_reason, got["last"]["bad"].error) == (
+        "error",
+        NONFINITE_LOGITS,
+    )
+    assert len(got["tokens"]["bad"]) >= 1
+    assert {rid: got["tokens"][rid] for rid in reference} == reference
+    assert engine.speculator.num_proposed > 0
