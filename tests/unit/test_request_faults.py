@@ -295,3 +295,37 @@ def test_a_nan_request_under_speculative_decoding_fails_alone(llama_dir):
     assert len(got["tokens"]["bad"]) >= 1
     assert {rid: got["tokens"][rid] for rid in reference} == reference
     assert engine.speculator.num_proposed > 0
+
+
+def test_a_request_that_reads_a_bad_kv_block_fails_alone(llama_dir):
+    """KV that arrived broken (NaN in one block of an import, as a bad push
+    would bring): that request fails, its blocks leave the prefix cache, and
+    a request beside it keeps its tokens."""
+    prompt, other = _prompt(40, 10), _prompt(24, 11)
+    reference = _run(_engine(llama_dir), {"other": (other, GREEDY)})["tokens"]["other"]
+    prefill = _engine(llama_dir)
+    prefill.add_request("bad", prompt, GREEDY, prefill_only=True)
+    while prefill.has_unfinished():
+        prefill.step()
+    export = prefill.export_kv("bad")
+    prefill.release("bad")
+    assert export.data is not None and len(export.block_hashes) == 2
+    export.data[:, :, 1] = math.nan  # the second block, every layer, K and V
+
+    decoder = _engine(llama_dir)
+    start = decoder.block_pool.num_free
+    decoder.import_kv(export, GREEDY)
+    assert export.block_hashes[1] in decoder.block_pool.cached_hashes()
+    decoder.add_request("other", other, GREEDY)
+    tokens: dict[str, list[int]] = {"bad": [], "other": []}
+    last = {}
+    while decoder.has_unfinished():
+        for out in decoder.step():
+            tokens[out.request_id] += out.new_token_ids
+            last[out.request_id] = out
+    assert (last["bad"].finish_reason, last["bad"].error) == ("error", NONFINITE_LOGITS)
+    assert tokens["other"] == reference
+    assert not set(export.block_hashes) & set(decoder.block_pool.cached_hashes())
+    assert leftover_holders(decoder.block_pool) == []
+    assert decoder.block_pool.num_free == start
+    assert leftover_holders(prefill.block_pool) == []
