@@ -139,7 +139,7 @@ class LLMEngine(RequestFaults):
         self.eos_token_ids = frozenset(eos)
         self.sampler = Sampler(spec.vocab_size, self.eos_token_ids, kernels)
         self._seqs: dict[str, Sequence] = {}
-        self.failed_steps = 0  # steps in a row whose pass raised (the worker's health)
+        self.failed_steps = 0  # steps in a row that raised for no one request (its health)
         self._arrival = itertools.count()
         self.device = device
         self.speculator: SpecDecoder | None = None
@@ -288,8 +288,9 @@ class LLMEngine(RequestFaults):
         detokenize or verify step) fails that request alone (finish_reason
         "error"), frees its blocks, and the rest of the batch goes on. A pass
         that raises is run again one sequence at a time: the sequences that
-        raise alone fail, the others go on. ``failed_steps`` counts such steps
-        in a row (docs/failures.md)."""
+        raise alone fail, the others go on. ``failed_steps`` counts the steps
+        in a row whose pass raised with no sequence running alone either (the
+        fault is then not known to be one request's; docs/failures.md)."""
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
@@ -300,9 +301,10 @@ class LLMEngine(RequestFaults):
         try:
             outputs = self._run(batch, pool_lock)
         except Exception:
-            self.failed_steps += 1
             log.exception("a step of %d sequences raised; running them one at a time", len(batch))
-            return self._run_alone(batch, pool_lock)
+            outputs, ran = self._run_alone(batch, pool_lock)
+            self.failed_steps = 0 if ran else self.failed_steps + 1
+            return outputs
         self.failed_steps = 0
         return outputs
 

@@ -48,16 +48,20 @@ class RequestFaults:
 
     def _run_alone(
         self, batch: list[ScheduledSeq], pool_lock: threading.RLock | None
-    ) -> list[RequestOutput]:
-        """The step again, one sequence per pass; a sequence whose pass raises fails."""
+    ) -> tuple[list[RequestOutput], bool]:
+        """The step again, one sequence per pass; a sequence whose pass raises
+        fails. Also returns whether any pass ran (the fault was then the
+        failed sequences', not the worker's)."""
         outputs: list[RequestOutput] = []
+        ran = False
         for item in batch:
             try:
                 outputs += self._run([item], pool_lock)
+                ran = True
             except Exception as exc:
                 log.exception("request %s: its step raised", item.seq.request_id)
                 outputs.append(self._fail(item.seq, f"its step failed: {_describe(exc)}"))
-        return outputs
+        return outputs, ran
 
     def _accept(self, seqs: list[Sequence], logits: torch.Tensor) -> list[RequestOutput]:
         """The speculator's verify, one sequence at a time (a fault fails it alone)."""
