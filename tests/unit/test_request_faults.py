@@ -39,8 +39,10 @@ def _prompt(n: int, seed: int) -> list[int]:
     return torch.randint(10, 5000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _engine(llama_dir) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(llama_dir), num_kv_blocks=64))
+def _engine(llama_dir, cpu_kernels: str = "auto") -> LLMEngine:
+    """cpu_kernels "auto": the fused CPU path (and its greedy screen) where the
+    kernels build, "off": the PyTorch path."""
+    return LLMEngine(EngineConfig(model=str(llama_dir), num_kv_blocks=64, cpu_kernels=cpu_kernels))
 
 
 def _run(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict:
@@ -68,15 +70,16 @@ def _requests(params: SamplingParams) -> dict[str, tuple[list[int], SamplingPara
     }
 
 
+@pytest.mark.parametrize("kernels", ["auto", "off"])
 @pytest.mark.parametrize(
     "params",
     [GREEDY, GREEDY_LOGPROBS, SEEDED, PENALIZED],
     ids=["greedy", "logprobs", "seeded", "penalized"],
 )
-def test_a_nan_row_fails_its_request_and_the_batch_keeps_its_tokens(llama_dir, params):
-    reference = _run(_engine(llama_dir), _requests(params))["tokens"]
+def test_a_nan_row_fails_its_request_and_the_batch_keeps_its_tokens(llama_dir, params, kernels):
+    reference = _run(_engine(llama_dir, kernels), _requests(params))["tokens"]
 
-    engine = _engine(llama_dir)
+    engine = _engine(llama_dir, kernels)
     inject_nan(engine, starts_with_nan_prompt)
     requests = _requests(params)
     requests["nan"] = (NAN_PROMPT + _prompt(30, 4), params)
