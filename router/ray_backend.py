@@ -292,9 +292,10 @@ class RayBackend:
                 faults += isinstance(exc, RequestFault)
                 if faults >= MAX_REQUEST_FAULTS:
                     self.failover.faulted += 1
-                    log.warning("request %s failed on %d workers: %s", inp.request_id, faults, exc)
+                    log.warning("request %s faulted in %d tries: %s", inp.request_id, faults, exc)
                     raise RequestError(
-                        grpc.StatusCode.INTERNAL, f"request failed on {faults} workers: {exc}"
+                        grpc.StatusCode.INTERNAL,
+                        f"request failed in {faults} tries, each for a fault of its own: {exc}",
                     ) from exc
                 failures += 1
                 if failures >= self.retry.max_attempts:

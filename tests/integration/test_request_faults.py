@@ -77,7 +77,7 @@ def test_a_nan_request_fails_alone_and_the_others_keep_their_tokens(dep, referen
     faulted = dep.backend.failover.faulted
     (streamed, err), *others = asyncio.run(run())
     assert err.code() == grpc.StatusCode.INTERNAL
-    assert "failed on 2 workers" in err.details() and NAN_MESSAGE in err.details()
+    assert "failed in 2 tries" in err.details() and NAN_MESSAGE in err.details()
     assert len(streamed) == (0 if marker == NAN_PROMPT else 2)
     assert others == reference
     assert dep.backend.failover.faulted == faulted + 1

@@ -108,7 +108,7 @@ def test_a_request_failed_on_two_workers_fails_with_internal():
     err = run(main())
     first, second = setup.cluster.tries
     assert err.code == grpc.StatusCode.INTERNAL
-    assert "failed on 2 workers" in str(err) and NAN in str(err)
+    assert "failed in 2 tries" in str(err) and NAN in str(err)
     assert {first.decode_worker, second.decode_worker} == {"d0", "d1"}
     assert sorted(setup.cluster.aborts) == sorted(
         [(first.decode_worker, rid_of(first)), (second.decode_worker, rid_of(second))]
