@@ -213,6 +213,18 @@ class BlockPool:
         self._changes[block_hash] = True
         return True
 
+    def forget(self, blocks: Sequence[int]) -> None:
+        """Take ``blocks`` out of the prefix cache (their KV is suspect: a
+        request that read them got non-finite logits). Holders keep them;
+        each is free once its last holder lets go."""
+        for block in blocks:
+            if block not in self._hash_of:
+                continue
+            self._uncache(block)
+            if self._refs[block] == 0:
+                del self._evictable[block]
+                self._free.append(block)
+
     def block_for_hash(self, block_hash: BlockHash) -> int | None:
         return self._block_of.get(block_hash)
 

@@ -94,10 +94,16 @@ class EngineLoop:
         self._run_calls()
 
     def _step(self) -> list[RequestOutput]:
+        """One engine step. The engine fails a request alone for a fault tied
+        to it (engine/llm_engine.py ``step``); what still escapes it (the
+        scheduler or the speculator's proposals raised) leaves the engine's
+        state in doubt: every request is aborted, which the router takes as a
+        lost worker, and the step counts as failed."""
         try:
             outputs = self.engine.step(pool_lock=self.lock)
         except Exception:  # a broken step must not kill the worker silently
             log.exception("engine step failed; aborting every request")
+            self.engine.failed_steps += 1
             outputs = self._abort_all()
         self.num_steps += 1
         return outputs

@@ -35,7 +35,15 @@ from engine.loader import (
     resolve_model_dir,
 )
 from engine.models.llama import LlamaModel
-from engine.sampling import SampledToken, Sampler, SampleRequest, seed_for_token
+from engine.request_faults import RequestFaults
+from engine.sampling import (
+    NONFINITE_LOGITS,
+    SampledToken,
+    Sampler,
+    SampleRequest,
+    nonfinite_rows,
+    seed_for_token,
+)
 from engine.scheduler import ScheduledSeq, Scheduler
 from engine.sequence import SeqStatus, Sequence
 from engine.spec import SpecDecoder
@@ -80,7 +88,7 @@ def load_tokenizer(path: str):
     return AutoTokenizer.from_pretrained(path)
 
 
-class LLMEngine:
+class LLMEngine(RequestFaults):
     def __init__(self, config: EngineConfig | None = None) -> None:
         self.config = config = config or EngineConfig()
         if config.num_threads:
@@ -131,6 +139,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(eos)
         self.sampler = Sampler(spec.vocab_size, self.eos_token_ids, kernels)
         self._seqs: dict[str, Sequence] = {}
+        self.failed_steps = 0  # steps in a row that raised for no one request (its health)
         self._arrival = itertools.count()
         self.device = device
         self.speculator: SpecDecoder | None = None
@@ -180,7 +189,7 @@ class LLMEngine:
                 f"prompt has {len(prompt_token_ids)} tokens; the limit is "
                 f"{self.max_model_len - 1} (max_model_len {self.max_model_len})"
             )
-        params.validate_for_vocab(vocab)
+        params.validate_for_vocab(vocab, self.eos_token_ids)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none")
 
@@ -293,7 +302,15 @@ class LLMEngine:
     def step(self, pool_lock: threading.RLock | None = None) -> list[RequestOutput]:
         """One pass over the scheduled batch. ``pool_lock``, held by the caller
         around the step, is released while the model computes: the step then
-        touches no pool state, and other threads (KV transfers) may use the pool."""
+        touches no pool state, and other threads (KV transfers) may use the pool.
+
+        A fault tied to one sequence (non-finite logits, an error in its stop,
+        detokenize or verify step) fails that request alone (finish_reason
+        "error"), frees its blocks, and the rest of the batch goes on. A pass
+        that raises is run again one sequence at a time: the sequences that
+        raise alone fail, the others go on. ``failed_steps`` counts the steps
+        in a row whose pass raised with no sequence running alone either (the
+        fault is then not known to be one request's; docs/failures.md)."""
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
@@ -301,6 +318,21 @@ class LLMEngine:
             return []
         if self.speculator is not None:
             self.speculator.fit(batch)
+        try:
+            outputs = self._run(batch, pool_lock)
+        except Exception:
+            log.exception("a step of %d sequences raised; running them one at a time", len(batch))
+            outputs, ran = self._run_alone(batch, pool_lock)
+            self.failed_steps = 0 if ran else self.failed_steps + 1
+            return outputs
+        self.failed_steps = 0
+        return outputs
+
+    def _run(
+        self, batch: list[ScheduledSeq], pool_lock: threading.RLock | None
+    ) -> list[RequestOutput]:
+        """Forward, sample, then each sequence's bookkeeping. Raises only
+        before any state changed (in the pass or the batched sampling)."""
         # One-token sequences first, shortest context first (see attention.py).
         batch.sort(key=lambda s: (s.num_tokens != 1, s.seq.num_computed))
         # Sequences whose last known token is computed this step (the rows of
@@ -315,31 +347,49 @@ class LLMEngine:
             sample_rows, spec_rows, hidden = self._forward(batch)
             sampled = self._sample(to_sample, hidden[sample_rows]) if to_sample else []
             spec_logits = self.model.logits(hidden[spec_rows]) if spec_rows else None
+        failed = {s.request_id for s, t in zip(to_sample, sampled, strict=True) if t.error}
         speculated = []
+        outputs: list[RequestOutput] = []
         for item in batch:
             seq = item.seq
+            if seq.request_id in failed:  # its KV of this step is suspect: none is cached
+                continue
             if seq.spec_token_ids:  # only accepted tokens count as computed (engine/spec/)
                 speculated.append(seq)
                 continue
             seq.num_computed += item.num_tokens
-            self._cache_full_blocks(seq)
-        outputs = [self._append_token(s, t) for s, t in zip(to_sample, sampled, strict=True)]
+            outputs += self._guarded(seq, lambda seq=seq: self._cache_full_blocks(seq) or [])
+        for seq, token in zip(to_sample, sampled, strict=True):
+            if token.error is not None:
+                outputs.append(self._fail(seq, token.error, suspect_kv=True))
+            elif seq.request_id in self._seqs:
+                outputs += self._guarded(seq, lambda s=seq, t=token: [self._append_token(s, t)])
         if speculated:
-            assert self.speculator is not None and spec_logits is not None
-            outputs += self.speculator.accept(speculated, spec_logits)
+            assert spec_logits is not None
+            outputs += self._accept(speculated, spec_logits)
         return outputs
 
     def _sample(self, seqs: list[Sequence], hidden: torch.Tensor) -> list[SampledToken]:
+        """One token per row of ``hidden``; a row with a non-finite hidden state
+        or logits gets an error instead (its request fails alone)."""
         for s in seqs:
             seed_for_token(s.generator, s.params.seed, len(s.output_token_ids))
         requests = [
             SampleRequest(s.params, s.prompt_token_ids, s.output_token_ids, s.generator)
             for s in seqs
         ]
+        broken = nonfinite_rows(hidden)
+        if broken:  # the head and the sampler see zeros there, so no kernel meets a NaN
+            hidden = hidden.clone()
+            hidden[broken] = 0.0
         if self.model.screen_head is not None and all(map(Sampler.plain_greedy, requests)):
             tokens = self.model.greedy_tokens(hidden, self.sampler.vocab_size)
-            return [SampledToken(t, None, None) for t in tokens]
-        return self.sampler(self.model.logits(hidden), requests)
+            out = [SampledToken(t, None, None) for t in tokens]
+        else:
+            out = self.sampler(self.model.logits(hidden), requests)
+        for i in broken:
+            out[i] = SampledToken(out[i].token_id, None, None, NONFINITE_LOGITS)
+        return out
 
     def _forward(self, batch: list[ScheduledSeq]) -> tuple[list[int], list[int], torch.Tensor]:
         """The step's pass: rows to sample (one per sequence that reaches its last

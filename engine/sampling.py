@@ -15,6 +15,11 @@ Logprobs are ``log_softmax`` of the raw logits (before any of the above),
 as vLLM reports them by default. Stopping (EOS, stop ids, stop strings,
 max_tokens) is the caller's job: the sampler only masks for min_tokens.
 
+A row the sampler cannot draw from (non-finite logits: NaN or +-inf from the
+model, or nothing left after the masks) does not fail the batch: its
+``SampledToken`` carries an ``error`` and the other rows get exactly the
+tokens they would get without it.
+
 ``SamplingParams`` itself is torch-free and lives in protocol/sampling.py
 (the router validates it too); it is re-exported here.
 """
@@ -36,6 +41,7 @@ __all__ = [
     "Sampler",
     "SamplingParams",
     "make_generator",
+    "nonfinite_rows",
     "probs_from_logits",
     "seed_for_token",
     "token_seed",
@@ -96,6 +102,20 @@ class SampledToken:
     token_id: int
     logprob: float | None  # of token_id, when params.logprobs is not None
     top_logprobs: list[tuple[int, float]] | None  # highest first, when params.logprobs >= 1
+    error: str | None = None  # the row could not be sampled: its request fails alone
+
+
+NONFINITE_LOGITS = "the model produced non-finite logits (NaN or inf) for this request"
+NOTHING_TO_SAMPLE = "no token can be sampled: every token is masked or has probability 0"
+
+
+def nonfinite_rows(x: torch.Tensor) -> list[int]:
+    """The rows of ``x`` [N, D] holding a NaN or an infinity. One sum per row
+    finds the suspects (a NaN or inf anywhere makes the sum non-finite); each
+    suspect is then checked element-wise, so a finite row whose sum merely
+    overflows is not taken for a broken one."""
+    suspects = (~torch.isfinite(x.sum(dim=-1, dtype=torch.float32))).nonzero().flatten()
+    return [i for i in suspects.tolist() if not bool(torch.isfinite(x[i]).all())]
 
 
 def _truncated_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
@@ -173,11 +193,18 @@ class Sampler:
         if logits.shape[0] != len(requests):
             raise ValueError(f"logits has {logits.shape[0]} rows for {len(requests)} requests")
         logits = logits[:, : self.vocab_size].float()
+        errors = dict.fromkeys(nonfinite_rows(logits), NONFINITE_LOGITS)
+        if errors:  # sample the other rows as usual; these get an error
+            logits = logits.clone()
+            logits[list(errors)] = 0.0
         if all(self.plain_greedy(r) for r in requests):
-            return [SampledToken(t, None, None) for t in self.argmax(logits).tolist()]
+            out = [SampledToken(t, None, None) for t in self.argmax(logits).tolist()]
+            return _with_errors(out, errors)
         adjusted = self.adjusted_logits(logits, requests)
-        token_ids = self._choose(adjusted, requests)
-        return self._package(logits, token_ids, requests)
+        token_ids, unsampleable = self._choose(adjusted, requests)
+        for i in unsampleable:
+            errors.setdefault(i, NOTHING_TO_SAMPLE)
+        return _with_errors(self._package(logits, token_ids, requests), errors)
 
     @staticmethod
     def plain_greedy(r: SampleRequest) -> bool:
@@ -214,13 +241,22 @@ class Sampler:
                 row[torch.tensor(banned, dtype=torch.long, device=device)] = -math.inf
         return out
 
-    def _choose(self, logits: torch.Tensor, requests: list[SampleRequest]) -> torch.Tensor:
-        """Token ids [B]: argmax for greedy rows, a draw for the others."""
+    def _choose(
+        self, logits: torch.Tensor, requests: list[SampleRequest]
+    ) -> tuple[torch.Tensor, list[int]]:
+        """Token ids [B]: argmax for greedy rows, a draw for the others; and the
+        rows with nothing to draw from (every token masked), whose ids mean nothing."""
         token_ids = self.argmax(logits)
+        unsampleable = (logits.amax(dim=-1) == -math.inf).nonzero().flatten().tolist()
         rows = [i for i, r in enumerate(requests) if not r.params.greedy]
         if not rows:
-            return token_ids
+            return token_ids, unsampleable
         probs = _truncated_probs(logits[rows], [requests[i].params for i in rows])
+        ok = torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)
+        if not bool(ok.all()):  # a multinomial draw over such a row raises for the batch
+            broken = (~ok).nonzero().flatten().tolist()
+            probs[broken] = 1.0
+            unsampleable = sorted({*unsampleable, *(rows[j] for j in broken)})
         drawn = torch.empty(len(rows), dtype=torch.long, device=logits.device)
         unseeded = [j for j, i in enumerate(rows) if requests[i].generator is None]
         if unseeded:
@@ -229,7 +265,7 @@ class Sampler:
             if requests[i].generator is not None:
                 drawn[j] = torch.multinomial(probs[j], 1, generator=requests[i].generator)[0]
         token_ids[rows] = drawn
-        return token_ids
+        return token_ids, unsampleable
 
     @staticmethod
     def _package(
@@ -254,3 +290,9 @@ class Sampler:
             n = requests[i].params.logprobs or 0
             out[i] = SampledToken(ids[i], chosen[j], tops[j][:n] if n else None)
         return out
+
+
+def _with_errors(out: list[SampledToken], errors: dict[int, str]) -> list[SampledToken]:
+    for i, error in errors.items():
+        out[i] = SampledToken(out[i].token_id, None, None, error)
+    return out

@@ -39,7 +39,7 @@ from kv_transfer import (
     TransferError,
 )
 from protocol.decode_start import DecodeStart
-from protocol.outputs import RequestOutput
+from protocol.outputs import RequestFailed, RequestOutput
 from protocol.requests import PrefillRequest, PrefillResult
 from protocol.workers import WorkerInfo, WorkerStats
 from worker.base import EngineWorker
@@ -160,6 +160,8 @@ class PrefillWorker(EngineWorker):
         if out.finish_reason == "abort":  # the abort may have come before the add: drop it
             await asyncio.shield(self.loop.acall(lambda e: e.abort(rid)))
             return PrefillResult(rid, True, 0, 0, prefilled - start, 0.0, self._events_seq())
+        if out.finish_reason == "error":  # the engine failed it alone and freed its blocks
+            raise RequestFailed(out.error or "no reason given")
         held: Held | None = None
         try:
             blocks, held = self._blocks_to_push(req, out)

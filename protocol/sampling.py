@@ -7,6 +7,7 @@ applies them is engine/sampling.py.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 GREEDY_EPS = 1e-5
@@ -129,8 +130,14 @@ class SamplingParams:
             or self.presence_penalty != 0.0
         )
 
-    def validate_for_vocab(self, vocab_size: int) -> None:
-        """Raise ValueError if a stop token id is outside the model's vocabulary."""
+    def validate_for_vocab(self, vocab_size: int, eos_token_ids: Collection[int] = ()) -> None:
+        """Raise ValueError if a stop token id is outside the model's vocabulary,
+        or if min_tokens would mask every token (stop ids and EOS covering it)."""
         bad = [t for t in self.stop_token_ids if t >= vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids must be < vocab_size={vocab_size}, got {bad[:8]}")
+        if self.min_tokens and len({*self.stop_token_ids, *eos_token_ids}) >= vocab_size:
+            raise ValueError(
+                "min_tokens with stop_token_ids (and EOS) covering the whole vocabulary "
+                "leaves no token to sample"
+            )

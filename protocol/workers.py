@@ -104,6 +104,12 @@ class WorkerStats:
         return self.spec_accepted_tokens / self.spec_proposed_tokens
 
 
+UNHEALTHY_FAILED_STEPS = 3
+"""A worker whose last this many engine steps raised answers its health
+check as failing (``WorkerHealth.failing``), and the router takes it out of
+routing (router/health.py)."""
+
+
 @dataclass(frozen=True)
 class WorkerHealth:
     """A worker's answer to a health check (its engine thread answered too)."""
@@ -114,3 +120,9 @@ class WorkerHealth:
     free_blocks: int
     initial_free_blocks: int
     num_requests: int
+    failed_steps: int = 0  # engine steps in a row that raised (0 after one that did not)
+
+    @property
+    def failing(self) -> bool:
+        """Its steps keep failing: it must not get requests."""
+        return self.failed_steps >= UNHEALTHY_FAILED_STEPS

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import ray.exceptions
 
 from kv_transfer import TransferError
+from protocol.outputs import RequestFailed
 
 
 class WorkerLost(Exception):
@@ -38,6 +39,32 @@ class WorkerLost(Exception):
     def __init__(self, worker: str, why: str) -> None:
         super().__init__(f"worker {worker} lost: {why}")
         self.worker = worker
+
+
+class RequestFault(Exception):
+    """A worker failed the request for a fault tied to it (non-finite
+    logits, an error in its own step): finish_reason "error" on its stream,
+    or a prefill call that raised ``RequestFailed``. Tried again elsewhere,
+    but a request that meets ``MAX_REQUEST_FAULTS`` of them fails (INTERNAL):
+    it is not tried on every worker."""
+
+    def __init__(self, worker: str, message: str) -> None:
+        super().__init__(f"worker {worker} failed the request: {message}")
+        self.worker = worker
+        self.message = message
+
+
+MAX_REQUEST_FAULTS = 2
+
+
+def request_fault(worker: str, exc: BaseException) -> RequestFault | None:
+    """The RequestFault a worker call's exception stands for, if any (Ray
+    raises a RequestFailed of the worker as a RayTaskError with that cause)."""
+    cause = getattr(exc, "cause", None)
+    for e in (exc, cause):
+        if isinstance(e, RequestFailed):
+            return RequestFault(worker, str(e))
+    return None
 
 
 class NoWorkerAvailable(LookupError):
@@ -67,7 +94,8 @@ def is_retryable(exc: BaseException) -> bool:
     transfers, requests a worker no longer knows. A request the engine
     refused as invalid (ValueError) fails at once."""
     if isinstance(
-        exc, (WorkerLost, NoWorkerAvailable, TransferError, ray.exceptions.RayActorError)
+        exc,
+        (WorkerLost, RequestFault, NoWorkerAvailable, TransferError, ray.exceptions.RayActorError),
     ):
         return True
     if isinstance(exc, ray.exceptions.RayTaskError):
@@ -83,5 +111,6 @@ class FailoverStats:
     retries: int = 0  # tries after a failed one
     resumed: int = 0  # tries that continued a stream with tokens already sent
     failed: int = 0  # requests that ran out of tries
+    faulted: int = 0  # requests failed (INTERNAL) after MAX_REQUEST_FAULTS faults tied to them
     workers_lost: int = 0  # workers taken out of routing after a failure
     workers_recovered: int = 0  # taken back after their health check passed

@@ -11,7 +11,11 @@ decode worker, which prefills too.
 A request that meets a dead worker or a failed transfer is tried again
 (router/failover.py): a try that had streamed tokens already resumes after
 them on a healthy pair. Dead workers leave routing until their health
-check passes again (router/worker_recovery.py).
+check passes again (router/worker_recovery.py). A request a worker failed
+for a fault tied to it (``RequestFault``) is tried again too, but fails
+with INTERNAL once it has failed so ``MAX_REQUEST_FAULTS`` times; the
+worker is asked for its health then, and leaves routing if its steps keep
+failing.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from engine.hashing import root_hash
 from net.grants import PULL, PUSH, GrantMinter, pull_digest, push_digest
 from protocol.requests import DecodeRequest, PrefillRequest, PrefillResult
 from protos.tandem.v1 import worker_pb2
+from router import health
 from router.backend import (
     GenerateInput,
     GenerateResult,
@@ -38,7 +43,16 @@ from router.backend import (
     WorkerReport,
 )
 from router.config import ServeConfig
-from router.failover import FailoverStats, NoWorkerAvailable, RetryPolicy, WorkerLost, is_retryable
+from router.failover import (
+    MAX_REQUEST_FAULTS,
+    FailoverStats,
+    NoWorkerAvailable,
+    RequestFault,
+    RetryPolicy,
+    WorkerLost,
+    is_retryable,
+    request_fault,
+)
 from router.messages import RequestError
 from router.policies import make_policy
 from router.pool_manager import WorkerHandle, WorkerPool
@@ -284,7 +298,7 @@ class RayBackend:
 
     async def generate(self, inp: GenerateInput) -> AsyncIterator[TokenDelta | GenerateResult]:
         progress = Progress(inp)
-        failures = 0
+        failures = faults = 0
         avoid: set[WorkerHandle] = set()
         while True:
             attempt = self._attempt(inp, progress, avoid)
@@ -302,6 +316,14 @@ class RayBackend:
             except Exception as exc:
                 if not is_retryable(exc):
                     raise
+                faults += isinstance(exc, RequestFault)
+                if faults >= MAX_REQUEST_FAULTS:
+                    self.failover.faulted += 1
+                    log.warning("request %s faulted in %d tries: %s", inp.request_id, faults, exc)
+                    raise RequestError(
+                        grpc.StatusCode.INTERNAL,
+                        f"request failed in {faults} tries, each for a fault of its own: {exc}",
+                    ) from exc
                 failures += 1
                 if failures >= self.retry.max_attempts:
                     self.failover.failed += 1
@@ -366,6 +388,9 @@ class RayBackend:
                     delta = merge_queued(delta, queue)
                 if delta is LOST or (delta.finished and delta.finish_reason == "abort"):
                     raise WorkerLost(d.name, "its output stream broke or it dropped the request")
+                if delta.finished and delta.finish_reason == "error":
+                    await self._check_after_fault(d)
+                    raise RequestFault(d.name, delta.error or "no reason given")
                 if delta.token_ids:
                     yield progress.delta(delta)
                 progress.count(delta)
@@ -441,10 +466,23 @@ class RayBackend:
         p.in_flight += 1
         try:
             result = await self.watchdog.call(p, p.actor.prefill.remote(request))
+        except Exception as exc:
+            fault = request_fault(p.name, exc)
+            if fault is None:
+                raise
+            await self._check_after_fault(p)
+            raise fault from exc
         finally:
             p.in_flight -= 1
         await self.streams.caught_up(p, result.events_seq)
         return result
+
+    async def _check_after_fault(self, worker: WorkerHandle) -> None:
+        """A worker failed a request: one health check, and out of routing
+        unless it passes (its steps keep failing, or it does not answer)."""
+        state = await health.check(worker, self.config.tuning.health_timeout_s)
+        if state is not health.Health.HEALTHY:
+            self.recovery.suspect(worker, f"its health is {state.value} after a request failed")
 
     async def _abort(self, rid: str, p: WorkerHandle | None, d: WorkerHandle) -> None:
         """Free the request's blocks on both workers. A worker out of routing

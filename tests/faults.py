@@ -1,5 +1,6 @@
-"""Transfer faults for the chaos tests (tests/integration/test_chaos.py):
-prefill workers whose next pushes fail in a chosen way.
+"""Faults for the chaos tests (tests/integration/test_chaos.py) and the
+request-fault tests: prefill workers whose next pushes fail in a chosen way,
+and engines whose logits turn NaN for chosen requests.
 
 A deployment started with ``actor_classes={"prefill": FaultyPrefillActor}``
 (benchkit/deployment.py, which sets router/pool_manager.py's
@@ -15,6 +16,11 @@ flips the last byte of the first chunk, so the receiver's checksum check
 fails (DATA_LOSS); ``stall`` holds the first chunk back for ``stall_s``, so
 the push's deadline passes before it is sent.
 
+``inject_nan`` makes an engine's hidden states (so its logits, on every
+sampling path) NaN for the requests a predicate picks; the Faulty*Actor
+classes install it for prompts that start with ``NAN_PROMPT`` (a public
+request cannot produce NaN logits once validated: docs/failures.md).
+
 The Ray workers import this module by name, so the repository root must be
 on their ``sys.path``: Ray puts the driver's working directory there, and the
 tests run from the repository root (pytest's rootdir).
@@ -27,10 +33,43 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
+from decode_pool.actor import DecodeActor
+from engine.llm_engine import LLMEngine
+from engine.sequence import Sequence
 from kv_transfer import GrpcKVClient, KVBlocks, PushResult
 from kv_transfer.grpc_client import MessageFilter
 from prefill_pool.actor import PrefillActor
 from prefill_pool.worker import PrefillWorker
+
+NAN_PROMPT = [13, 37, 13, 37]
+"""A prompt that starts with these token ids gets NaN logits on a worker of
+a Faulty*Actor class."""
+NAN_LATE_PROMPT = [13, 37, 13, 38]
+"""Likewise, once the request has two output tokens (its decode fails, after
+two tokens were streamed)."""
+
+
+def inject_nan(engine: LLMEngine, poisoned: Callable[[Sequence], bool]) -> None:
+    """From now on, the rows ``engine`` samples for sequences ``poisoned``
+    picks have a NaN hidden state, as a broken KV block or kernel would give."""
+    sample = engine._sample
+
+    def poisoned_sample(seqs: list[Sequence], hidden: torch.Tensor):
+        rows = [i for i, seq in enumerate(seqs) if poisoned(seq)]
+        if rows:
+            hidden = hidden.clone()
+            hidden[rows] = float("nan")
+        return sample(seqs, hidden)
+
+    engine._sample = poisoned_sample  # type: ignore[method-assign]
+
+
+def starts_with_nan_prompt(seq: Sequence) -> bool:
+    """``NAN_PROMPT`` at once, ``NAN_LATE_PROMPT`` from its third token on."""
+    head = seq.prompt_token_ids[: len(NAN_PROMPT)]
+    return head == NAN_PROMPT or (head == NAN_LATE_PROMPT and len(seq.output_token_ids) >= 2)
 
 
 @dataclass(frozen=True)
@@ -99,6 +138,7 @@ class FaultyPrefillWorker(PrefillWorker):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.faults = FaultPlan(TransferFaults())
+        inject_nan(self.engine, starts_with_nan_prompt)
 
     async def _push(self, address: str, blocks: KVBlocks) -> PushResult:
         fault = self.faults.next_filter()
@@ -127,3 +167,14 @@ class FaultyPrefillActor(PrefillActor):
     async def faults_injected(self) -> int:
         """Faults injected since the actor process started."""
         return self.worker.faults.injected
+
+
+class FaultyDecodeActor(DecodeActor):
+    """DecodeActor (decode or colocated) whose engine gives NaN logits to
+    prompts that start with ``NAN_PROMPT``."""
+
+    @staticmethod
+    def make_worker(name, config, transfer, index, host):
+        worker = DecodeActor.make_worker(name, config, transfer, index, host)
+        inject_nan(worker.engine, starts_with_nan_prompt)
+        return worker

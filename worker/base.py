@@ -107,11 +107,13 @@ class EngineWorker:
     async def health(self) -> WorkerHealth:
         """Answered by the engine thread itself, so a stuck engine fails it."""
         if not self.started:
-            free, n = self.engine.block_pool.num_free, 0
+            free, n, failed = self.engine.block_pool.num_free, 0, 0
         else:
-            free, n = await self.loop.acall(lambda e: (e.block_pool.num_free, len(e.request_ids())))
+            free, n, failed = await self.loop.acall(
+                lambda e: (e.block_pool.num_free, len(e.request_ids()), e.failed_steps)
+            )
         return WorkerHealth(
-            self.name, self.incarnation, self.started, free, self.initial_free_blocks, n
+            self.name, self.incarnation, self.started, free, self.initial_free_blocks, n, failed
         )
 
     def stop_loop(self) -> None:

@@ -50,6 +50,7 @@ def to_delta(out: RequestOutput) -> worker_pb2.RequestDelta:
         finish_reason=out.finish_reason or "",
         num_output_tokens=out.num_output_tokens,
         num_cached_tokens=out.num_cached_tokens,
+        error=out.error or "",
     )
     for lp in out.logprobs or []:
         delta.logprobs.append(

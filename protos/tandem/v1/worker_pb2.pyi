@@ -28,7 +28,7 @@ class CacheEvent(_message.Message):
     def __init__(self, worker: _Optional[str] = ..., stored: _Optional[_Iterable[bytes]] = ..., removed: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class RequestDelta(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text", "logprobs", "finished", "finish_reason", "num_output_tokens", "num_cached_tokens")
+    __slots__ = ("request_id", "token_ids", "text", "logprobs", "finished", "finish_reason", "num_output_tokens", "num_cached_tokens", "error")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +37,7 @@ class RequestDelta(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     NUM_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
@@ -45,4 +46,5 @@ class RequestDelta(_message.Message):
     finish_reason: str
     num_output_tokens: int
     num_cached_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_generate_pb2.TokenLogprob, _Mapping]]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., num_output_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+    error: str
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_generate_pb2.TokenLogprob, _Mapping]]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., num_output_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
