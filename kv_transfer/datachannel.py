@@ -100,11 +100,11 @@ class DataSender:
         token: bytes,
         sender: KVSender,
         timeout_s: float,
-        frame_filter: FrameFilter | None = None,
-        security: ClusterSecurity | None = None,
+        frame_filter: FrameFilter | None,
+        security: ClusterSecurity,
     ) -> None:
         self.host, self.port, self.token = host, port, token
-        self.security = security or ClusterSecurity()
+        self.security = security
         self.sender = sender
         self.timeout_s = timeout_s
         self.frame_filter = frame_filter  # the client's message filter: sees each frame's bytes
@@ -274,9 +274,9 @@ class DataServer:
     """Listens for data connections and hands each to the push it belongs to."""
 
     def __init__(
-        self, host: str, security: ClusterSecurity | None = None, max_frame_bytes: int = 64 << 20
+        self, host: str, security: ClusterSecurity, max_frame_bytes: int = 64 << 20
     ) -> None:
-        self.security = security or ClusterSecurity()
+        self.security = security
         self.max_frame_bytes = max_frame_bytes
         self._ssl = self.security.server_ssl_context()
         # A burst of pushes connects at once: a short backlog drops SYNs, and a

@@ -80,8 +80,9 @@ class TransferConfig:
     """Largest gRPC message a KV server or client sends or accepts, and the
     largest data-channel frame payload; must exceed ``chunk_bytes`` by
     ``CHUNK_OVERHEAD_BYTES``. Bigger messages fail with RESOURCE_EXHAUSTED."""
-    security: ClusterSecurity = field(default_factory=ClusterSecurity)
-    """Cluster secret and TLS of the KV endpoints (security.py)."""
+    security: ClusterSecurity = field(default_factory=ClusterSecurity.generate)
+    """Cluster secret and TLS of the KV endpoints (security.py); the default is a
+    fresh random secret, which only ends sharing this config can prove."""
     local_streams: bool = True
     """A worker's output stream to a router on the same machine (same kernel
     and network namespace) goes over a Unix socket (local_socket.py): the

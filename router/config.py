@@ -13,6 +13,7 @@ build what the workers run with (``EngineConfig``, ``TransferConfig``,
 from __future__ import annotations
 
 import os
+import secrets
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -22,6 +23,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     SecretStr,
     ValidationError,
     model_validator,
@@ -349,9 +351,13 @@ class SecuritySection(Section):
     """Name internal clients expect in servers' certificates; None: the peer's address
     (then the certificate must name every node's IP)."""
     cluster_secret: SecretStr | None = Field(None, repr=False)
-    """Shared secret internal KV and output-stream calls must present (else
-    UNAUTHENTICATED); YAML or the TANDEM_CLUSTER_SECRET environment variable, never a
-    flag; never logged."""
+    """Shared secret every internal endpoint (KV gRPC and data channel, output streams)
+    makes its peers prove (else UNAUTHENTICATED); YAML or the TANDEM_CLUSTER_SECRET
+    environment variable, never a flag; never logged. Unset: the router generates a
+    random one at start and hands it to its workers (routers sharing workers or a Redis
+    index must then be given one)."""
+
+    _generated_secret: bytes = PrivateAttr(default_factory=lambda: secrets.token_bytes(32))
 
     @model_validator(mode="after")
     def _check_tls(self) -> SecuritySection:
@@ -373,7 +379,10 @@ class SecuritySection(Section):
         """The internal endpoints' secret and TLS, for workers and the router."""
         from net.security import ClusterSecurity, TLSFiles
 
-        secret = self.cluster_secret.get_secret_value().encode() if self.cluster_secret else b""
+        if self.cluster_secret is not None:
+            secret = self.cluster_secret.get_secret_value().encode()
+        else:
+            secret = self._generated_secret
         tls = None
         if self.cluster_tls_cert is not None and self.cluster_tls_key is not None:
             tls = TLSFiles(
