@@ -36,7 +36,7 @@ from collections.abc import Callable
 
 from block_index import KVEvent
 from net import handshake
-from net.local_socket import listen_local
+from net.local_socket import listen_local, same_user
 from net.security import ClusterSecurity
 from net.sockets import accept_forever, tune
 from protocol.outputs import RequestOutput
@@ -176,14 +176,17 @@ class OutputServer:
         local: bool = True,
     ) -> None:
         """``local``: offer a Unix socket as well, for routers on this machine
-        (``local_address``, "" when not offered or the platform has none)."""
+        (``local_address``, "" when not offered or the platform has none).
+        Under cluster mutual TLS none is offered: its peers could not show a
+        certificate there, and mutual TLS promises that every peer does."""
         self.security = security
         self.max_frame_bytes = max_frame_bytes
         self._on_router_gone = on_router_gone
         self._ssl = security.server_ssl_context()
         self._listener = socket.create_server((host, 0), backlog=socket.SOMAXCONN)
         self.address = f"{host}:{self._listener.getsockname()[1]}"
-        made = listen_local("out") if local else None
+        mutual_tls = security.tls is not None and security.tls.ca is not None
+        made = listen_local("out") if local and not mutual_tls else None
         self._local_listener, self.local_address = made or (None, "")
         self._lock = threading.Lock()
         self._routers: dict[str, RouterConnection] = {}
@@ -288,7 +291,12 @@ class OutputServer:
     def _serve(self, sock: socket.socket, tls: bool) -> None:
         """One router's connection: TLS first (with the cluster's TLS, if any,
         and ``tls``: not on the local socket), then the handshake, whose
-        identity is the router's id."""
+        identity is the router's id. The local socket first admits only
+        processes of this worker's own user (local_socket.same_user)."""
+        if not tls and not same_user(sock):
+            log.warning("refused a local output stream from another user's process")
+            sock.close()
+            return
         try:
             tune(sock)
             sock.settimeout(HANDSHAKE_TIMEOUT_S)
