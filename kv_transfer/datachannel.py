@@ -48,7 +48,15 @@ import xxhash
 
 from net import handshake
 from net.security import REFUSED_KEY, ClusterSecurity
-from net.sockets import accept_forever, recv_exact, recv_into_buffers, send_buffers, tune
+from net.sockets import (
+    PortRange,
+    accept_forever,
+    listen,
+    recv_exact,
+    recv_into_buffers,
+    send_buffers,
+    tune,
+)
 
 from .interface import TransferError, new_staging
 
@@ -274,14 +282,18 @@ class DataServer:
     """Listens for data connections and hands each to the push it belongs to."""
 
     def __init__(
-        self, host: str, security: ClusterSecurity, max_frame_bytes: int = 64 << 20
+        self,
+        host: str,
+        security: ClusterSecurity,
+        max_frame_bytes: int = 64 << 20,
+        ports: PortRange | None = None,
     ) -> None:
         self.security = security
         self.max_frame_bytes = max_frame_bytes
         self._ssl = self.security.server_ssl_context()
         # A burst of pushes connects at once: a short backlog drops SYNs, and a
         # dropped SYN is retried after 1, 3, 7... s.
-        self._listener = socket.create_server((host, 0), backlog=socket.SOMAXCONN)
+        self._listener = listen(host, ports)
         self.port: int = self._listener.getsockname()[1]
         self._expected: dict[bytes, IncomingData] = {}
         self._lock = threading.Lock()

@@ -1,14 +1,37 @@
 """Plain and TLS sockets: framing helpers every internal stream shares
-(scatter/gather sends and receives, exact reads, the accept loop)."""
+(scatter/gather sends and receives, exact reads, the accept loop, listening
+in a fixed port range)."""
 
 from __future__ import annotations
 
+import errno
 import socket
 import ssl
 import threading
 from collections.abc import Callable, Sequence
 
 _IOV_BATCH = 512  # buffers per sendmsg / recvmsg_into (Linux allows 1024)
+
+
+PortRange = tuple[int, int]
+"""Ports ``low`` to ``high``, both included."""
+
+
+def listen(host: str, ports: PortRange | None = None) -> socket.socket:
+    """A listening TCP socket on ``host``: on a free port the kernel picks
+    (``ports`` None), else on the first free one of ``ports``, so that a
+    firewall can name the ports internal endpoints use. OSError when every
+    port of the range is taken."""
+    if ports is None:
+        return socket.create_server((host, 0), backlog=socket.SOMAXCONN)
+    low, high = ports
+    for port in range(low, high + 1):
+        try:
+            return socket.create_server((host, port), backlog=socket.SOMAXCONN)
+        except OSError as e:
+            if e.errno != errno.EADDRINUSE:
+                raise
+    raise OSError(errno.EADDRINUSE, f"no free port in {low}-{high} on {host}")
 
 
 def tune(sock: socket.socket) -> None:

@@ -279,8 +279,22 @@ class TransferSection(Section):
     streams) and largest KV data-channel frame; at least 16 (a chunk is 8 MiB)."""
     local_output_streams: bool = True
     """A decode worker's output stream to a router on the same machine goes over a Unix
-    socket (no TLS: it never leaves the machine) instead of TCP; false: TCP (and TLS
-    where configured) everywhere."""
+    socket (same user only; off under cluster mutual TLS) instead of TCP; false: TCP
+    (and TLS where configured) everywhere."""
+    port_range: tuple[int, int] | None = None
+    """[low, high]: the ports every worker's internal listeners (KV gRPC, KV data channel,
+    output streams) bind, each the first free one, so that firewalls can name them; give
+    at least 3 ports per worker of a node. None: ports the kernel picks."""
+
+    @model_validator(mode="after")
+    def _check_ports(self) -> TransferSection:
+        if self.port_range is not None:
+            low, high = self.port_range
+            if not 1024 <= low <= high <= 65535:
+                raise ValueError(
+                    f"port_range: expected [low, high] in 1024-65535, got {low}-{high}"
+                )
+        return self
 
     def transfer_config(self, security: ClusterSecurity) -> TransferConfig:
         """What every worker's KV server and client use."""
@@ -292,6 +306,7 @@ class TransferSection(Section):
             max_message_bytes=self.max_message_mb << 20,
             security=security,
             local_streams=self.local_output_streams,
+            port_range=self.port_range,
         )
 
 
@@ -336,9 +351,15 @@ class SecuritySection(Section):
     """File of accepted API keys, one per line (# starts a comment): keys kept out of
     the config file."""
     tls_cert: Path | None = None
-    """PEM certificate chain of the router's gRPC API; set with tls_key to serve TLS only."""
+    """PEM certificate chain of the router's gRPC API (and of the HTTP front unless
+    http_tls_cert is set); set with tls_key to serve TLS only."""
     tls_key: Path | None = None
     """PEM private key of tls_cert."""
+    http_tls_cert: Path | None = None
+    """PEM certificate chain of the HTTP front (HTTPS only, plain HTTP refused); set with
+    http_tls_key. Unset: tls_cert and tls_key, when set, serve the HTTP front too."""
+    http_tls_key: Path | None = None
+    """PEM private key of http_tls_cert."""
     cluster_tls_cert: Path | None = None
     """PEM certificate every worker and the router present on the internal endpoints
     (KV transfer gRPC and data channel, output streams); set with cluster_tls_key."""
@@ -361,12 +382,25 @@ class SecuritySection(Section):
 
     @model_validator(mode="after")
     def _check_tls(self) -> SecuritySection:
-        for cert, key in (("tls_cert", "tls_key"), ("cluster_tls_cert", "cluster_tls_key")):
+        pairs = (
+            ("tls_cert", "tls_key"),
+            ("http_tls_cert", "http_tls_key"),
+            ("cluster_tls_cert", "cluster_tls_key"),
+        )
+        for cert, key in pairs:
             if (getattr(self, cert) is None) != (getattr(self, key) is None):
                 raise ValueError(f"{cert} and {key} go together: set both or neither")
         if self.cluster_tls_ca is not None and self.cluster_tls_cert is None:
             raise ValueError("cluster_tls_ca needs cluster_tls_cert and cluster_tls_key")
-        files = ("tls_cert", "tls_key", "cluster_tls_cert", "cluster_tls_key", "cluster_tls_ca")
+        files = (
+            "tls_cert",
+            "tls_key",
+            "http_tls_cert",
+            "http_tls_key",
+            "cluster_tls_cert",
+            "cluster_tls_key",
+            "cluster_tls_ca",
+        )
         for name in files:
             path = getattr(self, name)
             if path is not None and not path.is_file():
@@ -374,6 +408,15 @@ class SecuritySection(Section):
         if self.cluster_secret is not None and not self.cluster_secret.get_secret_value():
             raise ValueError("cluster_secret must not be empty")
         return self
+
+    def http_tls(self) -> tuple[Path, Path] | None:
+        """(certificate, key) of the HTTP front: its own, else the gRPC API's; None:
+        plain HTTP."""
+        if self.http_tls_cert is not None and self.http_tls_key is not None:
+            return self.http_tls_cert, self.http_tls_key
+        if self.tls_cert is not None and self.tls_key is not None:
+            return self.tls_cert, self.tls_key
+        return None
 
     def cluster_security(self) -> ClusterSecurity:
         """The internal endpoints' secret and TLS, for workers and the router."""

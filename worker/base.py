@@ -91,6 +91,7 @@ class EngineWorker:
             self._router_gone,
             transfer.max_message_bytes,
             local=transfer.local_streams,
+            ports=transfer.port_range,
         )
         return self.outputs
 

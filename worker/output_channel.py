@@ -38,7 +38,7 @@ from block_index import KVEvent
 from net import handshake
 from net.local_socket import listen_local, same_user
 from net.security import ClusterSecurity
-from net.sockets import accept_forever, tune
+from net.sockets import PortRange, accept_forever, listen, tune
 from protocol.outputs import RequestOutput
 from protos.tandem.v1 import worker_pb2
 from worker import output_wire as wire
@@ -174,8 +174,10 @@ class OutputServer:
         on_router_gone: RouterGone,
         max_frame_bytes: int = 64 << 20,
         local: bool = True,
+        ports: PortRange | None = None,
     ) -> None:
-        """``local``: offer a Unix socket as well, for routers on this machine
+        """``ports``: the range the TCP listener binds in (net/sockets.py, listen).
+        ``local``: offer a Unix socket as well, for routers on this machine
         (``local_address``, "" when not offered or the platform has none).
         Under cluster mutual TLS none is offered: its peers could not show a
         certificate there, and mutual TLS promises that every peer does."""
@@ -183,7 +185,7 @@ class OutputServer:
         self.max_frame_bytes = max_frame_bytes
         self._on_router_gone = on_router_gone
         self._ssl = security.server_ssl_context()
-        self._listener = socket.create_server((host, 0), backlog=socket.SOMAXCONN)
+        self._listener = listen(host, ports)
         self.address = f"{host}:{self._listener.getsockname()[1]}"
         mutual_tls = security.tls is not None and security.tls.ca is not None
         made = listen_local("out") if local and not mutual_tls else None
