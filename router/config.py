@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from net.security import ClusterSecurity
 
 CLUSTER_SECRET_ENV = "TANDEM_CLUSTER_SECRET"
+REDIS_PASSWORD_ENV = "TANDEM_REDIS_PASSWORD"
 
 
 class Section(BaseModel):
@@ -253,11 +254,17 @@ class RoutingSection(Section):
     are left to compute, it prefills them itself (no transfer); 0 turns this off, so
     that decode steps never carry prefill work."""
     redis_url: str | None = None
-    """Block index in Redis (e.g. redis://127.0.0.1:6379/0), shared by several routers;
-    None: an in-process index in the router."""
+    """Block index in Redis (e.g. redis://127.0.0.1:6379/0; rediss:// for TLS), shared by
+    several routers; None: an in-process index in the router."""
+    redis_password: SecretStr | None = Field(None, repr=False)
+    """Password the router and workers AUTH to Redis with (unless redis_url carries one);
+    YAML or the TANDEM_REDIS_PASSWORD environment variable, never a flag; never logged."""
     deployment: str = Field("default", min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
     """Name of this deployment: its Redis keys are prefixed with it (and the model), so
     that deployments sharing a Redis do not see each other's blocks."""
+
+    def redis_password_value(self) -> str | None:
+        return self.redis_password.get_secret_value() if self.redis_password else None
 
 
 class TransferSection(Section):
@@ -505,7 +512,8 @@ class ServeConfig(BaseModel):
     ) -> ServeConfig:
         """YAML file (optional) plus ``overrides`` by dotted path
         (``{"pools.prefill": 2}``; None values are ignored), plus the cluster
-        secret from $TANDEM_CLUSTER_SECRET when neither sets it."""
+        secret from $TANDEM_CLUSTER_SECRET and the Redis password from
+        $TANDEM_REDIS_PASSWORD when neither sets them."""
         data: dict = {}
         if path is not None:
             loaded = yaml.safe_load(Path(path).read_text()) or {}
@@ -515,10 +523,15 @@ class ServeConfig(BaseModel):
         for dotted, value in (overrides or {}).items():
             if value is not None:
                 _set_path(data, dotted, value)
-        secret = os.environ.get(CLUSTER_SECRET_ENV)
-        security = data.get("security") or {}
-        if secret and isinstance(security, dict) and "cluster_secret" not in security:
-            _set_path(data, "security.cluster_secret", secret)
+        for env, dotted in (
+            (CLUSTER_SECRET_ENV, "security.cluster_secret"),
+            (REDIS_PASSWORD_ENV, "routing.redis_password"),
+        ):
+            value = os.environ.get(env)
+            section, key = dotted.split(".")
+            given = data.get(section) or {}
+            if value and isinstance(given, dict) and key not in given:
+                _set_path(data, dotted, value)
         return cls.model_validate(data)
 
     def updated(self, **sections: Mapping[str, Any] | BaseModel) -> ServeConfig:

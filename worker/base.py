@@ -81,6 +81,7 @@ class EngineWorker:
             heartbeat_s=index.heartbeat_s,
             ttl_s=index.ttl_s,
             snapshot=self.cached_hashes,
+            password=index.redis_password,
         )
 
     def open_outputs(self, host: str, transfer: TransferConfig) -> OutputServer:
