@@ -248,8 +248,8 @@ def _prompt(n: int, seed: int) -> list[int]:
 
 def test_decode_after_push_continues_like_one_engine(llama_dir):
     params = {"temperature": 0.0, "max_tokens": 20, "ignore_eos": True}
-    prefill = Peer(PeerSpec(64, model=str(llama_dir)))
-    decode = Peer(PeerSpec(64, model=str(llama_dir)))
+    spec = PeerSpec(64, model=str(llama_dir), config=TransferConfig(security=SECURITY))
+    prefill, decode = Peer(spec), Peer(spec)
     try:
         free = (prefill.call("num_free"), decode.call("num_free"))
         for i, n in enumerate([7, 33, 70]):
