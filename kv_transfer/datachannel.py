@@ -49,6 +49,7 @@ import xxhash
 from net import handshake
 from net.security import REFUSED_KEY, ClusterSecurity
 from net.sockets import (
+    Admission,
     PortRange,
     accept_forever,
     listen,
@@ -325,7 +326,7 @@ class DataServer:
     def _accept_forever(self) -> None:
         accept_forever(self._listener, lambda: self._stopped, self._serve, "kv-data-conn")
 
-    def _serve(self, sock: socket.socket) -> None:
+    def _serve(self, sock: socket.socket, admission: Admission) -> None:
         """TLS first (when configured), then the handshake, which names the
         push this connection brings the data of; dropped unless its token is
         expected and its answer proves the cluster secret."""
@@ -335,9 +336,12 @@ class DataServer:
             sock.settimeout(HANDSHAKE_TIMEOUT_S)
             if self._ssl is not None:
                 sock = self._ssl.wrap_socket(sock, server_side=True)
-            token = handshake.accept(
-                sock, self.security, HANDSHAKE_TAG, TOKEN_BYTES, HANDSHAKE_TIMEOUT_S
-            )
+            try:
+                token = handshake.accept(
+                    sock, self.security, HANDSHAKE_TAG, TOKEN_BYTES, HANDSHAKE_TIMEOUT_S
+                )
+            finally:
+                admission.done()
             sock.settimeout(None)
             with self._lock:
                 incoming = self._expected.pop(token, None)

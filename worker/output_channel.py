@@ -38,7 +38,7 @@ from block_index import KVEvent
 from net import handshake
 from net.local_socket import listen_local, same_user
 from net.security import ClusterSecurity
-from net.sockets import PortRange, accept_forever, listen, tune
+from net.sockets import Admission, PortRange, accept_forever, listen, tune
 from protocol.outputs import RequestOutput
 from protos.tandem.v1 import worker_pb2
 from worker import output_wire as wire
@@ -287,10 +287,10 @@ class OutputServer:
 
     def _accept(self, listener: socket.socket, tls: bool) -> None:
         accept_forever(
-            listener, lambda: self._stopped, lambda s: self._serve(s, tls), "outputs-conn"
+            listener, lambda: self._stopped, lambda s, a: self._serve(s, a, tls), "outputs-conn"
         )
 
-    def _serve(self, sock: socket.socket, tls: bool) -> None:
+    def _serve(self, sock: socket.socket, admission: Admission, tls: bool) -> None:
         """One router's connection: TLS first (with the cluster's TLS, if any,
         and ``tls``: not on the local socket), then the handshake, whose
         identity is the router's id. The local socket first admits only
@@ -304,9 +304,12 @@ class OutputServer:
             sock.settimeout(HANDSHAKE_TIMEOUT_S)
             if tls and self._ssl is not None:
                 sock = self._ssl.wrap_socket(sock, server_side=True)
-            identity = handshake.accept(
-                sock, self.security, wire.HANDSHAKE_TAG, timeout_s=HANDSHAKE_TIMEOUT_S
-            )
+            try:
+                identity = handshake.accept(
+                    sock, self.security, wire.HANDSHAKE_TAG, timeout_s=HANDSHAKE_TIMEOUT_S
+                )
+            finally:
+                admission.done()
             router_id = identity.decode(errors="replace")
         except (OSError, ValueError):  # ssl.SSLError and HandshakeRefused are OSErrors
             router_id = None
