@@ -261,3 +261,20 @@ def test_a_client_runs_at_most_max_concurrent_pushes_at_once():
     finally:
         harness.thread.run(client.close())
         harness.close()
+
+
+def test_a_kv_server_with_default_options_refuses_a_stranger_with_default_options():
+    """No option set anywhere: each TransferConfig holds its own random secret,
+    so a client that was not handed the server's cannot push or pull."""
+    harness = KVServerHarness(TransferConfig())
+    try:
+        assert _status_of_push(harness, TransferConfig()) == grpc.StatusCode.UNAUTHENTICATED
+        client = GrpcKVClient(TransferConfig())
+        with pytest.raises(TransferError) as err:
+            harness.thread.run(client.pull(harness.server.address, make_store(), [bytes(32)]))
+        harness.thread.run(client.close())
+        assert err.value.code == grpc.StatusCode.UNAUTHENTICATED
+        assert harness.settle() == ([], harness.initial_free)
+        _push(harness, harness.config)  # the config's own holder gets through
+    finally:
+        harness.close()
