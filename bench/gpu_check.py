@@ -33,6 +33,7 @@ import time
 
 import torch
 
+from benchkit.kv_peer import push_grant
 from engine import LLM, EngineConfig, LLMEngine
 from engine.block_pool import BlockPool, Holder
 from engine.config import ModelSpec
@@ -148,7 +149,10 @@ async def _push(src: PoolBlockStore, dst: PoolBlockStore, blocks: list[int], rep
     rates = []
     try:
         for i in range(reps + 1):  # the first warms up
-            request = KVBlocks(f"r{i}", blocks, [None] * len(blocks), [])
+            # Tokens of each push's own: the receiver holds no prefix of it.
+            tokens = [(i * 7919 + t) % 30000 for t in range(len(blocks) * dst.layout.block_size)]
+            grant = push_grant(server.service.config, server.address, f"r{i}")
+            request = KVBlocks(f"r{i}", blocks, [None] * len(blocks), tokens, grant=grant)
             start = time.perf_counter()
             result = await client.push(server.address, src, request)
             rates.append(result.bytes_sent / (time.perf_counter() - start))

@@ -5,9 +5,9 @@ tiny model (not a timed test).
 bench/serving.py starts it, with max_queued_requests raised above the load);
 the client opens every stream at once over a few gRPC channels and checks
 each one: a final message, exactly ``--max-tokens`` tokens, no error status.
-Before and after, Admin.Status gives every worker's free block count: they
-must match (no leak). The baseline, in the same run on the same server, is
-64 concurrent streams. The last line is one JSON object.
+Before and after, Admin.Status (with an admin key made for the run) gives
+every worker's free block count: they must match (no leak). The baseline,
+in the same run on the same server, is 64 concurrent streams. The last line is one JSON object.
 
   python bench/load.py [--streams 1000] [--max-tokens 32] [--secure]
 
@@ -38,9 +38,11 @@ import torch
 
 from benchkit.local_serve import tandem_serve
 from protos.tandem.v1 import admin_pb2, admin_pb2_grpc
+from router.auth import ADMIN_KEYS_ENV, client_metadata
 from router.client import TandemClient
 
 PROMPT_TOKENS = 32
+ADMIN_KEY = os.urandom(16).hex()  # the served router's admin key (Admin.Status)
 
 
 @contextlib.contextmanager
@@ -51,7 +53,8 @@ def serve(extra_yaml: str, env_extra: dict[str, str]):
         "limits: {max_queued_requests: 4096}\n" + extra_yaml
     )
     flags = ("--prefill", "1", "--decode", "1")
-    with tandem_serve(config, flags, env_extra) as (address,):
+    env = {ADMIN_KEYS_ENV: ADMIN_KEY, **env_extra}
+    with tandem_serve(config, flags, env) as (address,):
         yield address
 
 
@@ -105,7 +108,10 @@ async def free_blocks(address: str, ca: bytes | None) -> dict[str, int]:
         creds = grpc.ssl_channel_credentials(root_certificates=ca)
         channel = grpc.aio.secure_channel(address, creds)
     async with channel:
-        reply = await admin_pb2_grpc.AdminStub(channel).Status(admin_pb2.StatusRequest())
+        metadata = client_metadata(ADMIN_KEY)
+        reply = await admin_pb2_grpc.AdminStub(channel).Status(
+            admin_pb2.StatusRequest(), metadata=metadata
+        )
     return {w.name: w.free_blocks for w in reply.workers}
 
 

@@ -44,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 
+from benchkit.kv_peer import push_grant
 from engine import EngineConfig, LLMEngine
 from engine.block_pool import BlockPool, Holder
 from engine.config import SpeculativeConfig
@@ -163,7 +164,10 @@ async def _push_once(layout, wire: str | None, num_blocks: int) -> tuple[int, fl
         bench = Holder("lease", "bench")
         ids = src.reserve(bench, num_blocks)
         t0 = time.perf_counter()
-        result = await client.push(server.address, src, KVBlocks("r", ids, [None] * num_blocks, []))
+        tokens = list(range(num_blocks * layout.block_size))
+        grant = push_grant(server.service.config, server.address, "r")
+        blocks = KVBlocks("r", ids, [None] * num_blocks, tokens, grant=grant)
+        result = await client.push(server.address, src, blocks)
         elapsed = time.perf_counter() - t0
         dst.release(server.claim("r").holder)
         src.release(bench)

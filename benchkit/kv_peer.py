@@ -31,6 +31,7 @@ from kv_transfer import (
     TransferConfig,
     TransferError,
 )
+from net.grants import PULL, PUSH, GrantMinter, pull_digest, push_digest
 
 
 @dataclass(frozen=True)
@@ -202,9 +203,12 @@ class _Handler:
         token_ids: list[int] | None = None,
         stall_after: int | None = None,
         corrupt_message: int | None = None,
+        grant: bytes | None = None,
     ) -> tuple[list[int], int, float]:
         """Push blocks; ``stall_after`` hangs the whole process after that many
-        messages and ``corrupt_message`` flips a payload byte of that message."""
+        messages and ``corrupt_message`` flips a payload byte of that message.
+        ``token_ids`` None: tokens of the request's own (from its id) fill the
+        blocks. ``grant`` None: this peer mints one, as a router would."""
         count = 0
 
         def tamper(msg: bytes) -> bytes:
@@ -218,11 +222,18 @@ class _Handler:
                 return bytes(broken)
             return msg
 
+        if token_ids is None:
+            bs = self.store.layout.block_size
+            gen = torch.Generator().manual_seed(zlib.crc32(request_id.encode()))
+            token_ids = torch.randint(0, 30000, (len(block_ids) * bs,), generator=gen).tolist()
+        if grant is None:
+            grant = push_grant(self.spec.config, address, request_id)
         blocks = KVBlocks(
             request_id,
             block_ids,
             block_hashes or [None] * len(block_ids),
-            token_ids or [],
+            token_ids,
+            grant=grant,
         )
         if stall_after is None and corrupt_message is None:
             client = self.client  # kept, like a prefill worker's: its channels stay up
@@ -236,9 +247,17 @@ class _Handler:
             if client is not self.client:
                 await client.close()
 
-    async def do_pull(self, address: str, block_hashes: list[bytes]) -> tuple[list[int], int]:
-        """Pull into this pool: the blocks, held by the driver's holder, and the bytes."""
-        result = await self.client.pull(address, self.store, block_hashes)
+    async def do_pull(
+        self, address: str, block_hashes: list[bytes], grant: bytes | None = None
+    ) -> tuple[list[int], int]:
+        """Pull into this pool: the blocks, held by the driver's holder, and the
+        bytes. ``grant`` None: this peer mints one, as a router would."""
+        request_id = f"pull-{time.monotonic_ns()}"
+        if grant is None:
+            grant = pull_grant(self.spec.config, address, request_id, block_hashes)
+        result = await self.client.pull(
+            address, self.store, block_hashes, request_id=request_id, grant=grant
+        )
         with self.store.lock:
             self.store.pool.transfer(result.holder, DRIVER, result.block_ids)
         return result.block_ids, result.bytes_received
@@ -289,3 +308,13 @@ class _Handler:
             for out in self.engine.step():
                 tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
         return tokens
+
+
+def push_grant(config: TransferConfig, address: str, request_id: str) -> bytes:
+    """The grant a router would mint for this push (net/grants.py)."""
+    return GrantMinter(config.security).mint(PUSH, address, request_id, push_digest(b""))
+
+
+def pull_grant(config: TransferConfig, address: str, request_id: str, hashes) -> bytes:
+    """The grant a router would mint for this pull."""
+    return GrantMinter(config.security).mint(PULL, address, request_id, pull_digest(hashes))

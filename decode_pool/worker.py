@@ -25,6 +25,7 @@ import grpc
 
 from block_index import IndexSettings
 from engine.config import EngineConfig
+from engine.detokenizer import stop_matcher
 from engine.llm_engine import LLMEngine
 from kv_transfer import CommittedPush, GrpcKVServer, TransferConfig, TransferError
 from protocol.decode_start import BadStart, DecodeStart
@@ -98,6 +99,7 @@ class DecodeWorker(EngineWorker):
         tokens = push.token_ids + push.next_token_ids
         prompt, outputs = tokens[: start.num_prompt_tokens], tokens[start.num_prompt_tokens :]
         first = start.first_output(rid, push.next_token_ids)
+        matcher = stop_matcher(start.params.stop)  # here, not on the engine thread
         log_event(
             log,
             "decode_start",
@@ -114,7 +116,15 @@ class DecodeWorker(EngineWorker):
                 if first.finished:
                     engine.block_pool.release_held([push.blocks])
                 else:  # the request holds the blocks now (freed if it is refused)
-                    engine.add_prefilled_request(rid, prompt, outputs, start.params, [push.blocks])
+                    engine.add_prefilled_request(
+                        rid,
+                        prompt,
+                        outputs,
+                        start.params,
+                        [push.blocks],
+                        matcher,
+                        push.cache_salt,
+                    )
             except Exception as exc:
                 log.warning("request %s could not start: %s", rid, exc)
                 out = RequestOutput.aborted(rid)
@@ -141,9 +151,16 @@ class DecodeWorker(EngineWorker):
             prompt_tokens=len(req.prompt_token_ids),
         )
         try:
+            matcher = await asyncio.to_thread(stop_matcher, req.params.stop)
             await self.loop.acall(
                 lambda e: e.add_request(
-                    req.request_id, req.prompt_token_ids, req.params, False, req.output_token_ids
+                    req.request_id,
+                    req.prompt_token_ids,
+                    req.params,
+                    False,
+                    req.output_token_ids,
+                    matcher,
+                    req.cache_salt,
                 )
             )
         except BaseException:

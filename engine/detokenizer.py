@@ -12,20 +12,25 @@ Stop strings: one Aho-Corasick automaton over all stop strings (built once
 per distinct stop list) scans each new character once. Its state after the
 last character is the longest suffix of the text that is a prefix of some
 stop string: exactly the text to hold back, since it may still become a stop.
+Workers build a request's automaton (``stop_matcher``) before they hand the
+request to the engine thread, so a long stop list never holds a step back;
+built automata are kept in an LRU cache bounded in bytes.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import threading
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any
 
 _PROMPT_CONTEXT_TOKENS = 6  # prompt tokens decoded before the first output token
 _MAX_DIRTY_WINDOW = 16  # a window still ending in U+FFFD is cut back past this many tokens
 _DIRTY_KEEP = 8  # tokens kept when cutting; they hold the incomplete char (<= 3 bytes)
 _REPLACEMENT = "\ufffd"
+_STATE_BYTES = 360  # one automaton state: its children dict, three list slots, ints
+STOP_CACHE_BYTES = 64 << 20
 
 
 @dataclass
@@ -77,6 +82,11 @@ class StopMatcher:
                     self.match_len[child] = self.match_len[self.fail[child]]
                 queue.append(child)
 
+    @property
+    def nbytes(self) -> int:
+        """An estimate of the memory the automaton holds."""
+        return len(self.children) * _STATE_BYTES
+
     def step(self, state: int, ch: str) -> int:
         children, fail = self.children, self.fail
         while state and ch not in children[state]:
@@ -84,9 +94,47 @@ class StopMatcher:
         return children[state].get(ch, 0)
 
 
-@lru_cache(maxsize=64)
-def _matcher(stops: tuple[str, ...]) -> StopMatcher:
-    return StopMatcher(stops)
+class StopMatcherCache:
+    """Built automata by stop list, least recently used evicted past ``max_bytes``.
+    Thread-safe; an automaton is built outside the lock (two threads may build
+    the same one; both results are equal)."""
+
+    def __init__(self, max_bytes: int = STOP_CACHE_BYTES) -> None:
+        self.max_bytes = max_bytes
+        self.nbytes = 0
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[tuple[str, ...], StopMatcher] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, stops: tuple[str, ...]) -> StopMatcher:
+        with self._lock:
+            found = self._entries.get(stops)
+            if found is not None:
+                self._entries.move_to_end(stops)
+                return found
+        built = StopMatcher(stops)
+        if built.nbytes > self.max_bytes:
+            return built  # used, never kept
+        with self._lock:
+            if stops not in self._entries:
+                self._entries[stops] = built
+                self.nbytes += built.nbytes
+            while self.nbytes > self.max_bytes:
+                _, old = self._entries.popitem(last=False)
+                self.nbytes -= old.nbytes
+        return built
+
+
+_CACHE = StopMatcherCache()
+
+
+def stop_matcher(stop: Sequence[str]) -> StopMatcher | None:
+    """The automaton of a stop list (cached), None for no stop strings. Call it
+    off the engine thread and hand the result to ``LLMEngine.add_request``."""
+    stops = (stop,) if isinstance(stop, str) else tuple(stop)
+    return _CACHE.get(stops) if stops else None
 
 
 def _decoder(tokenizer: Any, skip_special_tokens: bool) -> Callable[[list[int]], str]:
@@ -119,14 +167,15 @@ class IncrementalDetokenizer:
         prompt_token_ids: Sequence[int],
         stop: Sequence[str] = (),
         skip_special_tokens: bool = True,
+        matcher: StopMatcher | None = None,
     ) -> None:
+        """``matcher``: ``stop_matcher(stop)``, built already; None builds it here."""
         self._decode_ids = _decoder(tokenizer, skip_special_tokens)
         self._ids = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
         self._start = 0  # window start in _ids
         self._clean = len(self._ids)  # _ids length when the window last ended cleanly
         self._consumed = len(self._decode(0))  # chars of the window already handed on
-        stops = (stop,) if isinstance(stop, str) else tuple(stop)
-        self._matcher = _matcher(stops) if stops else None
+        self._matcher = matcher if matcher is not None else stop_matcher(stop)
         self._state = 0  # automaton state after all text handed on
         self._held = ""  # text handed on but held back as a possible stop prefix
         self._chunks: list[str] = []

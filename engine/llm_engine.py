@@ -23,7 +23,7 @@ from engine.attention import PrefillSlice, build_metadata
 from engine.block_pool import BlockPool, Held, Holder
 from engine.config import EngineConfig, ModelSpec
 from engine.cuda_graphs import BATCH_SIZES, DecodeGraphRunner
-from engine.detokenizer import IncrementalDetokenizer
+from engine.detokenizer import IncrementalDetokenizer, StopMatcher
 from engine.device import resolve_device
 from engine.hashing import BlockHash, root_hash
 from engine.kernels import select as select_kernels
@@ -191,6 +191,8 @@ class LLMEngine:
         params: SamplingParams,
         prefill_only: bool,
         output_token_ids: Seq[int] = (),
+        stop_matcher: StopMatcher | None = None,
+        cache_salt: bytes = b"",
     ) -> Sequence:
         if request_id in self._seqs:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -202,13 +204,18 @@ class LLMEngine:
             params=params,
             arrival=next(self._arrival),
             prefill_only=prefill_only,
+            cache_salt=bytes(cache_salt),
             output_token_ids=list(output_token_ids),
         )
         if params.seed is not None:
             seq.generator = torch.Generator(device=self.device)
         if self.tokenizer is not None:
             seq.detokenizer = IncrementalDetokenizer(
-                self.tokenizer, seq.prompt_token_ids, params.stop, params.skip_special_tokens
+                self.tokenizer,
+                seq.prompt_token_ids,
+                params.stop,
+                params.skip_special_tokens,
+                stop_matcher,
             )
             for token in seq.output_token_ids:  # their text was emitted already
                 seq.detokenizer.add(token)
@@ -241,12 +248,25 @@ class LLMEngine:
         params: SamplingParams,
         prefill_only: bool = False,
         output_token_ids: Seq[int] = (),
+        stop_matcher: StopMatcher | None = None,
+        cache_salt: bytes = b"",
     ) -> None:
         """Queue a request. ``output_token_ids``: tokens it generated already
         (elsewhere, before a failover); they are computed with the prompt and
         the request goes on as if it had produced them here: same max_tokens
-        count, stop strings, penalties and detokenizer state."""
-        seq = self._new_seq(request_id, prompt_token_ids, params, prefill_only, output_token_ids)
+        count, stop strings, penalties and detokenizer state. ``stop_matcher``:
+        ``stop_matcher(params.stop)`` built by the caller off the engine thread
+        (None: built here). ``cache_salt``: its prefix-cache domain (every block
+        hash of it uses it); only requests of the same salt share cached blocks."""
+        seq = self._new_seq(
+            request_id,
+            prompt_token_ids,
+            params,
+            prefill_only,
+            output_token_ids,
+            stop_matcher,
+            cache_salt,
+        )
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> bool:
@@ -471,13 +491,23 @@ class LLMEngine:
         output_token_ids: Seq[int],
         params: SamplingParams,
         blocks: Seq[Held],
+        stop_matcher: StopMatcher | None = None,
+        cache_salt: bytes = b"",
     ) -> None:
         """Continue a request whose KV for all but the last token is already in
         this pool: its block table is the blocks of ``blocks`` in order, and
         their holders' references become the request's (when this call fails,
-        they are released)."""
+        they are released). ``cache_salt`` as for ``add_request``."""
         try:
-            seq = self._new_seq(request_id, prompt_token_ids, params, False, output_token_ids[:-1])
+            seq = self._new_seq(
+                request_id,
+                prompt_token_ids,
+                params,
+                False,
+                output_token_ids[:-1],
+                stop_matcher,
+                cache_salt,
+            )
         except Exception:
             self.block_pool.release_held(blocks)
             raise

@@ -35,6 +35,7 @@ class Sequence:
     params: SamplingParams
     arrival: int  # admission order; the youngest is preempted first
     prefill_only: bool = False
+    cache_salt: bytes = b""  # its prefix-cache domain: the ``extra`` of every block hash
     output_token_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)  # what ``holder`` holds, in order
     block_hashes: list[BlockHash] = field(default_factory=list)  # of full, computed blocks
@@ -73,7 +74,9 @@ class Sequence:
         if have < n:
             parent = self._hash_cache[-1] if have else None
             tokens = self.token_ids(0, n * block_size)
-            self._hash_cache += hash_blocks(tokens, block_size, root, start=have, parent=parent)
+            self._hash_cache += hash_blocks(
+                tokens, block_size, root, self.cache_salt, start=have, parent=parent
+            )
         return self._hash_cache[:n]
 
     def all_token_ids(self) -> list[int]:

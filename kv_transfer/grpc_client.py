@@ -168,12 +168,15 @@ class GrpcKVClient(KVTransferClient):
         block_hashes: Sequence[bytes],
         *,
         request_id: str = "",
+        grant: bytes = b"",
+        token_ids: Sequence[int] = (),
         timeout_s: float | None = None,
     ) -> PullResult:
         request = pb.PullRequest(
             layout=wire.layout_to_proto(sink.layout),
             request_id=request_id,
             block_hashes=block_hashes,
+            grant=grant,
         )
         call = self._channel(address).unary_stream(
             PULL_METHOD,
@@ -183,7 +186,7 @@ class GrpcKVClient(KVTransferClient):
             request,
             timeout=timeout_s or self.config.timeout_s,
         )
-        receiver = KVReceiver(sink)
+        receiver = KVReceiver(sink, asked=list(block_hashes), asked_tokens=token_ids)
         try:
             async for msg in call:
                 await receiver.on_message_async(msg, self._executor)

@@ -118,6 +118,7 @@ class GrpcKVServer(KVTransferServer):
         await server.start()
         self._server = server
         self.address = f"{self._host}:{port}"
+        self.service.identity = self.address  # what the router's grants name
         if config.data_channel and (config.security.tls is None or config.tls_data_channel):
             self._data = DataServer(
                 self._host.strip("[]"), config.security, config.max_message_bytes, config.port_range

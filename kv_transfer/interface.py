@@ -121,6 +121,8 @@ class KVBlocks:
     token_ids: Sequence[int]  # the tokens whose KV the blocks hold
     next_token_ids: Sequence[int] = ()  # sampled after them, KV not computed (a prefill's)
     decode_start: bytes = b""  # what the receiving decode worker starts the request with
+    cache_salt: bytes = b""  # the request's prefix-cache domain (its blocks' hash ``extra``)
+    grant: bytes = field(default=b"", repr=False)  # the router's push grant (net/grants.py)
 
 
 @dataclass(frozen=True)
@@ -153,6 +155,7 @@ class CommittedPush:
     next_token_ids: list[int]  # sampled after them
     decode_start: bytes
     held_blocks: int  # leading blocks the receiver held before the push
+    cache_salt: bytes = b""  # what its blocks are indexed under here (chain.py)
 
 
 class PushHandler(Protocol):
@@ -160,7 +163,8 @@ class PushHandler(Protocol):
     a committed push waits, leased, for ``claim``."""
 
     def check(self, request_id: str, decode_start: bytes) -> None:
-        """Refuse a push (raise TransferError) before any block is reserved."""
+        """Refuse a push (raise TransferError) before any block is reserved
+        (its grant is checked already)."""
 
     def committed(self, push: CommittedPush) -> None:
         """Take over a committed push; called on the server's event loop once
@@ -246,9 +250,13 @@ class KVTransferClient(ABC):
         block_hashes: Sequence[bytes],
         *,
         request_id: str = "",
+        grant: bytes = b"",
+        token_ids: Sequence[int] = (),
         timeout_s: float | None = None,
     ) -> PullResult:
-        """Fetch the longest prefix of ``block_hashes`` the holder has."""
+        """Fetch the longest prefix of ``block_hashes`` the holder has, with
+        the router's pull ``grant``; ``token_ids``: the blocks' tokens, which
+        the holder's must equal (empty: not checked)."""
 
     async def close(self) -> None:
         return None

@@ -1,6 +1,8 @@
 """The receiving half of a transfer, whatever moves the bytes.
 
-Header: check the layout; take the leading blocks the pool already holds
+Header: check the layout and the blocks' hashes (chain.py: a push's are
+recomputed from its tokens, a pull's must be those asked for); take the
+leading blocks the pool already holds
 (a push's receiver, ``reuse_prefix``: their chunks are not sent) and
 reserve the rest, all held by a lease holder of this transfer's own.
 Chunks: check range, hashes, size and checksum, then write into the
@@ -29,6 +31,7 @@ import numpy as np
 from engine.block_pool import Held, Holder
 from protos.tandem.v1 import kv_transfer_pb2 as pb
 
+from .chain import cache_salt_for, pulled_hashes, push_hashes
 from .interface import BlockSink, TransferError, TransferState
 from .lease import lease_holder
 from .wire import COMMIT, Chunk, Malformed, Message, layout_from_proto
@@ -40,16 +43,29 @@ _INVALID = grpc.StatusCode.INVALID_ARGUMENT
 
 
 class KVReceiver:
-    def __init__(self, sink: BlockSink, reuse_prefix: bool = False) -> None:
+    def __init__(
+        self,
+        sink: BlockSink,
+        reuse_prefix: bool = False,
+        asked: Sequence[bytes] | None = None,
+        asked_tokens: Sequence[int] = (),
+    ) -> None:
+        """``asked``: a pull's receiver, which takes only the leading blocks
+        of these hashes (over ``asked_tokens``, when given); None: a push's,
+        which recomputes the hashes from the header's tokens."""
         self.sink = sink
         self.reuse_prefix = reuse_prefix
+        self.asked = asked
+        self.asked_tokens = asked_tokens
+        self.cache_salt = b""  # what the blocks are indexed under (chain.py)
         self.held_blocks = 0  # leading blocks the pool held already (no chunk brings them)
         self.decode_start = b""
         self.state = TransferState.PENDING
         self.request_id = ""
         self.holder: Holder | None = None  # of the reserved blocks, from the header on
         self.block_ids: list[int] = []
-        self.block_hashes: list[bytes] = []
+        self.block_hashes: list[bytes] = []  # as the chunks name them
+        self._cached_hashes: list[bytes] = []  # as the prefix cache indexes them
         self.token_ids: list[int] = []
         self.next_token_ids: list[int] = []
         self.bytes_received = 0
@@ -93,11 +109,12 @@ class KVReceiver:
             raise TransferError(_INVALID, f"{len(header.token_ids)} token_ids for {n} blocks")
         if header.total_bytes and header.total_bytes != n * self.sink.layout.block_bytes:
             raise TransferError(_INVALID, f"total_bytes {header.total_bytes} does not fit layout")
-        hashes = list(header.block_hashes)  # empty or one per block (checked above)
+        hashes = self._hashes(header)
         holder = lease_holder("recv", header.request_id)
         prefix: list[int] = []
-        if self.reuse_prefix and n > 1 and hashes:  # the last block always comes
-            prefix = self.sink.hold_prefix(holder, hashes[: n - 1], header.token_ids)
+        if self.reuse_prefix and n > 1:  # the last block always comes
+            full = [h for h in hashes[: n - 1] if h]
+            prefix = self.sink.hold_prefix(holder, full, header.token_ids)
         blocks = self.sink.reserve(holder, n - len(prefix))
         if blocks is None:
             self.sink.release(holder, prefix)
@@ -107,13 +124,21 @@ class KVReceiver:
         self.holder, self.block_ids = holder, prefix + blocks
         self.held_blocks = len(prefix)
         self.request_id = header.request_id
-        self.block_hashes = hashes or [b""] * n  # n blocks are reserved: n is sane
+        # As the header named them (equal to ``hashes`` where it did): chunks must name the same.
+        self.block_hashes = list(header.block_hashes) or [b""] * n  # n blocks are reserved: sane
+        self._cached_hashes = hashes
+        self.cache_salt = cache_salt_for(self.sink.layout.wire_dtype, header.cache_salt)
         self.token_ids = list(header.token_ids)
         self.next_token_ids = list(header.next_token_ids)
         self.decode_start = header.decode_start
         self._seen = np.zeros((self.sink.layout.num_layers, n), dtype=bool)
         self._seen[:, : self.held_blocks] = True
         self.state = TransferState.TRANSFERRING
+
+    def _hashes(self, header: pb.TransferHeader) -> list[bytes]:
+        if self.asked is None:
+            return push_hashes(header, self.sink.layout)
+        return pulled_hashes(header, self.sink.layout, self.asked, self.asked_tokens)
 
     async def on_message_async(self, msg: Message, executor: concurrent.futures.Executor) -> bool:
         """``on_message`` with chunk writes in ``executor``, one at a time."""
@@ -229,7 +254,7 @@ class KVReceiver:
         if not self._seen.all():
             missing = int((~self._seen).sum())
             raise TransferError(_INVALID, f"commit with {missing} (layer, block) parts missing")
-        self.sink.commit(self.block_ids, self.block_hashes, self.token_ids)
+        self.sink.commit(self.block_ids, self._cached_hashes, self.token_ids)
         self.state = TransferState.SUCCEEDED
         return self.held
 

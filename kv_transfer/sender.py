@@ -32,6 +32,8 @@ class KVSender:
         chunk_bytes: int,
         next_token_ids: Sequence[int] = (),
         decode_start: bytes = b"",
+        cache_salt: bytes = b"",
+        grant: bytes = b"",
     ) -> None:
         if len(block_hashes) != len(pinned_block_ids):
             raise ValueError(f"{len(block_hashes)} hashes for {len(pinned_block_ids)} blocks")
@@ -44,6 +46,8 @@ class KVSender:
         self.token_ids = list(token_ids)
         self.next_token_ids = list(next_token_ids)
         self.decode_start = decode_start
+        self.cache_salt = cache_salt
+        self.grant = grant
         self.chunk_bytes = chunk_bytes
         self.skipped = 0  # leading blocks the receiver holds: no chunk carries them
         self.bytes_sent = 0
@@ -62,6 +66,8 @@ class KVSender:
             chunk_bytes,
             blocks.next_token_ids,
             blocks.decode_start,
+            blocks.cache_salt,
+            blocks.grant,
         )
         source.pin(sender.holder, blocks.block_ids)
         return sender
@@ -80,6 +86,8 @@ class KVSender:
             next_token_ids=self.next_token_ids,
             total_bytes=self.total_bytes,
             decode_start=self.decode_start,
+            grant=self.grant,
+            cache_salt=self.cache_salt,
         )
 
     def skip(self, held: int) -> None:

@@ -8,6 +8,10 @@ client gone quiet) the lease expires, the blocks are released and
 ``PushHandler`` (a decode worker starts the request) once its call has
 ended; without a handler it waits, leased, for ``claim``.
 
+Every transfer needs the router's grant for it (net/grants.py), made out to
+this server's address (``identity``) and checked before any block is
+reserved, pinned or looked up: PERMISSION_DENIED otherwise.
+
 Everything here runs on the server's event loop.
 """
 
@@ -22,6 +26,15 @@ from collections.abc import Callable, Iterator, Sequence
 import grpc
 
 from engine.block_pool import Held
+from net.grants import (
+    PULL,
+    PUSH,
+    GrantChecker,
+    GrantRefused,
+    GrantUsed,
+    pull_digest,
+    push_digest,
+)
 from protos.tandem.v1 import kv_transfer_pb2 as pb
 
 from .interface import (
@@ -45,9 +58,13 @@ class KVTransferService:
         config: TransferConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
         handler: PushHandler | None = None,
+        identity: str = "",
     ) -> None:
+        """``identity``: this server's KV address, which grants name (the
+        transport sets it once bound)."""
         self.store = store
         self.config = config or TransferConfig()
+        self.grants = GrantChecker(self.config.security, identity)
         self.leases = LeaseTable(clock)
         self.handler = handler
         # request id -> (blocks and their holder, lease until claimed): no handler
@@ -59,8 +76,26 @@ class KVTransferService:
     def open_push(self, cancel: Callable[[], None]) -> IncomingPush:
         return IncomingPush(self, cancel)
 
+    @property
+    def identity(self) -> str:
+        return self.grants.target
+
+    @identity.setter
+    def identity(self, address: str) -> None:
+        self.grants.target = address
+
     def open_pull(self, request: pb.PullRequest, cancel: Callable[[], None]) -> OutgoingPull:
         return OutgoingPull(self, request, cancel)
+
+    def use_grant(self, grant: bytes, purpose: str, request_id: str, digest: bytes) -> None:
+        """Take a transfer's grant, or raise PERMISSION_DENIED (ALREADY_EXISTS:
+        a valid grant used before, a replay)."""
+        try:
+            self.grants.use(grant, purpose, request_id, digest)
+        except GrantUsed as exc:
+            raise TransferError(grpc.StatusCode.ALREADY_EXISTS, str(exc)) from None
+        except GrantRefused as exc:
+            raise TransferError(grpc.StatusCode.PERMISSION_DENIED, str(exc)) from None
 
     def claim(self, request_id: str) -> Held | None:
         committed = self._committed.pop(request_id, None)
@@ -119,6 +154,7 @@ class KVTransferService:
                     receiver.next_token_ids,
                     receiver.decode_start,
                     receiver.held_blocks,
+                    receiver.cache_salt,
                 )
             )
             return
@@ -167,6 +203,13 @@ class IncomingPush:
     def _admit(self, msg: Message) -> None:
         """Check a header's request before the receiver reserves a block."""
         if self.receiver.state is TransferState.PENDING and isinstance(msg, pb.TransferHeader):
+            try:
+                self._service.use_grant(
+                    msg.grant, PUSH, msg.request_id, push_digest(msg.cache_salt)
+                )
+            except TransferError:
+                self.receiver.fail()
+                raise
             self._check_request_id(msg.request_id)
             if self._service.handler is not None:
                 try:
@@ -236,6 +279,9 @@ class OutgoingPull:
         self, service: KVTransferService, request: pb.PullRequest, cancel: Callable[[], None]
     ) -> None:
         store = service.store
+        service.use_grant(
+            request.grant, PULL, request.request_id, pull_digest(request.block_hashes)
+        )
         field = store.layout.mismatch(layout_from_proto(request.layout))
         if field is not None:
             raise TransferError(

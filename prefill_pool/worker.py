@@ -19,6 +19,7 @@ so that the router can wait for its stream to have brought them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -26,6 +27,8 @@ import time
 from block_index import IndexSettings
 from engine.block_pool import Held, Holder
 from engine.config import EngineConfig
+from engine.detokenizer import stop_matcher
+from engine.hashing import BlockHash, hash_blocks, root_hash
 from engine.llm_engine import KVExport, LLMEngine
 from kv_transfer import (
     GrpcKVClient,
@@ -90,18 +93,40 @@ class PrefillWorker(EngineWorker):
         """Fetch prefix blocks from the worker that holds them, into this pool's
         prefix cache; returns them (held by the pull's lease holder until the
         prompt is admitted). A failed pull only costs the recompute."""
-        if not req.pull_from or not req.pull_hashes:
-            return None
+        if not req.pull_from or not req.pull_hashes or self.store.layout.wire_dtype:
+            return None  # quantized KV is never indexed as exact (kv_transfer/chain.py)
         assert self._client is not None, "worker not started"
+        tokens = self._asked_tokens(req)
+        if tokens is None:
+            log.warning("pull for %s: the router's hashes are not its prompt's", req.request_id)
+            return None
         try:
             pulled = await self._client.pull(
-                req.pull_from, self.store, req.pull_hashes, request_id=req.request_id
+                req.pull_from,
+                self.store,
+                req.pull_hashes,
+                request_id=req.request_id,
+                grant=req.pull_grant,
+                token_ids=tokens,
             )
         except TransferError as exc:
             log.warning("pull for %s from %s failed: %s", req.request_id, req.pull_from, exc)
             return None
         self.kv_bytes_pulled += pulled.bytes_received
         return pulled.held
+
+    def _asked_tokens(self, req: PrefillRequest) -> list[int] | None:
+        """The tokens of the blocks a pull asks for, found by hashing the
+        request's own tokens with its salt; None if its chain has no such run."""
+        layout, bs = self.store.layout, self.store.layout.block_size
+        tokens = req.prompt_token_ids + req.output_token_ids
+        chain = hash_blocks(tokens, bs, root_hash(layout.model_fingerprint, bs), req.cache_salt)
+        asked = [BlockHash(h) for h in req.pull_hashes]
+        with contextlib.suppress(ValueError):
+            at = chain.index(asked[0])
+            if chain[at : at + len(asked)] == asked:
+                return tokens[at * bs : (at + len(asked)) * bs]
+        return None
 
     async def prefill(self, req: PrefillRequest) -> PrefillResult:
         rid = req.request_id
@@ -111,9 +136,16 @@ class PrefillWorker(EngineWorker):
         pulled: Held | None = None
         try:
             pulled = await self._pull_prefix(req)
+            matcher = await asyncio.to_thread(stop_matcher, req.params.stop)
             await self.loop.acall(
                 lambda e: e.add_request(
-                    rid, req.prompt_token_ids, req.params, True, req.output_token_ids
+                    rid,
+                    req.prompt_token_ids,
+                    req.params,
+                    True,
+                    req.output_token_ids,
+                    matcher,
+                    req.cache_salt,
                 )
             )
             out = await first
@@ -192,7 +224,10 @@ class PrefillWorker(EngineWorker):
             out.finish_reason if out.finished else None,
         ).encode()
         if out.finished:
-            return KVBlocks(req.request_id, [], [], [], out.new_token_ids, start), None
+            blocks = KVBlocks(
+                req.request_id, [], [], [], out.new_token_ids, start, req.cache_salt, req.push_grant
+            )
+            return blocks, None
         holder = Holder("lease", f"export:{req.request_id}")
 
         def export_and_hold(engine: LLMEngine) -> KVExport:
@@ -204,7 +239,16 @@ class PrefillWorker(EngineWorker):
         hashes = export.block_hashes + [None] * (len(export.block_ids) - len(export.block_hashes))
         known = export.prompt_token_ids + export.output_token_ids
         # known[:-1] have their KV computed; the last is the token just sampled.
-        blocks = KVBlocks(req.request_id, export.block_ids, hashes, known[:-1], known[-1:], start)
+        blocks = KVBlocks(
+            req.request_id,
+            export.block_ids,
+            hashes,
+            known[:-1],
+            known[-1:],
+            start,
+            req.cache_salt,
+            req.push_grant,
+        )
         return blocks, Held(holder, list(export.block_ids))
 
     async def _push(self, address: str, blocks: KVBlocks) -> PushResult:

@@ -18,6 +18,7 @@ class DecodeRequest:
     prompt_token_ids: list[int]
     output_token_ids: list[int]  # tokens streamed before this try (after a failover)
     params: SamplingParams
+    cache_salt: bytes = b""  # the prefix-cache domain: every block hash of it uses it
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,13 @@ class PrefillRequest:
     output_token_ids: list[int] = field(default_factory=list)
     """Tokens already streamed to the client (a failover resumes the request):
     computed with the prompt; the token sampled here is the next one."""
+    cache_salt: bytes = b""
+    """The request's prefix-cache domain: every block hash of it uses it
+    (engine/hashing.py's ``extra``); empty: the default domain."""
+    push_grant: bytes = field(default=b"", repr=False)
+    """The router's grant for the push to ``decode_kv_address`` (net/grants.py)."""
+    pull_grant: bytes = field(default=b"", repr=False)
+    """The router's grant for the pull of ``pull_hashes`` from ``pull_from``."""
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ MAX_TEMPERATURE = 100.0
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 4096
 MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOTAL_CHARS = 65536  # the router's limits.max_stop_bytes is tighter
 MAX_STOP_TOKEN_IDS = 4096
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
 
@@ -97,6 +98,11 @@ class SamplingParams:
                 raise ValueError(
                     f"stop strings must have 1 to {MAX_STOP_STRING_CHARS} characters, got {len(s)}"
                 )
+        total = sum(len(s) for s in stops)
+        if total > MAX_STOP_TOTAL_CHARS:
+            raise ValueError(
+                f"stop strings must hold at most {MAX_STOP_TOTAL_CHARS} characters, got {total}"
+            )
         return list(stops)
 
     @staticmethod

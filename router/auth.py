@@ -5,6 +5,11 @@ Keys come from the config (``security.api_keys``, ``security.api_keys_file``) an
 ``TANDEM_API_KEYS`` environment variable (comma-separated), never from the
 command line. With no key configured, authentication is off.
 
+Control calls (the ``tandem.v1.Admin`` service) need an admin key, from
+``security.admin_keys``, ``security.admin_keys_file`` and ``TANDEM_ADMIN_KEYS``;
+no user key is one. Without one they are refused even when no key of either
+kind is configured: no key gets UNAUTHENTICATED, a user key PERMISSION_DENIED.
+
 Health checking (``grpc.health.v1.Health`` and HTTP ``/health``) stays open so
 that load balancers and orchestrators need no key. Keys are never logged;
 a presented key is compared with every configured key in constant time.
@@ -16,6 +21,7 @@ import hashlib
 import hmac
 import os
 from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -24,8 +30,21 @@ KEYS_ENV = "TANDEM_API_KEYS"
 """Server side: comma-separated keys the router accepts (added to the config's)."""
 CLIENT_KEY_ENV = "TANDEM_API_KEY"
 """Client side: the key ``TandemClient``, ``tandem generate`` and ``tandem bench`` send."""
+ADMIN_KEYS_ENV = "TANDEM_ADMIN_KEYS"
+"""Server side: comma-separated admin keys the router accepts on control calls."""
+CLIENT_ADMIN_KEY_ENV = "TANDEM_ADMIN_KEY"
+"""Client side: the admin key ``tandem scale`` sends."""
 OPEN_GRPC_SERVICES = ("/grpc.health.v1.Health/",)
+ADMIN_GRPC_SERVICES = ("/tandem.v1.Admin/",)
 UNAUTHENTICATED_MESSAGE = "missing or invalid API key: send 'authorization: Bearer <key>'"
+ADMIN_UNAUTHENTICATED_MESSAGE = (
+    "missing or invalid admin key: control calls need 'authorization: Bearer <admin key>'"
+)
+NOT_AN_ADMIN_KEY_MESSAGE = "an API key is not an admin key: control calls need an admin key"
+NO_ADMIN_KEYS_HINT = (
+    "; this router has no admin key: set TANDEM_ADMIN_KEYS, security.admin_keys_file "
+    "or security.admin_keys"
+)
 
 
 def read_keys_file(path: str | Path) -> list[str]:
@@ -34,8 +53,8 @@ def read_keys_file(path: str | Path) -> list[str]:
     return [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
 
 
-def keys_from_env(environ: dict[str, str] | None = None) -> list[str]:
-    value = (os.environ if environ is None else environ).get(KEYS_ENV, "")
+def keys_from_env(environ: dict[str, str] | None = None, name: str = KEYS_ENV) -> list[str]:
+    value = (os.environ if environ is None else environ).get(name, "")
     return [k.strip() for k in value.split(",") if k.strip()]
 
 
@@ -61,12 +80,14 @@ class ApiKeys:
         keys: Iterable[str] = (),
         keys_file: str | Path | None = None,
         environ: dict[str, str] | None = None,
+        env_name: str = KEYS_ENV,
     ) -> ApiKeys:
-        """Keys from the config, the keys file and ``TANDEM_API_KEYS``, together."""
+        """Keys from the config, the keys file and the ``env_name`` variable
+        (``TANDEM_API_KEYS``; ``TANDEM_ADMIN_KEYS`` for admin keys), together."""
         all_keys = list(keys)
         if keys_file is not None:
             all_keys += read_keys_file(keys_file)
-        return cls(all_keys + keys_from_env(environ))
+        return cls(all_keys + keys_from_env(environ, env_name))
 
     @property
     def enabled(self) -> bool:
@@ -93,15 +114,56 @@ class ApiKeys:
     def check_header(self, authorization: str | None) -> bool:
         return self.check(bearer_token(authorization))
 
+    def shares_a_key_with(self, other: ApiKeys) -> bool:
+        """Whether a key is in both sets (a user key must never be an admin key)."""
+        return bool(set(self._digests) & set(other._digests))
+
+    def identity(self, authorization: str | None) -> bytes | None:
+        """The digest of the key an accepted ``authorization`` header carries (what
+        per-key limits count by); None when authentication is off or the key is refused."""
+        key = bearer_token(authorization)
+        if not self._digests or key is None or not self.check(key):
+            return None
+        return _digest(key)
+
 
 def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()
 
 
-def client_metadata(api_key: str | None = None) -> tuple[tuple[str, str], ...]:
-    """gRPC call metadata carrying ``api_key``, else ``$TANDEM_API_KEY``; empty if neither."""
-    key = api_key if api_key is not None else os.environ.get(CLIENT_KEY_ENV)
+def client_metadata(
+    api_key: str | None = None, env_name: str = CLIENT_KEY_ENV
+) -> tuple[tuple[str, str], ...]:
+    """gRPC call metadata carrying ``api_key``, else ``$TANDEM_API_KEY`` (or the
+    ``env_name`` variable: ``TANDEM_ADMIN_KEY`` for control calls); empty if neither."""
+    key = api_key if api_key is not None else os.environ.get(env_name)
     return (("authorization", f"Bearer {key}"),) if key else ()
+
+
+def metadata_value(metadata: Iterable[tuple[str, str]] | None, name: str) -> str | None:
+    """The first value of ``name`` in gRPC call metadata, else None."""
+    return next((value for key, value in metadata or () if key == name), None)
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a call is refused: its status and message."""
+
+    code: grpc.StatusCode
+    message: str
+
+
+def admin_refusal(admins: ApiKeys, users: ApiKeys, authorization: str | None) -> Refusal | None:
+    """None when ``authorization`` carries an admin key; else UNAUTHENTICATED, or
+    PERMISSION_DENIED for a valid user key. With no admin key configured every
+    control call is refused, and the message says how to configure one."""
+    key = bearer_token(authorization)
+    if key is not None and admins.enabled and admins.check(key):
+        return None
+    hint = "" if admins.enabled else NO_ADMIN_KEYS_HINT
+    if key is not None and users.enabled and users.check(key):
+        return Refusal(grpc.StatusCode.PERMISSION_DENIED, NOT_AN_ADMIN_KEY_MESSAGE + hint)
+    return Refusal(grpc.StatusCode.UNAUTHENTICATED, ADMIN_UNAUTHENTICATED_MESSAGE + hint)
 
 
 def client_headers(api_key: str | None = None) -> dict[str, str]:
@@ -110,14 +172,31 @@ def client_headers(api_key: str | None = None) -> dict[str, str]:
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
-    """Refuses calls without a valid key with UNAUTHENTICATED (health checks pass).
+    """Refuses calls without a valid key with UNAUTHENTICATED (health checks pass),
+    and control calls (Admin) without an admin key (``admin_refusal``).
 
     ``on_refused`` is told the method name of each refused call (for metrics).
     """
 
-    def __init__(self, keys: ApiKeys, on_refused: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        keys: ApiKeys,
+        on_refused: Callable[[str], None] | None = None,
+        admin_keys: ApiKeys | None = None,
+    ) -> None:
         self.keys = keys
+        self.admin_keys = admin_keys or ApiKeys()
         self.on_refused = on_refused
+
+    def refusal(self, method: str, authorization: str | None) -> Refusal | None:
+        """Why a call of ``method`` with this ``authorization`` is refused; None: it is not."""
+        if method.startswith(ADMIN_GRPC_SERVICES):
+            return admin_refusal(self.admin_keys, self.keys, authorization)
+        if not self.keys.enabled or method.startswith(OPEN_GRPC_SERVICES):
+            return None
+        if self.keys.check_header(authorization):
+            return None
+        return Refusal(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
 
     async def intercept_service(
         self,
@@ -125,25 +204,24 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         method = details.method or ""
-        if not self.keys.enabled or method.startswith(OPEN_GRPC_SERVICES):
-            return await continuation(details)
-        metadata = dict(details.invocation_metadata or ())
-        if self.keys.check_header(metadata.get("authorization")):
+        authorization = metadata_value(details.invocation_metadata, "authorization")
+        refusal = self.refusal(method, authorization)
+        if refusal is None:
             return await continuation(details)
         if self.on_refused is not None:
             self.on_refused(method)
         handler = await continuation(details)
-        return _refusing(handler)
+        return _refusing(handler, refusal)
 
 
-def _refusing(handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHandler:
-    """A handler of the same shape as ``handler`` that aborts UNAUTHENTICATED."""
+def _refusing(handler: grpc.RpcMethodHandler | None, refusal: Refusal) -> grpc.RpcMethodHandler:
+    """A handler of the same shape as ``handler`` that aborts with ``refusal``."""
 
     async def abort_unary(request, context: grpc.aio.ServicerContext):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
+        await context.abort(refusal.code, refusal.message)
 
     async def abort_stream(request, context: grpc.aio.ServicerContext):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
+        await context.abort(refusal.code, refusal.message)
         yield  # pragma: no cover - makes this an async generator
 
     if handler is None:

@@ -25,6 +25,9 @@ class GenerateInput:
     received_s: float = field(default_factory=time.perf_counter)
     """When the router received the request (``time.perf_counter``): the one
     clock TTFT is measured on, tokenization included."""
+    cache_salt: bytes = b""
+    """The request's prefix-cache domain (router/tenancy.py), mixed into every
+    block hash; empty: the default domain."""
 
 
 @dataclass
@@ -62,6 +65,12 @@ class WorkerReport:
     stats: WorkerStats
 
 
+class PlacementTimeout(Exception):
+    """New workers were not placed and started in time (``pools.placement_timeout_s``):
+    Ray found no node with their resources, or they started too slowly. The
+    workers not started were removed; the pools keep the sizes in the message."""
+
+
 @runtime_checkable
 class ManagedPools(Protocol):
     """What a backend with worker pools offers beyond serving (the Admin
@@ -70,7 +79,8 @@ class ManagedPools(Protocol):
     async def scale(
         self, prefill: int | None, decode: int | None, drain_timeout_s: float
     ) -> tuple[int, int]:
-        """Resize the pools; ValueError for a size the mode does not allow."""
+        """Resize the pools; ValueError for a size the mode does not allow,
+        PlacementTimeout when new workers cannot be placed in time."""
         ...
 
     async def worker_reports(self) -> list[WorkerReport]: ...

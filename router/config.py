@@ -30,6 +30,9 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from protocol.sampling import MAX_STOP_STRINGS, MAX_STOP_TOTAL_CHARS
+from router.limits import RequestLimits
+
 if TYPE_CHECKING:
     from engine.config import EngineConfig, SpeculativeConfig
     from kv_transfer import TransferConfig
@@ -171,6 +174,13 @@ class PoolsSection(Section):
     """Every this many seconds the router looks for workers whose actor died (their node
     went away) and starts replacements where Ray finds the pool's resources; set it on
     clusters whose nodes can go away; 0: off (the pool shrinks by the workers lost)."""
+    max_workers: int = Field(64, ge=1)
+    """Most workers in each pool: a larger prefill or decode in the config, or asked of
+    Admin.Scale (INVALID_ARGUMENT), is refused."""
+    placement_timeout_s: float = Field(120.0, gt=0)
+    """How long Admin.Scale (and the replacement of dead workers) waits for new workers
+    to be placed and started; past it, those not started are removed and Scale fails
+    with DEADLINE_EXCEEDED. Raise it for a big model that takes long to load."""
 
     @model_validator(mode="before")
     @classmethod
@@ -185,6 +195,9 @@ class PoolsSection(Section):
             raise ValueError("prefill must be >= 1 in disaggregated mode")
         if self.mode == "colocated" and self.prefill:
             raise ValueError("prefill must be 0 or unset in colocated mode")
+        for name in ("prefill", "decode"):
+            if getattr(self, name) > self.max_workers:
+                raise ValueError(f"{name} must be at most max_workers ({self.max_workers})")
         return self
 
     def resources_of(self, role: str) -> WorkerResources:
@@ -239,6 +252,23 @@ class LimitsSection(Section):
     bigger request gets RESOURCE_EXHAUSTED."""
     grace_period_s: float = Field(30.0, ge=0)
     """On SIGTERM, time given to requests in flight before the pools stop."""
+    max_in_flight_per_key: int = Field(256, ge=1)
+    """Requests one API key may have in flight; past it RESOURCE_EXHAUSTED (HTTP 429).
+    Applies only when API keys are configured."""
+    max_http_body_mb: int = Field(16, ge=1, le=1024)
+    """Largest HTTP request body (MiB); a bigger one gets 413 before it is read."""
+    max_stop_strings: int = Field(16, ge=0, le=MAX_STOP_STRINGS)
+    """Most stop strings one request may give (INVALID_ARGUMENT / 400 past it)."""
+    max_stop_bytes: int = Field(4096, ge=1, le=MAX_STOP_TOTAL_CHARS)
+    """Most UTF-8 bytes one request's stop strings may hold in all."""
+
+    def request_limits(self) -> RequestLimits:
+        return RequestLimits(
+            max_stop_strings=self.max_stop_strings,
+            max_stop_bytes=self.max_stop_bytes,
+            max_http_body_bytes=self.max_http_body_mb << 20,
+            max_in_flight_per_key=self.max_in_flight_per_key,
+        )
 
 
 class RoutingSection(Section):
@@ -357,6 +387,16 @@ class SecuritySection(Section):
     api_keys_file: str | None = None
     """File of accepted API keys, one per line (# starts a comment): keys kept out of
     the config file."""
+    admin_keys: list[SecretStr] = Field(default_factory=list)
+    """Keys the Admin service (Scale, Status) accepts, with admin_keys_file and
+    $TANDEM_ADMIN_KEYS; none anywhere: every control call is refused. No key may be
+    an API key too."""
+    admin_keys_file: str | None = None
+    """File of admin keys, one per line (# starts a comment)."""
+    cache_domain: Literal["shared", "per_api_key"] = "shared"
+    """Prefix-cache domains: shared: requests share cached blocks unless their
+    cache_salt differs; per_api_key: each API key is a domain of its own (needs API
+    keys), so no key's requests hit (or time) another key's cached prompts."""
     tls_cert: Path | None = None
     """PEM certificate chain of the router's gRPC API (and of the HTTP front unless
     http_tls_cert is set); set with tls_key to serve TLS only."""
@@ -414,6 +454,9 @@ class SecuritySection(Section):
                 raise ValueError(f"{name}: no file at {path}")
         if self.cluster_secret is not None and not self.cluster_secret.get_secret_value():
             raise ValueError("cluster_secret must not be empty")
+        users = {k.get_secret_value() for k in self.api_keys}
+        if any(k.get_secret_value() in users for k in self.admin_keys):
+            raise ValueError("a key is in both api_keys and admin_keys: give each role its own")
         return self
 
     def http_tls(self) -> tuple[Path, Path] | None:

@@ -30,8 +30,10 @@ import grpc
 from worker.logfmt import log_event
 
 from .backend import Backend, GenerateInput, GenerateResult, TokenDelta
+from .limits import RequestLimits
 from .messages import RequestError
 from .metrics import RouterMetrics
+from .tenancy import CacheDomains
 
 STARTING = "the server is starting"
 """``Lifecycle.unavailable`` while the backend starts."""
@@ -58,9 +60,16 @@ class Lifecycle:
         max_queued_requests: int = 1024,
         request_timeout_s: float = 600.0,
         metrics: RouterMetrics | None = None,
+        cache_domains: CacheDomains | None = None,
+        limits: RequestLimits | None = None,
     ) -> None:
         self.backend = backend
+        self.cache_domains = cache_domains or CacheDomains()
+        """How a request's tenant (its prefix-cache domain) is found, on both fronts."""
         self.max_queued_requests = max_queued_requests
+        self.limits = limits or RequestLimits()
+        self.in_flight_by_key: Counter[bytes] = Counter()
+        """Requests in flight per API key (by the key's digest)."""
         self.request_timeout_s = request_timeout_s
         self.metrics = metrics or RouterMetrics()
         self.stats = ServiceStats()
@@ -107,8 +116,10 @@ class Call:
         self.first_token_time: float | None = None
         self._claimed = False
         self._finished = False
+        self._key: bytes | None = None  # the API key's digest, counted while in flight
 
-    def admit(self) -> None:
+    def admit(self, key: bytes | None = None) -> None:
+        """Admit the call, counted against ``key`` (an API key's digest; None: no key)."""
         lc = self.lifecycle
         if lc.unavailable is not None:
             raise RequestError(grpc.StatusCode.UNAVAILABLE, lc.unavailable)
@@ -117,6 +128,16 @@ class Call:
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"too many requests in flight (limit {lc.max_queued_requests}); retry later",
             )
+        if key is None:
+            return
+        limit = lc.limits.max_in_flight_per_key
+        if lc.in_flight_by_key[key] >= limit:
+            raise RequestError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"this API key has {limit} requests in flight, its limit; retry later",
+            )
+        lc.in_flight_by_key[key] += 1
+        self._key = key
 
     def claim(self, inp: GenerateInput) -> None:
         """Reserve the request id while the request runs (ALREADY_EXISTS if taken)."""
@@ -177,6 +198,11 @@ class Call:
         self._finished = True
         if self._claimed and self.inp is not None:
             self.lifecycle.active.discard(self.inp.request_id)
+        if self._key is not None:
+            by_key = self.lifecycle.in_flight_by_key
+            by_key[self._key] -= 1
+            if by_key[self._key] <= 0:
+                del by_key[self._key]
         self.lifecycle._end(self, code)
         fields: dict[str, object] = {
             "request_id": self.inp.request_id if self.inp else None,

@@ -14,6 +14,8 @@ from protocol.sampling import SamplingParams
 from protos.tandem.v1 import generate_pb2 as pb
 
 from .backend import Backend, GenerateInput, GenerateResult, TokenDelta
+from .limits import RequestLimits, prompt_byte_limit
+from .tenancy import check_client_salt, derive_salt
 
 DEFAULT_MAX_TOKENS = 16  # vLLM's default when a request leaves max_tokens unset
 MAX_REQUEST_ID_CHARS = 256
@@ -46,8 +48,12 @@ def invalid_argument(message: str) -> RequestError:
     return RequestError(grpc.StatusCode.INVALID_ARGUMENT, message)
 
 
-def sampling_params(request: pb.GenerateRequest, backend: Backend) -> SamplingParams:
+def sampling_params(
+    request: pb.GenerateRequest, backend: Backend, limits: RequestLimits | None = None
+) -> SamplingParams:
     """SamplingParams from a request; unset optional fields keep their defaults."""
+    if (why := (limits or RequestLimits()).stop_error(list(request.stop))) is not None:
+        raise invalid_argument(why)
     kwargs: dict[str, object] = {
         name: getattr(request, name) for name in SAMPLING_FIELDS if request.HasField(name)
     }
@@ -84,6 +90,7 @@ async def prompt_token_ids(request: pb.GenerateRequest, backend: Backend) -> lis
             raise invalid_argument(
                 "prompt text needs a tokenizer; this server has none (send token ids)"
             )
+        check_prompt_bytes("prompt", request.prompt, backend)
         ids = await _tokenize(backend.tokenizer, request.prompt)
         if not ids:
             raise invalid_argument("prompt tokenizes to no tokens")
@@ -103,6 +110,16 @@ async def prompt_token_ids(request: pb.GenerateRequest, backend: Backend) -> lis
     return ids
 
 
+def check_prompt_bytes(field_name: str, text: str, backend: Backend) -> None:
+    """Refuse, before tokenizing, a text longer than max_model_len tokens could encode."""
+    limit = prompt_byte_limit(backend.tokenizer, backend.max_model_len)
+    if len(text) > limit or len(text.encode("utf-8", "surrogatepass")) > limit:
+        raise invalid_argument(
+            f"{field_name} is longer than {limit} bytes, more than max_model_len "
+            f"{backend.max_model_len} tokens can hold"
+        )
+
+
 async def _tokenize(tokenizer, text: str) -> list[int]:
     if len(text) > _TOKENIZE_IN_THREAD_CHARS:
         return list(await asyncio.to_thread(tokenizer.encode, text))
@@ -112,22 +129,49 @@ async def _tokenize(tokenizer, text: str) -> list[int]:
 def request_id_of(request: pb.GenerateRequest) -> str:
     """The client's request id, or a fresh one when unset or empty."""
     rid = request.request_id if request.HasField("request_id") else ""
-    if len(rid) > MAX_REQUEST_ID_CHARS:
-        raise invalid_argument(f"request_id must have at most {MAX_REQUEST_ID_CHARS} characters")
+    check_request_id("request_id", rid)
     return rid or uuid.uuid4().hex
 
 
+def cache_salt_of(request: pb.GenerateRequest, tenant: bytes) -> bytes:
+    """The block-hash salt of the request's domain: ``tenant`` (router/tenancy.py)
+    and its checked ``cache_salt``."""
+    client_salt = request.cache_salt if request.HasField("cache_salt") else None
+    if client_salt is not None:
+        try:
+            check_client_salt(client_salt)
+        except ValueError as e:
+            raise invalid_argument(str(e)) from None
+    return derive_salt(tenant, client_salt)
+
+
+def check_request_id(field_name: str, rid: str) -> None:
+    """A client's request id is logged and echoed: bounded, and printable only (no
+    newline, control or format character can forge or hide a log line)."""
+    if len(rid) > MAX_REQUEST_ID_CHARS:
+        raise invalid_argument(f"{field_name} must have at most {MAX_REQUEST_ID_CHARS} characters")
+    if not rid.isprintable():
+        raise invalid_argument(
+            f"{field_name} must hold printable characters only (no control characters)"
+        )
+
+
 async def to_generate_input(
-    request: pb.GenerateRequest, backend: Backend, received_s: float | None = None
+    request: pb.GenerateRequest,
+    backend: Backend,
+    received_s: float | None = None,
+    tenant: bytes = b"",
+    limits: RequestLimits | None = None,
 ) -> GenerateInput:
     """Validate and tokenize a request received at ``received_s`` (perf_counter;
-    None: now). Raises RequestError (INVALID_ARGUMENT)."""
+    None: now) from ``tenant`` (empty: none). Raises RequestError (INVALID_ARGUMENT)."""
     rid = request_id_of(request)
-    params = sampling_params(request, backend)
+    params = sampling_params(request, backend, limits)
+    salt = cache_salt_of(request, tenant)
     ids = await prompt_token_ids(request, backend)
     if received_s is None:
-        return GenerateInput(request_id=rid, prompt_token_ids=ids, params=params)
-    return GenerateInput(rid, ids, params, received_s)
+        return GenerateInput(request_id=rid, prompt_token_ids=ids, params=params, cache_salt=salt)
+    return GenerateInput(rid, ids, params, received_s, salt)
 
 
 def chunk_message(delta: TokenDelta) -> pb.GenerateResponse:

@@ -59,9 +59,12 @@ class PrefixRouter:
         prefill: Sequence[WorkerHandle],
         decode: Sequence[WorkerHandle],
         colocated: bool,
+        cache_salt: bytes = b"",
     ) -> RoutePlan:
+        """``cache_salt``: the request's prefix-cache domain; its blocks'
+        hashes use it, so only that domain's cached blocks count."""
         use_index = self.enabled and self.index.healthy
-        hashes = hash_blocks(prompt, self.block_size, self.root) if use_index else []
+        hashes = hash_blocks(prompt, self.block_size, self.root, cache_salt) if use_index else []
         cached = self.index.lookup(hashes) if use_index else {}
         d = self._best(decode, cached)
         d_blocks = cached.get(d.name, 0)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import uuid
 from collections.abc import AsyncIterator
 
@@ -26,9 +27,16 @@ import grpc
 
 from block_index import BlockIndex, InMemoryIndex, KVEvent
 from engine.hashing import root_hash
+from net.grants import PULL, PUSH, GrantMinter, pull_digest, push_digest
 from protocol.requests import DecodeRequest, PrefillRequest, PrefillResult
 from protos.tandem.v1 import worker_pb2
-from router.backend import GenerateInput, GenerateResult, TokenDelta, WorkerReport
+from router.backend import (
+    GenerateInput,
+    GenerateResult,
+    PlacementTimeout,
+    TokenDelta,
+    WorkerReport,
+)
 from router.config import ServeConfig
 from router.failover import FailoverStats, NoWorkerAvailable, RetryPolicy, WorkerLost, is_retryable
 from router.messages import RequestError
@@ -53,7 +61,8 @@ class RayBackend:
         """``cores``: the local machine's core layout (worker/cpu_binding.py) that
         the workers bind to; None binds nothing."""
         self.config = config
-        self.router_id = f"router-{uuid.uuid4().hex[:8]}"
+        # 128 random bits: a router's id is its output streams' login name.
+        self.router_id = f"router-{secrets.token_hex(16)}"
         self.colocated = config.pools.mode == "colocated"
         self.prefill = WorkerPool("prefill", config, cores=cores)
         self.decode = WorkerPool("colocated" if self.colocated else "decode", config, cores=cores)
@@ -65,9 +74,9 @@ class RayBackend:
         self.vocab_size = 0
         self.retry = RetryPolicy(config.tuning.max_attempts)
         self.failover = FailoverStats()
-        self.streams = WorkerStreams(
-            self.router_id, self._apply_events, self._suspect, config.transfer_config()
-        )
+        transfer = config.transfer_config()
+        self.streams = WorkerStreams(self.router_id, self._apply_events, self._suspect, transfer)
+        self.grants = GrantMinter(transfer.security)  # the workers' KV pushes and pulls
         self.recovery = WorkerRecovery(
             [self.prefill, self.decode],
             self._worker_down,
@@ -168,7 +177,7 @@ class RayBackend:
                         continue
                     self._missing.pop(pool.role, None)  # an explicit size replaces the old one
                     if n > len(pool.workers):
-                        for worker in await pool.scale_to(n):
+                        for worker in await self._grow(pool, n):
                             await self.streams.subscribe(worker)
                     else:
                         gone += pool.take_out(len(pool.workers) - n)
@@ -179,13 +188,31 @@ class RayBackend:
                 await WorkerPool.stop_workers(gone)
             return len(self.prefill.workers), len(self.decode.workers)
 
+    async def _grow(self, pool: WorkerPool, n: int) -> list[WorkerHandle]:
+        """``pool.scale_to(n)`` within ``pools.placement_timeout_s``; past it the
+        new workers are gone and PlacementTimeout says so."""
+        timeout_s = self.config.pools.placement_timeout_s
+        try:
+            return await pool.scale_to(n, timeout_s)
+        except TimeoutError:
+            added = n - len(pool.workers)
+            raise PlacementTimeout(
+                f"{added} new {pool.role} workers were not placed and started within "
+                f"pools.placement_timeout_s ({timeout_s:g} s): no node has room for their "
+                f"resources, or they start slowly; they were removed, and the pools are "
+                f"prefill {len(self.prefill.workers)}, decode {len(self.decode.workers)}"
+            ) from None
+
     async def replace_dead_workers(
-        self, ping_timeout_s: float = 10.0, placement_timeout_s: float = 120.0
+        self, ping_timeout_s: float = 10.0, placement_timeout_s: float | None = None
     ) -> list[str]:
         """Drop the workers whose actor died for good (a node went away and Ray
         could not restart it) and start as many new ones, which Ray places on
         nodes that have the pool's resources; replacements that cannot be placed
-        yet are tried again on the next call. Returns the names dropped."""
+        yet are tried again on the next call (``placement_timeout_s`` None:
+        ``pools.placement_timeout_s``). Returns the names dropped."""
+        if placement_timeout_s is None:
+            placement_timeout_s = self.config.pools.placement_timeout_s
         async with self._scale_lock:
             dropped: list[str] = []
             for pool in (self.prefill, self.decode):
@@ -305,7 +332,7 @@ class RayBackend:
         rid = f"{inp.request_id}#{uuid.uuid4().hex[:12]}"
         assert self.routing is not None, "backend not started"
         streamed = list(progress.token_ids)
-        plan = self._plan(inp.prompt_token_ids + streamed, avoid)
+        plan = self._plan(inp.prompt_token_ids + streamed, inp.cache_salt, avoid)
         d, p = plan.decode, plan.prefill
         progress.attempt(p.name if p is not None else d.name, d.name)
         log_event(
@@ -326,7 +353,9 @@ class RayBackend:
         streaming = False  # the decode worker's first frame has come
         try:
             if p is None:
-                req = DecodeRequest(rid, self.router_id, inp.prompt_token_ids, streamed, inp.params)
+                req = DecodeRequest(
+                    rid, self.router_id, inp.prompt_token_ids, streamed, inp.params, inp.cache_salt
+                )
                 await self.watchdog.call(d, d.actor.start_full.remote(req))
             else:
                 prefill = asyncio.ensure_future(self._prefill(rid, inp, plan, streamed))
@@ -385,13 +414,13 @@ class RayBackend:
             if not waiter.done():
                 _drop(waiter)
 
-    def _plan(self, tokens: list[int], avoid: set[WorkerHandle]) -> RoutePlan:
+    def _plan(self, tokens: list[int], salt: bytes, avoid: set[WorkerHandle]) -> RoutePlan:
         """Route among workers in routing, preferring those no failed try used."""
         pools = [self.prefill.workers, self.decode.workers]
         if (not self.colocated and not pools[0]) or not pools[1]:
             raise NoWorkerAvailable("no worker of a pool is in routing")
         prefill, decode = ([w for w in ws if w not in avoid] or ws for ws in pools)
-        return self.routing.plan(tokens, prefill, decode, self.colocated)
+        return self.routing.plan(tokens, prefill, decode, self.colocated, salt)
 
     async def _prefill(
         self, rid: str, inp: GenerateInput, plan: RoutePlan, streamed: list[int]
@@ -405,9 +434,13 @@ class RayBackend:
         d, p = plan.decode, plan.prefill
         assert p is not None
         pull_from = plan.pull_from.info.kv_address if plan.pull_from is not None else None
+        push_grant = self.grants.mint(PUSH, d.info.kv_address, rid, push_digest(inp.cache_salt))
+        pull_grant = b""
+        if pull_from is not None:
+            pull_grant = self.grants.mint(PULL, pull_from, rid, pull_digest(plan.pull_hashes))
         request = PrefillRequest(
             rid, self.router_id, inp.prompt_token_ids, inp.params, d.info.kv_address, pull_from,
-            plan.pull_hashes, streamed,
+            plan.pull_hashes, streamed, inp.cache_salt, push_grant, pull_grant,
         )  # fmt: skip
         p.in_flight += 1
         try:

@@ -10,7 +10,8 @@ backend's iterator is always closed before the call ends, so a client
 cancel, a deadline or a failure aborts the request on the workers.
 ``GetModelInfo`` names the served model and its limits (router/model_info.py;
 UNAVAILABLE while starting). Calls without a valid API key (when keys are
-set) get UNAUTHENTICATED, on both methods.
+set) get UNAUTHENTICATED, on both methods; the Admin service (router/admin.py)
+needs an admin key (router/auth.py).
 """
 
 from __future__ import annotations
@@ -28,15 +29,18 @@ from grpc_reflection.v1alpha import reflection
 from protos.tandem.v1 import admin_pb2_grpc, generate_pb2_grpc
 from protos.tandem.v1 import generate_pb2 as pb
 
+from .admin import MAX_POOL_WORKERS, AdminService
 from .admin import SERVICE_NAME as ADMIN_SERVICE
-from .admin import AdminService
-from .auth import ApiKeyInterceptor, ApiKeys
+from .auth import ApiKeyInterceptor, ApiKeys, metadata_value
 from .backend import Backend, GenerateResult
+from .grpc_limits import GenerateSizeInterceptor
 from .http import FrontState, HttpFront
 from .lifecycle import STARTING, Call, Lifecycle, ServiceStats, short
+from .limits import RequestLimits, generate_message_limit, max_token_bytes
 from .messages import RequestError, chunk_message, final_message, to_generate_input
 from .metrics import RouterMetrics
 from .model_info import ModelInfo
+from .tenancy import CacheDomains
 
 log = logging.getLogger(__name__)
 
@@ -58,9 +62,10 @@ class HttpSettings:
 
 
 class TandemService(generate_pb2_grpc.TandemServicer):
-    def __init__(self, lifecycle: Lifecycle) -> None:
+    def __init__(self, lifecycle: Lifecycle, keys: ApiKeys | None = None) -> None:
         self.lifecycle = lifecycle
         self.backend = lifecycle.backend
+        self.keys = keys or ApiKeys()
 
     @property
     def stats(self) -> ServiceStats:
@@ -102,8 +107,12 @@ class TandemService(generate_pb2_grpc.TandemServicer):
     async def _generate(
         self, call: Call, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> None:
-        call.admit()
-        inp = await to_generate_input(request, self.backend, call.start)
+        authorization = metadata_value(context.invocation_metadata(), "authorization")
+        call.admit(self.keys.identity(authorization))
+        tenant = self.lifecycle.cache_domains.tenant(authorization)
+        inp = await to_generate_input(
+            request, self.backend, call.start, tenant, self.lifecycle.limits
+        )
         call.claim(inp)
         timeout_s = self.lifecycle.timeout_s(context.time_remaining())
         async with call.deadline(timeout_s), contextlib.aclosing(call.stream()) as items:
@@ -127,6 +136,15 @@ class TandemService(generate_pb2_grpc.TandemServicer):
         return ModelInfo.of(self.backend).to_proto()
 
 
+def check_keys(api_keys: ApiKeys, admin_keys: ApiKeys, domains: CacheDomains) -> None:
+    """Raises ValueError when a key is both an API key and an admin key, or when
+    each API key should be a cache domain and there are none."""
+    if api_keys.shares_a_key_with(admin_keys):
+        raise ValueError("a key is both an API key and an admin key: give each role its own")
+    if domains.mode == "per_api_key" and not api_keys.enabled:
+        raise ValueError("security.cache_domain per_api_key needs API keys; none is configured")
+
+
 class RouterServer:
     """The router's gRPC server: Tandem, health checking and reflection.
 
@@ -145,24 +163,37 @@ class RouterServer:
         max_message_bytes: int = MAX_MESSAGE_BYTES,
         drain_timeout_s: float = 30.0,
         api_keys: ApiKeys | None = None,
+        admin_keys: ApiKeys | None = None,
+        cache_domains: CacheDomains | None = None,
+        max_pool_workers: int = MAX_POOL_WORKERS,
         http: HttpSettings | None = None,
         tls_cert: Path | None = None,
         tls_key: Path | None = None,
+        limits: RequestLimits | None = None,
     ) -> None:
-        """With ``tls_cert`` and ``tls_key`` (PEM files) the port serves TLS only."""
+        """With ``tls_cert`` and ``tls_key`` (PEM files) the port serves TLS only.
+        ``admin_keys`` open the Admin service (none: it refuses every call); no key
+        may be both an API key and an admin key. ``max_pool_workers`` bounds the
+        sizes Admin.Scale accepts. Raises ValueError for keys that do not fit."""
         self.backend = backend
+        self.api_keys = api_keys or ApiKeys()
+        self.admin_keys = admin_keys or ApiKeys()
+        domains = cache_domains or CacheDomains()
+        check_keys(self.api_keys, self.admin_keys, domains)
+        self.max_pool_workers = max_pool_workers
         self.drain_timeout_s = drain_timeout_s
         """How long a worker removed by Admin.Scale may drain, by default."""
         self.host = host
         self.metrics = RouterMetrics()
-        self.api_keys = api_keys or ApiKeys()
         self.lifecycle = Lifecycle(
             backend,
             max_queued_requests=max_queued_requests,
             request_timeout_s=request_timeout_s,
             metrics=self.metrics,
+            cache_domains=domains,
+            limits=limits,
         )
-        self.service = TandemService(self.lifecycle)
+        self.service = TandemService(self.lifecycle, self.api_keys)
         self.http: HttpFront | None = None
         if http is not None:
             state = FrontState(
@@ -181,7 +212,10 @@ class RouterServer:
     def _build_server(self) -> grpc.aio.Server:
         """The grpc.aio server, built inside the event loop it will serve."""
         server = grpc.aio.server(
-            interceptors=[ApiKeyInterceptor(self.api_keys, self._refused)],
+            interceptors=[
+                ApiKeyInterceptor(self.api_keys, self._refused, self.admin_keys),
+                GenerateSizeInterceptor(GENERATE_METHOD, self.generate_message_limit),
+            ],
             options=[
                 ("grpc.max_receive_message_length", self._max_message_bytes),
                 ("grpc.max_send_message_length", self._max_message_bytes),
@@ -189,7 +223,7 @@ class RouterServer:
         )
         generate_pb2_grpc.add_TandemServicer_to_server(self.service, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        admin = AdminService(self.backend, self.drain_timeout_s)
+        admin = AdminService(self.backend, self.drain_timeout_s, self.max_pool_workers)
         admin_pb2_grpc.add_AdminServicer_to_server(admin, server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, ADMIN_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
@@ -204,6 +238,16 @@ class RouterServer:
             raise OSError(f"could not bind {self.host}:{self.port}")
         self.port = port
         return server
+
+    def generate_message_limit(self) -> int:
+        """The largest Generate request accepted: what max_model_len tokens can use
+        (router/limits.py), within ``limits.max_message_mb``."""
+        backend = self.backend
+        if self.lifecycle.unavailable == STARTING or not backend.max_model_len:
+            return self._max_message_bytes  # such calls get UNAVAILABLE anyway
+        per_token = max_token_bytes(backend.tokenizer)
+        limits, cap = self.lifecycle.limits, self._max_message_bytes
+        return generate_message_limit(backend.max_model_len, per_token, limits, cap)
 
     def _refused(self, method: str) -> None:
         self.metrics.auth_refused.inc()

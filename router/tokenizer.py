@@ -24,6 +24,7 @@ raises ``TokenizerNotFound``; the router then serves token-id prompts only.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Iterable, Mapping
@@ -269,6 +270,12 @@ class RouterTokenizer:
     def vocab_size(self) -> int:
         """The base vocabulary, without added tokens."""
         return self._tokenizer.get_vocab_size(with_added_tokens=False)
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """UTF-8 length of the longest vocabulary entry, added tokens included (at least 1)."""
+        vocab = self._tokenizer.get_vocab(with_added_tokens=True)
+        return max((len(t.encode("utf-8", "surrogatepass")) for t in vocab), default=1) or 1
 
     def convert_tokens_to_ids(self, token: str) -> int | None:
         """The id of ``token``, else the unknown token's id, else None."""

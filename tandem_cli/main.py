@@ -44,6 +44,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--ignore-eos", action="store_true", default=None)
     p.add_argument("--logprobs", type=int, metavar="N", help="top alternatives per token")
+    p.add_argument("--cache-salt", metavar="S", help="prefix-cache domain (vLLM's cache_salt)")
     add_tls_ca(p)
 
 

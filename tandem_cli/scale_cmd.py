@@ -1,4 +1,6 @@
-"""`tandem scale`: resize a running deployment's pools (drains removed workers)."""
+"""`tandem scale`: resize a running deployment's pools (drains removed workers).
+
+Sends the admin key in ``$TANDEM_ADMIN_KEY`` (never a flag: it would show in ``ps``)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import sys
 import grpc
 
 from protos.tandem.v1 import admin_pb2, admin_pb2_grpc
-from router.auth import client_metadata
+from router.auth import CLIENT_ADMIN_KEY_ENV, client_metadata
 from router.client import open_channel
 from tandem_cli.tls_ca import add_tls_ca, read_tls_ca
 
@@ -46,4 +48,5 @@ async def _scale(
 ) -> admin_pb2.ScaleReply:
     limits = [("grpc.max_receive_message_length", 4 << 20)]  # replies are small
     async with open_channel(target, ca, limits) as channel:
-        return await admin_pb2_grpc.AdminStub(channel).Scale(request, metadata=client_metadata())
+        metadata = client_metadata(env_name=CLIENT_ADMIN_KEY_ENV)
+        return await admin_pb2_grpc.AdminStub(channel).Scale(request, metadata=metadata)

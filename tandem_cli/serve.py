@@ -17,10 +17,12 @@ from collections.abc import Callable
 import yaml
 from pydantic import ValidationError
 
-from router.auth import ApiKeys
+from router.auth import ADMIN_KEYS_ENV, ApiKeys
 from router.backend import Backend
 from router.config import ServeConfig, describe_errors
-from router.service import HttpSettings, RouterServer
+from router.limits import TRANSPORT_BYTES_PER_TOKEN, generate_message_limit
+from router.service import HttpSettings, RouterServer, check_keys
+from router.tenancy import CacheDomains
 from tandem_cli import ray_auth
 from worker.cpu_binding import (
     CoreLayout,
@@ -70,7 +72,9 @@ def command(args: argparse.Namespace) -> int:
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
     """``--config`` YAML plus the flags that were given (flags win)."""
     flags = {path: getattr(args, dest) for dest, path in SERVE_FLAGS.items()}
-    return ServeConfig.load(args.config, flags)
+    config = ServeConfig.load(args.config, flags)
+    check_keys(api_keys(config), admin_keys(config), CacheDomains(config.security.cache_domain))
+    return config
 
 
 def describe_config_error(e: Exception) -> str:
@@ -90,6 +94,13 @@ def api_keys(config: ServeConfig) -> ApiKeys:
     return ApiKeys.load([k.get_secret_value() for k in security.api_keys], security.api_keys_file)
 
 
+def admin_keys(config: ServeConfig) -> ApiKeys:
+    """The config's admin keys, its admin keys file's and $TANDEM_ADMIN_KEYS, together."""
+    security = config.security
+    keys = [k.get_secret_value() for k in security.admin_keys]
+    return ApiKeys.load(keys, security.admin_keys_file, env_name=ADMIN_KEYS_ENV)
+
+
 def http_settings(config: ServeConfig, *, local: bool = False) -> HttpSettings | None:
     """The HTTP front's settings; None when server.http_port is unset (no HTTP
     front). ``local`` binds 127.0.0.1 on a free port (tests)."""
@@ -107,6 +118,19 @@ def http_settings(config: ServeConfig, *, local: bool = False) -> HttpSettings |
     )
 
 
+def transport_message_limit(config: ServeConfig) -> int:
+    """The largest message the router's gRPC port takes, fixed when it binds:
+    ``limits.max_message_mb``, lowered to what a request can use when
+    ``engine.max_model_len`` is set (the model's own limit is known only once the
+    workers are up; then Generate requests are held to it exactly)."""
+    cap = config.limits.max_message_mb << 20
+    max_model_len = config.engine.max_model_len
+    if max_model_len is None:
+        return cap
+    limits = config.limits.request_limits()
+    return generate_message_limit(max_model_len, TRANSPORT_BYTES_PER_TOKEN, limits, cap)
+
+
 def server_for(config: ServeConfig, backend: Backend, *, local: bool = False) -> RouterServer:
     """The router server of a config; ``local`` binds both fronts to 127.0.0.1 on free
     ports (tests)."""
@@ -117,11 +141,15 @@ def server_for(config: ServeConfig, backend: Backend, *, local: bool = False) ->
         max_queued_requests=config.limits.max_queued_requests,
         request_timeout_s=config.limits.request_timeout_s,
         drain_timeout_s=config.limits.grace_period_s,
-        max_message_bytes=config.limits.max_message_mb << 20,
+        max_message_bytes=transport_message_limit(config),
         tls_cert=config.security.tls_cert,
         tls_key=config.security.tls_key,
         api_keys=api_keys(config),
+        admin_keys=admin_keys(config),
+        cache_domains=CacheDomains(config.security.cache_domain),
+        max_pool_workers=config.pools.max_workers,
         http=http_settings(config, local=local),
+        limits=config.limits.request_limits(),
     )
 
 
@@ -257,6 +285,8 @@ async def serve(
                 freeze_startup_heap()
             http = f", HTTP on {server.http.url}" if server.http is not None else ""
             auth = f", {len(server.api_keys)} API keys" if server.api_keys.enabled else ""
+            if server.admin_keys.enabled:
+                auth += f", {len(server.admin_keys)} admin keys"
             pools = config.pools
             print(
                 f"tandem: serving {config.engine.model or 'the default model'} on {server.address}"

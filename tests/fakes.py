@@ -7,7 +7,8 @@ import threading
 from collections.abc import AsyncIterator
 
 from protocol.outputs import TokenLogprobs
-from router.backend import GenerateInput, GenerateResult, TokenDelta
+from protocol.workers import WorkerStats
+from router.backend import GenerateInput, GenerateResult, TokenDelta, WorkerReport
 
 
 class FakeTokenizer:
@@ -175,3 +176,42 @@ class RouterInThread:
     def __exit__(self, *exc: object) -> None:
         self._loop.call_soon_threadsafe(self._stop.set)
         self._thread.join(10)
+
+
+class FakePools(FakeBackend):
+    """A FakeBackend with pools (``ManagedPools``): ``scale`` records each call and
+    sets the sizes, or raises ``scale_error`` when one is given."""
+
+    def __init__(self, *, scale_error: Exception | None = None, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.sizes = (1, 1)
+        self.scale_calls: list[tuple[int | None, int | None, float]] = []
+        self.scale_error = scale_error
+
+    async def scale(
+        self, prefill: int | None, decode: int | None, drain_timeout_s: float
+    ) -> tuple[int, int]:
+        self.scale_calls.append((prefill, decode, drain_timeout_s))
+        if self.scale_error is not None:
+            raise self.scale_error
+        old_prefill, old_decode = self.sizes
+        self.sizes = (
+            old_prefill if prefill is None else prefill,
+            old_decode if decode is None else decode,
+        )
+        return self.sizes
+
+    async def worker_reports(self) -> list[WorkerReport]:
+        stats = WorkerStats(
+            free_blocks=7,
+            total_blocks=8,
+            initial_free_blocks=8,
+            num_holders=0,
+            initial_num_holders=0,
+            num_requests=0,
+            num_running=0,
+            num_waiting=0,
+            num_steps=0,
+            num_preemptions=0,
+        )
+        return [WorkerReport("decode-0", "decode", 0, stats)]

@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
+import zlib
 from collections.abc import Coroutine
 from typing import Any
 
@@ -13,10 +15,12 @@ import grpc
 import torch
 
 from engine.block_pool import BlockPool, Holder
+from engine.hashing import hash_blocks, root_hash
 from engine.kv_cache import KVCache, KVLayout
-from kv_transfer import GrpcKVServer, PoolBlockStore, TransferConfig, wire
+from kv_transfer import GrpcKVServer, KVBlocks, PoolBlockStore, TransferConfig, wire
 from kv_transfer.grpc_server import GRPC_OPTIONS, PUSH_METHOD
 from protos.tandem.v1 import kv_transfer_pb2 as pb
+from tests.kv_grants import pull_grant, push_grant
 
 LAYOUT = KVLayout("fp-fuzz", "float32", 2, 4, 1, 8)  # 256 bytes per block
 CPU = torch.device("cpu")
@@ -30,7 +34,20 @@ def make_store(num_blocks: int = 32, seed: int = 0) -> PoolBlockStore:
     return PoolBlockStore(BlockPool(num_blocks, LAYOUT.block_size), cache)
 
 
+def block_tokens(num_blocks: int, seed: int = 0) -> list[int]:
+    """Random token ids that fill ``num_blocks`` blocks."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 30000, (num_blocks * LAYOUT.block_size,), generator=gen).tolist()
+
+
+def block_hashes(token_ids: list[int]) -> list[bytes]:
+    """The hashes the receiver computes for them (empty salt)."""
+    bs = LAYOUT.block_size
+    return list(hash_blocks(token_ids, bs, root_hash(LAYOUT.model_fingerprint, bs)))
+
+
 def header(request_id: str, num_blocks: int, **overrides: Any) -> pb.TransferHeader:
+    """A push header; pass ``grant`` and ``token_ids`` for one the server admits."""
     fields: dict[str, Any] = {
         "layout": wire.layout_to_proto(LAYOUT),
         "request_id": request_id,
@@ -77,6 +94,19 @@ class KVServerHarness:
             *GRPC_OPTIONS,
         ]
         return self.config.security.channel(self.server.address, unlimited)
+
+    def push_grant(self, request_id: str) -> bytes:
+        """The router's grant for a push of ``request_id`` here."""
+        return push_grant(self.config, self.server.address, request_id)
+
+    def blocks(self, request_id: str, block_ids: list[int]) -> KVBlocks:
+        """A push of ``block_ids`` (tokens of their own) with its grant."""
+        tokens = block_tokens(len(block_ids), zlib.crc32(request_id.encode()))
+        blocks = KVBlocks(request_id, block_ids, [None] * len(block_ids), tokens)
+        return dataclasses.replace(blocks, grant=self.push_grant(request_id))
+
+    def pull_grant(self, request_id: str, hashes) -> bytes:
+        return pull_grant(self.config, self.server.address, request_id, hashes)
 
     def raw_push(
         self,

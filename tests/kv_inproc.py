@@ -61,7 +61,7 @@ class InProcKVServer(KVTransferServer):
     ) -> None:
         self.hub = hub
         self.address = f"inproc:{name}"
-        self.service = KVTransferService(store, config, handler=handler)
+        self.service = KVTransferService(store, config, handler=handler, identity=self.address)
 
     async def start(self) -> None:
         self.hub.services[self.address] = self.service
@@ -137,6 +137,8 @@ class InProcKVClient(KVTransferClient):
         block_hashes: Sequence[bytes],
         *,
         request_id: str = "",
+        grant: bytes = b"",
+        token_ids: Sequence[int] = (),
         timeout_s: float | None = None,
     ) -> PullResult:
         service = self.hub.lookup(address)
@@ -144,10 +146,11 @@ class InProcKVClient(KVTransferClient):
             layout=wire.layout_to_proto(sink.layout),
             request_id=request_id,
             block_hashes=block_hashes,
+            grant=grant,
         )
         cancelled = _Cancelled()
         pull = service.open_pull(request, cancelled)
-        receiver = KVReceiver(sink)
+        receiver = KVReceiver(sink, asked=list(block_hashes), asked_tokens=token_ids)
         try:
             async with asyncio.timeout(timeout_s or self.config.timeout_s):
                 for msg in pull.messages():

@@ -24,13 +24,16 @@ _FIELDS_ATTR = "tandem_fields"
 
 
 def format_fields(fields: dict[str, object]) -> str:
-    """``key=value`` pairs; values with spaces, quotes or ``=`` are JSON-quoted."""
+    """``key=value`` pairs; values with spaces, quotes, ``=``, backslashes or any
+    character that is not printable (newlines, control and format characters,
+    whatever a client put in its request id) are JSON-quoted, escaped to ASCII,
+    so that no value can end the line or forge a field."""
     parts = []
     for key, value in fields.items():
         if value is None:
             continue
         text = str(value)
-        if not text or any(c in text for c in ' "=\n\t'):
+        if not text or not text.isprintable() or any(c in text for c in ' "=\\'):
             text = json.dumps(text)
         parts.append(f"{key}={text}")
     return " ".join(parts)

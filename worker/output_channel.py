@@ -17,6 +17,9 @@ of its TCP port when the worker offers one (net/local_socket.py:
 half the cost of a loopback TCP write each step); the protocol is the same,
 without TLS, which only a connection that leaves the machine needs.
 
+A router id logs in once: a second stream under the id of a live one is
+refused (closed after the handshake), and the live one goes on.
+
 The connection's thread also notices the router going away (the socket
 closes or breaks): the worker then aborts every request that router owned
 here. The router notices a worker going away the same way and fails those
@@ -47,6 +50,7 @@ log = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT_S = handshake.TIMEOUT_S
 MAX_BACKLOG_BYTES = 256 << 20
+RELOGIN_WAIT_S = 2.0  # how long a second login under a live router id waits for it to end
 _WOULD_BLOCK = (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
 
 RouterGone = Callable[[str, list[str]], None]
@@ -191,6 +195,7 @@ class OutputServer:
         made = listen_local("out") if local and not mutual_tls else None
         self._local_listener, self.local_address = made or (None, "")
         self._lock = threading.Lock()
+        self._freed = threading.Condition(self._lock)  # a router's stream left _routers
         self._routers: dict[str, RouterConnection] = {}
         self._owner: dict[str, str] = {}  # request id -> router id
         self._events_seq = 0  # batches of cache events published so far
@@ -319,16 +324,23 @@ class OutputServer:
         sock.setblocking(False)
         conn = RouterConnection(router_id, sock)
         with self._lock:
-            # Registered before the router hears OPEN: it may route a request
-            # here (has_router) the moment it does. OPEN is still the first
-            # frame, since publish() sees the stream only after this lock; it
-            # counts the event batches published before, which this stream
-            # never carries.
-            old = self._routers.get(router_id)
-            self._routers[router_id] = conn
-            conn.send(wire.open_frame(self._events_seq))
-        if old is not None:  # the router opened a new stream: the old one is done
-            old.close("replaced by a new stream from the same router")
+            # A router id whose stream is live cannot log in again: the live
+            # stream keeps its requests. A router that closed its stream and
+            # opens a new one may get here first: wait a little for the close.
+            self._freed.wait_for(lambda: router_id not in self._routers, RELOGIN_WAIT_S)
+            taken = router_id in self._routers
+            if not taken:
+                # Registered before the router hears OPEN: it may route a
+                # request here (has_router) the moment it does. OPEN is still
+                # the first frame, since publish() sees the stream only after
+                # this lock; it counts the event batches published before,
+                # which this stream never carries.
+                self._routers[router_id] = conn
+                conn.send(wire.open_frame(self._events_seq))
+        if taken:
+            log.warning("refused a second stream for router %s: its stream is live", router_id)
+            sock.close()
+            return
         log.info("router %s subscribed", router_id)
         try:
             conn.run()
@@ -338,8 +350,9 @@ class OutputServer:
     def _closed(self, conn: RouterConnection) -> None:
         with self._lock:
             if self._routers.get(conn.router_id) is not conn:
-                return  # replaced: the router fails the old stream's requests over
+                return
             del self._routers[conn.router_id]
+            self._freed.notify_all()
             gone = [r for r, owner in self._owner.items() if owner == conn.router_id]
             for rid in gone:
                 del self._owner[rid]

@@ -164,6 +164,16 @@ def _plain(message: ChatMessage, index: int) -> dict[str, str]:
     return plain
 
 
+def message_text(message: ChatMessage) -> str:
+    """The text a message carries: its content, or its text parts joined."""
+    content = message.content
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(part.text or "" for part in content)
+
+
 def _text_of(message: ChatMessage, index: int) -> str:
     content = message.content
     if content is None:

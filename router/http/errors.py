@@ -3,6 +3,7 @@
 Router refusals (``RequestError``, gRPC status codes) map to HTTP statuses:
 INVALID_ARGUMENT 400, UNAUTHENTICATED 401, NOT_FOUND 404, ALREADY_EXISTS 409,
 RESOURCE_EXHAUSTED 429, INTERNAL 500, UNAVAILABLE 503, DEADLINE_EXCEEDED 504.
+A body past ``limits.max_http_body_mb`` gets 413.
 """
 
 from __future__ import annotations
@@ -59,3 +60,7 @@ def invalid(message: str, param: str | None = None) -> OpenAIError:
 
 def unauthenticated(message: str) -> OpenAIError:
     return OpenAIError(401, message, "authentication_error", None, "invalid_api_key")
+
+
+def too_large(message: str) -> OpenAIError:
+    return OpenAIError(413, message, "invalid_request_error", None, "request_too_large")

@@ -26,10 +26,10 @@ from pydantic import ValidationError
 
 from router.backend import GenerateResult, TokenDelta
 from router.lifecycle import Call, short
-from router.messages import RequestError, invalid_argument, to_generate_input
+from router.messages import RequestError, check_request_id, invalid_argument, to_generate_input
 
 from .convert import chat_request, completion_request
-from .errors import from_request_error, invalid
+from .errors import from_request_error, invalid, too_large
 from .responses import Formatter, Kind
 from .schemas import ChatCompletionRequest, CompletionRequest
 
@@ -37,21 +37,52 @@ if TYPE_CHECKING:
     from .app import FrontState
 
 log = logging.getLogger(__name__)
-MAX_REQUEST_ID_HEADER = 256
+
+
+class BodyTooLarge(Exception):
+    """A request body past ``limits.max_http_body_mb`` (HTTP 413)."""
 
 
 def _sse(doc: dict) -> str:
     return f"data: {json.dumps(doc, separators=(',', ':'))}\n\n"
 
 
+async def _read_body(raw: Request, limit: int) -> bytes:
+    """The body, refused (BodyTooLarge) past ``limit`` bytes before it is read: by
+    its Content-Length, and by count as it arrives (a chunked body has none)."""
+    declared = raw.headers.get("content-length")
+    if declared is not None and declared.strip().isdigit() and int(declared) > limit:
+        raise BodyTooLarge(f"the request body has {int(declared)} bytes; the limit is {limit}")
+    chunks, size = [], 0
+    async for chunk in raw.stream():
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge(f"the request body has more than {limit} bytes, the limit")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _refuse_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")
+
+
 def _parse(kind: Kind, raw: bytes) -> CompletionRequest | ChatCompletionRequest:
     try:
-        data = json.loads(raw)
-    except ValueError:
+        data = json.loads(raw, parse_constant=_refuse_constant)  # no NaN or Infinity
+    except (ValueError, RecursionError):
         raise invalid_argument("the request body is not valid JSON") from None
+    if b"\\ud" in raw.lower():  # an escaped surrogate: refuse a lone one
+        try:
+            json.dumps(data, ensure_ascii=False).encode()
+        except UnicodeEncodeError:
+            raise invalid_argument(
+                "the request body holds a lone UTF-16 surrogate (not valid Unicode)"
+            ) from None
     model = ChatCompletionRequest if kind == "chat" else CompletionRequest
     try:
         return model.model_validate(data)
+    except RecursionError:
+        raise invalid_argument("the request body is nested too deeply") from None
     except ValidationError as e:
         err = e.errors()[0]
         where = ".".join(str(p) for p in err["loc"]) or "body"
@@ -60,22 +91,28 @@ def _parse(kind: Kind, raw: bytes) -> CompletionRequest | ChatCompletionRequest:
 
 async def handle(state: FrontState, raw: Request, kind: Kind) -> Response:
     rid = raw.headers.get("x-request-id") or uuid.uuid4().hex
-    if len(rid) > MAX_REQUEST_ID_HEADER:
-        return invalid(
-            f"x-request-id must have at most {MAX_REQUEST_ID_HEADER} characters"
-        ).response()
-    call = state.lifecycle.begin("http")
     try:
-        call.admit()
-        body = _parse(kind, await raw.body())
+        check_request_id("x-request-id", rid)
+    except RequestError as e:
+        return invalid(e.message).response()
+    lifecycle = state.lifecycle
+    call = lifecycle.begin("http")
+    try:
+        call.admit(state.keys.identity(raw.headers.get("authorization")))
+        body = _parse(kind, await _read_body(raw, lifecycle.limits.max_http_body_bytes))
         state.check_model(body.model)
         if isinstance(body, ChatCompletionRequest):
-            tokenizer = state.lifecycle.backend.tokenizer
-            request = await chat_request(body, rid, state.chat_template(), tokenizer)
+            request = await chat_request(body, rid, state.chat_template(), lifecycle.backend)
         else:
             request = completion_request(body, rid)
-        inp = await to_generate_input(request, state.lifecycle.backend, call.start)
+        tenant = lifecycle.cache_domains.tenant(raw.headers.get("authorization"))
+        inp = await to_generate_input(
+            request, lifecycle.backend, call.start, tenant, lifecycle.limits
+        )
         call.claim(inp)
+    except BodyTooLarge as e:
+        call.finish(grpc.StatusCode.RESOURCE_EXHAUSTED)
+        return too_large(str(e)).response({"connection": "close"})
     except RequestError as e:
         call.finish(e.code)
         return from_request_error(e).response()

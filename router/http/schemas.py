@@ -2,16 +2,23 @@
 
 Field names and defaults follow OpenAI's API; tandem's extensions (the same
 names as the gRPC ``GenerateRequest``) are ``top_k``, ``min_p``,
-``repetition_penalty``, ``ignore_eos``, ``stop_token_ids`` and
-``return_token_ids`` (adds each chunk's ``token_ids`` to its choice).
+``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``,
+``return_token_ids`` (adds each chunk's ``token_ids`` to its choice) and
+``cache_salt`` (vLLM's prefix-cache domain).
 Unknown fields are ignored, as OpenAI clients often send a few extra.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from protocol.sampling import MAX_LOGPROBS
+
+UINT32_MAX = 2**32 - 1
+INT32_MAX = 2**31 - 1
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 
 
 class StreamOptions(BaseModel):
@@ -25,7 +32,7 @@ class SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=UINT32_MAX)
     temperature: float | None = None
     top_p: float | None = None
     n: int = 1
@@ -34,16 +41,18 @@ class SamplingFields(BaseModel):
     stop: str | list[str] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    seed: int | None = Field(None, ge=0)
+    seed: int | None = Field(None, ge=0, le=2**64 - 1)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # tandem extensions (vLLM's names)
-    top_k: int | None = None
+    top_k: int | None = Field(None, ge=-1, le=INT32_MAX)
     min_p: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     return_token_ids: bool = False
+    cache_salt: str | None = None
+    """Prefix-cache domain (vLLM's name and type); checked with the gRPC field's rules."""
 
     @property
     def include_usage(self) -> bool:
@@ -51,8 +60,8 @@ class SamplingFields(BaseModel):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = Field(None, ge=0)
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -75,8 +84,8 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=UINT32_MAX)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict] | None = None
     response_format: dict | None = None

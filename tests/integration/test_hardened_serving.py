@@ -6,7 +6,8 @@ cluster secret), then fuzzed.
 - A KV client without the secret, or without TLS, is refused by a worker.
 - Property-based fuzzing of ``Generate``: random field values, huge prompts,
   extreme sampling values, thousands of stop strings, out-of-vocabulary ids.
-  Every call ends with a precise status (INVALID_ARGUMENT naming a field) or
+  Every call ends with a precise status (INVALID_ARGUMENT naming a field,
+  RESOURCE_EXHAUSTED for a message bigger than max_model_len can use) or
   a valid completion, within a deadline, and every worker's free block count
   returns to its start after each example.
 
@@ -31,6 +32,7 @@ from net.security import ClusterSecurity
 from protos.tandem.v1 import generate_pb2 as pb
 from router.client import TandemClient
 from router.config import ServeConfig
+from router.limits import MESSAGE_HEADROOM_BYTES
 from tests.kv_harness import make_store
 from tests.tls_certs import make_certs, openssl_available
 
@@ -253,6 +255,8 @@ def test_fuzzed_generate_gets_a_precise_status_or_a_completion(hardened, certs, 
     event(code.name)
     if code == grpc.StatusCode.OK:
         _check_completion(req, responses)
+    elif code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # more than max_model_len can use
+        assert req.ByteSize() > MESSAGE_HEADROOM_BYTES and "max_model_len" in details, details
     else:
         assert code == grpc.StatusCode.INVALID_ARGUMENT, (code, details)
         assert details, "INVALID_ARGUMENT without a message"

@@ -18,6 +18,7 @@ import contextlib
 import os
 import random
 import socket
+import zlib
 
 import grpc
 import pytest
@@ -29,7 +30,7 @@ from kv_transfer.grpc_server import PUSH_METHOD
 from net import handshake
 from net.security import ClusterSecurity
 from protos.tandem.v1 import kv_transfer_pb2 as pb
-from tests.kv_harness import LAYOUT, KVServerHarness, header
+from tests.kv_harness import LAYOUT, KVServerHarness, block_hashes, block_tokens, header
 
 EXAMPLES = int(os.environ.get("TANDEM_FUZZ_EXAMPLES", "60"))
 # Up to 10 s an example (lease expiries included), 600 s at least.
@@ -43,6 +44,8 @@ CONFIG = TransferConfig(
 )
 PRECISE = {
     grpc.StatusCode.OK,
+    grpc.StatusCode.PERMISSION_DENIED,  # no grant, or one for another request
+    grpc.StatusCode.ALREADY_EXISTS,  # a grant used already
     grpc.StatusCode.INVALID_ARGUMENT,
     grpc.StatusCode.DATA_LOSS,
     grpc.StatusCode.FAILED_PRECONDITION,
@@ -82,13 +85,17 @@ def grpc_only():
 _counter = iter(range(10**9))
 
 
-def _valid_push(n: int, seed: int, with_hashes: bool) -> tuple[str, list[bytes]]:
-    """(request id, [header, chunks..., commit], spans) of a valid push of n blocks."""
+def _valid_push(
+    h: KVServerHarness, n: int, seed: int, with_hashes: bool
+) -> tuple[str, list[bytes]]:
+    """(request id, [header, chunks..., commit]) of a valid, granted push of n blocks."""
     rid = f"fuzz-{next(_counter)}"
     rng = random.Random(seed)
-    # Blocks without a hash (partial ones) carry b"" on the wire, as KVSender sends.
-    hashes = [rng.randbytes(32) if with_hashes else b"" for _ in range(n)]
-    messages = [wire.encode_header(header(rid, n, block_hashes=hashes))]
+    tokens = block_tokens(n, zlib.crc32(rid.encode()))  # no prefix of an earlier push
+    # Blocks named without a hash carry b"" on the wire.
+    hashes = block_hashes(tokens) if with_hashes else [b""] * n
+    head = header(rid, n, block_hashes=hashes, token_ids=tokens, grant=h.push_grant(rid))
+    messages = [wire.encode_header(head)]
     bl = LAYOUT.block_bytes_per_layer
     spans = wire.plan_chunks(LAYOUT.num_layers, n, bl, CONFIG.chunk_bytes)
     for span in spans:
@@ -186,7 +193,7 @@ def _mutate(messages: list[bytes], kind: str, rng: random.Random) -> list[bytes]
 
 def _assert_still_serves(h: KVServerHarness) -> None:
     assert h.settle() == ([], h.initial_free)
-    _, messages = _valid_push(3, seed=0, with_hashes=False)
+    _, messages = _valid_push(h, 3, seed=0, with_hashes=False)
     assert h.raw_push(messages) == grpc.StatusCode.OK
     assert h.settle() == ([], h.initial_free)
 
@@ -202,7 +209,7 @@ def test_fuzzed_grpc_pushes_get_a_precise_status_and_leak_nothing(
     grpc_only, n, seed, with_hashes, kinds
 ):
     rng = random.Random(seed)
-    _, messages = _valid_push(n, seed, with_hashes)
+    _, messages = _valid_push(grpc_only, n, seed, with_hashes)
     for kind in kinds:
         messages = _mutate(messages, kind, rng)
     status = grpc_only.raw_push(messages)
@@ -287,7 +294,9 @@ async def _push_frames(h: KVServerHarness, n: int, frames: list[bytes]) -> grpc.
     )
     rid = f"frames-{next(_counter)}"
     try:
-        await call.write(wire.encode_header(header(rid, n)))
+        tokens = block_tokens(n, zlib.crc32(rid.encode()))
+        head = header(rid, n, token_ids=tokens, grant=h.push_grant(rid))
+        await call.write(wire.encode_header(head))
         port = int(dict(await call.initial_metadata())[datachannel.DATA_PORT_KEY])
 
         def send() -> None:
@@ -314,13 +323,13 @@ async def _push_frames(h: KVServerHarness, n: int, frames: list[bytes]) -> grpc.
 def cached_hashes(grpc_only) -> list[bytes]:
     """Hashes of 8 blocks the server holds in its prefix cache (pushed, then
     claimed and released)."""
-    _, messages = _valid_push(8, seed=12345, with_hashes=True)
+    _, messages = _valid_push(grpc_only, 8, seed=12345, with_hashes=True)
     assert grpc_only.raw_push(messages) == grpc.StatusCode.OK
     return list(pb.PushRequest.FromString(messages[0]).header.block_hashes)
 
 
 @st.composite
-def pull_requests(draw, cached: list[bytes]) -> bytes:
+def pull_requests(draw, h: KVServerHarness, cached: list[bytes]) -> bytes:
     if draw(st.integers(0, 5)) == 0:
         return draw(st.binary(max_size=200))  # garbage
     layout = wire.layout_to_proto(LAYOUT)
@@ -334,8 +343,11 @@ def pull_requests(draw, cached: list[bytes]) -> bytes:
     )
     if draw(st.booleans()):
         hashes = cached[: draw(st.integers(0, len(cached)))] + hashes
+    rid = f"{draw(st.text(max_size=20))}#{next(_counter)}"
+    granted = draw(st.integers(0, 4)) > 0  # most with the router's grant for them
+    grant = h.pull_grant(rid, hashes) if granted else draw(st.binary(max_size=60))
     request = pb.PullRequest(
-        layout=layout, request_id=draw(st.text(max_size=20)), block_hashes=hashes
+        layout=layout, request_id=rid, block_hashes=hashes, grant=grant
     ).SerializeToString()
     if draw(st.integers(0, 4)) == 0:
         request = request[: draw(st.integers(0, len(request)))]  # truncated
@@ -345,7 +357,7 @@ def pull_requests(draw, cached: list[bytes]) -> bytes:
 @FUZZ_SETTINGS
 @given(data=st.data())
 def test_fuzzed_pulls_get_a_precise_status_and_leak_nothing(grpc_only, cached_hashes, data):
-    request = data.draw(pull_requests(cached_hashes))
+    request = data.draw(pull_requests(grpc_only, cached_hashes))
 
     async def pull() -> tuple[grpc.StatusCode, list]:
         from kv_transfer.grpc_server import PULL_METHOD

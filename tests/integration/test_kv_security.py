@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from engine.block_pool import Holder
-from kv_transfer import GrpcKVClient, KVBlocks, TransferConfig, TransferError, datachannel, wire
+from kv_transfer import GrpcKVClient, TransferConfig, TransferError, datachannel, wire
 from net import handshake
 from net.security import ClusterSecurity
-from tests.kv_harness import LAYOUT, KVServerHarness, header, make_store
+from tests.kv_harness import LAYOUT, KVServerHarness, block_tokens, header, make_store
 from tests.tls_certs import tls_files
 
 pytestmark = pytest.mark.integration
@@ -38,7 +38,7 @@ def _push(harness: KVServerHarness, config: TransferConfig, n: int = 3, rid: str
     client = GrpcKVClient(config)
     try:
         result = harness.thread.run(
-            client.push(harness.server.address, src, KVBlocks(rid, ids, [None] * n, []))
+            client.push(harness.server.address, src, harness.blocks(rid, ids))
         )
         claimed = harness.server.claim(rid)
         assert claimed.block_ids == result.remote_block_ids
@@ -65,9 +65,7 @@ def _status_of_push(harness: KVServerHarness, config: TransferConfig) -> grpc.St
     ids = src.reserve(SENDER, 2)
     client = GrpcKVClient(config)
     try:
-        harness.thread.run(
-            client.push(harness.server.address, src, KVBlocks("x", ids, [None, None], []))
-        )
+        harness.thread.run(client.push(harness.server.address, src, harness.blocks("x", ids)))
     except TransferError as e:
         return e.code
     finally:
@@ -122,7 +120,9 @@ def test_a_data_connection_without_the_secrets_mac_is_dropped():
                 metadata=((datachannel.DATA_TOKEN_KEY, token.hex()),),
                 timeout=30,
             )
-            await call.write(wire.encode_header(header("stolen", 2)))
+            grant = harness.push_grant("stolen")
+            head = header("stolen", 2, token_ids=block_tokens(2), grant=grant)
+            await call.write(wire.encode_header(head))
             port = int(dict(await call.initial_metadata())[datachannel.DATA_PORT_KEY])
             assert harness.store.num_free == harness.initial_free - 2
             with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
@@ -243,7 +243,7 @@ def test_a_client_runs_at_most_max_concurrent_pushes_at_once():
     async def burst() -> list:
         ids = [src.reserve(Holder("request", f"b{i}"), 2) for i in range(8)]
         pushes = [
-            client.push(harness.server.address, src, KVBlocks(f"b{i}", b, [b"", b""], []))
+            client.push(harness.server.address, src, harness.blocks(f"b{i}", b))
             for i, b in enumerate(ids)
         ]
         results = await asyncio.gather(*pushes)
@@ -277,4 +277,33 @@ def test_a_kv_server_with_default_options_refuses_a_stranger_with_default_option
         assert harness.settle() == ([], harness.initial_free)
         _push(harness, harness.config)  # the config's own holder gets through
     finally:
+        harness.close()
+
+
+def test_a_peer_with_the_secret_but_no_grant_gets_no_block():
+    """The secret lets a peer call; only the router's grant for the request
+    lets it push or pull, over gRPC and the data channel alike."""
+    secured = TransferConfig(security=ClusterSecurity(SECRET))
+    harness = KVServerHarness(secured)
+    client = GrpcKVClient(secured)
+    src = make_store(16, seed=7)
+    ids = src.reserve(SENDER, 2)
+    try:
+        codes = []
+        for grant in (b"", harness.push_grant("another"), bytes(41)):
+            blocks = dataclasses.replace(harness.blocks("g", ids), grant=grant)
+            with pytest.raises(TransferError) as err:
+                harness.thread.run(client.push(harness.server.address, src, blocks))
+            codes.append(err.value.code)
+        header_only = wire.encode_header(header("g", 8, token_ids=block_tokens(8)))
+        codes.append(harness.raw_push([header_only]))
+        with pytest.raises(TransferError) as pulled:
+            harness.thread.run(client.pull(harness.server.address, make_store(), [bytes(16)]))
+        codes.append(pulled.value.code)
+        assert codes == [grpc.StatusCode.PERMISSION_DENIED] * 5
+        assert harness.settle() == ([], harness.initial_free)
+        assert harness.store.pool.cached_hashes() == []
+    finally:
+        harness.thread.run(client.close())
+        src.release(SENDER)
         harness.close()

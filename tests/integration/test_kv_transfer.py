@@ -18,7 +18,7 @@ import grpc
 import pytest
 import torch
 
-from benchkit.kv_peer import Peer, PeerSpec
+from benchkit.kv_peer import Peer, PeerSpec, push_grant
 from engine.block_pool import BlockPool
 from engine.kv_cache import KVCache, KVLayout
 from kv_transfer import (
@@ -220,7 +220,9 @@ def test_data_connection_is_offered_and_an_abandoned_one_frees_the_blocks():
                 layout=wire.layout_to_proto(LAYOUT),
                 request_id="abandoned",
                 num_blocks=4,
+                token_ids=list(range(4 * LAYOUT.block_size)),
                 total_bytes=4 * LAYOUT.block_bytes,
+                grant=push_grant(config, server.address, "abandoned"),
             )
             await call.write(wire.encode_header(header))
             metadata = dict(await call.initial_metadata())

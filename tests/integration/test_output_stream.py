@@ -298,6 +298,25 @@ def test_a_router_that_subscribes_again_replaces_its_old_stream():
     run_with_pair(body)
 
 
+def test_a_login_under_a_live_router_id_is_refused_and_the_stream_goes_on(monkeypatch):
+    """Knowing a router's id (and the secret) does not take over its stream."""
+    monkeypatch.setattr(output_channel, "RELOGIN_WAIT_S", 0.2)
+
+    async def body(pair: Pair):
+        streams = await pair.subscribe()
+        pair.server.own("r1", "router-a")
+        queue = streams.register("r1", pair.worker)
+        intruder = WorkerStreams("router-a", list.append, lambda w, why: None, pair.reader_config)
+        with pytest.raises(ConnectionError):
+            await intruder.subscribe(pair.worker)
+        await pair.publish([_out("r1", 1), _out("r1", 2, finished=True)])
+        assert [list(d.token_ids) for d in await _drain(queue)] == [[1], [2]]
+        assert pair.gone == [] and pair.broken == []
+        await streams.close()
+
+    run_with_pair(body)
+
+
 def test_a_slow_reader_never_blocks_the_publisher_and_gets_every_frame():
     async def body(pair: Pair):
         streams, stream, queue = await pair.paused_reader()

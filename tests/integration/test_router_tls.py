@@ -9,6 +9,7 @@ import asyncio
 import grpc
 import pytest
 
+from router.auth import ApiKeys
 from router.client import TandemClient
 from router.config import CLUSTER_SECRET_ENV, ServeConfig
 from router.service import RouterServer
@@ -88,10 +89,14 @@ def test_tls_settings_are_checked(tmp_path, cluster_certs):
     assert tls is not None and tls.ca == str(mine.ca)
 
 
-def test_client_commands_reach_a_tls_router_with_tls_ca(cluster_certs, tmp_path, capsys):
+def test_client_commands_reach_a_tls_router_with_tls_ca(
+    cluster_certs, tmp_path, capsys, monkeypatch
+):
     mine, other = cluster_certs
     backend = FakeBackend(tokenizer=FakeTokenizer())
-    with RouterInThread(backend, tls_cert=mine.cert, tls_key=mine.key) as router:
+    monkeypatch.setenv("TANDEM_ADMIN_KEY", "sk-admin")
+    admin = ApiKeys(["sk-admin"])
+    with RouterInThread(backend, tls_cert=mine.cert, tls_key=mine.key, admin_keys=admin) as router:
         target = ["--target", router.address]
         ask = ["generate", "hi", *target, "--max-tokens", "3", "--timeout", "10"]
         assert main([*ask, "--tls-ca", str(mine.ca)]) == 0

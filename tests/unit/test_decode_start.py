@@ -21,6 +21,7 @@ from prefill_pool.worker import PrefillWorker
 from protocol.requests import DecodeRequest, PrefillRequest
 from router.pool_manager import WorkerHandle
 from router.worker_streams import WorkerStreams
+from tests.kv_grants import push_grant
 from tests.pool_checks import leftover_holders
 
 pytestmark = pytest.mark.unit
@@ -84,7 +85,8 @@ async def pair(llama_dir):
 
 
 def prefill_request(rid, prompt, params, d, router=ROUTER) -> PrefillRequest:
-    return PrefillRequest(rid, router, prompt, params, d.kv_server.address)
+    grant = push_grant(d.transfer, d.kv_server.address, rid)  # as the router mints it
+    return PrefillRequest(rid, router, prompt, params, d.kv_server.address, push_grant=grant)
 
 
 def reference(llama_dir, prompt, params) -> list[int]:

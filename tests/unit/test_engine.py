@@ -193,3 +193,20 @@ def test_stop_token_and_max_tokens_finish_reasons(engine):
         outs += engine.step()
     assert [o.new_token_ids[0] for o in outs] == first[: first.index(first[3]) + 1]
     assert outs[-1].finish_reason == "stop"
+
+
+def test_a_cache_salt_separates_prefix_cache_domains(engine):
+    """Same prompt, two salts: no block of one answers the other's lookup;
+    the same salt again hits."""
+    prompt = _prompt(64, 11) + _prompt(5, 12)
+    engine.add_request("salt-a", prompt, GREEDY, cache_salt=b"tenant-a")
+    first = _run(engine)["salt-a"]
+    hits = {}
+    for rid, salt in (("salt-b", b"tenant-b"), ("plain", b""), ("salt-a-again", b"tenant-a")):
+        engine.add_request(rid, prompt, GREEDY, cache_salt=salt)
+        outs = []
+        while engine.has_unfinished():
+            outs += engine.step()
+        hits[rid] = outs[0].num_cached_tokens
+        assert [o.new_token_ids[0] for o in outs] == first
+    assert hits == {"salt-b": 0, "plain": 0, "salt-a-again": 64}

@@ -5,14 +5,17 @@ dequantized blocks and leave both pools as they were."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import grpc
 import pytest
 import torch
 
 from engine.block_pool import BlockPool, Holder
+from engine.hashing import hash_blocks, root_hash
 from engine.kv_cache import KVCache, KVLayout
 from kv_transfer import (
+    CommittedPush,
     GrpcKVClient,
     GrpcKVServer,
     KVBlocks,
@@ -20,7 +23,9 @@ from kv_transfer import (
     TransferConfig,
     TransferError,
 )
+from kv_transfer.chain import cache_salt_for
 from kv_transfer.quantized import QuantizedBlockStore, dequantize, quantize
+from tests.kv_grants import granted
 from tests.kv_inproc import InProcHub, InProcKVClient, InProcKVServer
 
 pytestmark = pytest.mark.unit
@@ -104,10 +109,18 @@ def test_bfloat16_pool_round_trips_through_fp8():
 SENDER = Holder("request", "r")
 
 
-async def _push(client, server, src, dst, n: int):
+def _blocks(server, ids: list[int], config: TransferConfig | None = None) -> KVBlocks:
+    tokens = list(range(100, 100 + len(ids) * LAYOUT.block_size))
+    blocks = KVBlocks("r", ids, [None] * len(ids), tokens)
+    # The grant is minted under the server's own cluster secret (a default
+    # TransferConfig holds a random one of its own).
+    return granted(config or server.service.config, server.address, blocks)
+
+
+async def _push(client, server, src, dst, n: int, config: TransferConfig):
     free = (src.num_free, dst.num_free)
     ids = src.reserve(SENDER, n)
-    result = await client.push(server.address, src, KVBlocks("r", ids, [None] * n, []))
+    result = await client.push(server.address, src, _blocks(server, ids, config))
     claimed = server.claim("r")
     x, y = src.cache.read_blocks(ids), dst.cache.read_blocks(claimed.block_ids)
     dst.release(claimed.holder)
@@ -129,7 +142,7 @@ def test_quantized_push_lands_dequantized_blocks(mover):
             server, client = GrpcKVServer(dst, config), GrpcKVClient(config)
         await server.start()
         try:
-            result, x, y = await _push(client, server, src, dst, 5)
+            result, x, y = await _push(client, server, src, dst, 5, config)
         finally:
             await client.close()
             await server.stop()
@@ -151,11 +164,62 @@ def test_a_pool_with_another_wire_encoding_refuses_at_the_header(src_wire, dst_w
         free = (src.num_free, dst.num_free)
         ids = src.reserve(SENDER, 2)
         with pytest.raises(TransferError) as err:
-            await client.push(server.address, src, KVBlocks("r", ids, [None, None], []))
+            await client.push(server.address, src, _blocks(server, ids))
         src.release(SENDER)
         await server.stop()
         assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
         assert "wire_dtype" in err.value.message
+        assert src.holders() == dst.holders() == []
+        assert (src.num_free, dst.num_free) == free
+
+    asyncio.run(go())
+
+
+class _Keep:
+    """A PushHandler that keeps the committed pushes."""
+
+    def __init__(self) -> None:
+        self.pushes: list[CommittedPush] = []
+
+    def check(self, request_id: str, decode_start: bytes) -> None:
+        return None
+
+    def committed(self, push: CommittedPush) -> None:
+        self.pushes.append(push)
+
+
+@pytest.mark.parametrize("wire_dtype", [None, "int8", "fp8"])
+def test_quantized_wire_kv_is_never_an_exact_prefix_entry(wire_dtype):
+    """Blocks that came quantized are indexed under a salt of their own: a
+    full-precision request's lookup (plain hashes) finds none of them, one
+    whose KV came the same way finds them all. Full precision: plain hashes."""
+
+    async def go():
+        src, dst, keep = _store(1, wire_dtype), _store(2, wire_dtype), _Keep()
+        hub = InProcHub()
+        server = InProcKVServer(hub, "d", dst, handler=keep)
+        client = InProcKVClient(hub)
+        await server.start()
+        free = (src.num_free, dst.num_free)
+        ids = src.reserve(SENDER, 3)
+        blocks = dataclasses.replace(_blocks(server, ids), next_token_ids=[9])
+        await client.push(server.address, src, blocks)
+        await server.stop()
+        [push] = keep.pushes
+        bs = LAYOUT.block_size
+        root = root_hash(LAYOUT.model_fingerprint, bs)
+        plain = hash_blocks(blocks.token_ids, bs, root)
+        salted = hash_blocks(blocks.token_ids, bs, root, cache_salt_for(wire_dtype or "", b""))
+        found_plain = [dst.pool.block_for_hash(h) for h in plain]
+        found_salted = [dst.pool.block_for_hash(h) for h in salted]
+        assert push.cache_salt == cache_salt_for(wire_dtype or "", b"")
+        if wire_dtype is None:
+            assert found_plain == push.blocks.block_ids and salted == plain
+        else:
+            assert found_plain == [None, None, None]
+            assert found_salted == push.blocks.block_ids
+        dst.release(push.blocks.holder)
+        src.release(SENDER)
         assert src.holders() == dst.holders() == []
         assert (src.num_free, dst.num_free) == free
 

@@ -39,6 +39,7 @@ from net import handshake, sockets
 from net.security import ClusterSecurity
 from protos import codegen
 from protos.tandem.v1 import kv_transfer_pb2 as pb
+from tests.kv_grants import granted, pull_grant
 from tests.kv_inproc import InProcHub, InProcKVClient, InProcKVServer
 from tests.pool_checks import leftover_holders
 
@@ -108,6 +109,7 @@ class Pair:
         self.src = make_store(seed=1)
         self.dst = make_store(seed=2, layout=layout)
         self.hub = InProcHub()
+        self.config = config
         self.server = InProcKVServer(self.hub, "dst", self.dst, config)
         self.client = InProcKVClient(self.hub, config, message_filter)
         self.free = (self.src.num_free, self.dst.num_free)
@@ -115,7 +117,9 @@ class Pair:
     def blocks(self, n: int, request_id: str = "r") -> KVBlocks:
         ids = self.src.reserve(SENDER, n)
         assert ids is not None
-        return KVBlocks(request_id, ids, [None] * n, [])
+        tokens = list(range(100, 100 + n * LAYOUT.block_size))
+        blocks = KVBlocks(request_id, ids, [None] * n, tokens)
+        return granted(self.config, self.server.address, blocks)
 
     def settled(self) -> bool:
         return _settled(self.src, self.dst, self.free)
@@ -278,8 +282,9 @@ def test_discard_frees_a_committed_push_and_refuses_a_later_one():
         assert pair.dst.num_free == pair.free[1] and pair.dst.holders() == []
         pair.server.discard("late")  # cancelled before its push began
         with pytest.raises(TransferError) as err:
+            late = dataclasses.replace(blocks, request_id="late")
             await pair.client.push(
-                pair.server.address, pair.src, dataclasses.replace(blocks, request_id="late")
+                pair.server.address, pair.src, granted(SMALL, pair.server.address, late)
             )
         assert err.value.code == grpc.StatusCode.CANCELLED
         pair.src.release(SENDER)
@@ -307,7 +312,7 @@ def cache_prefix(store: PoolBlockStore, tokens: list[int], n: int) -> list[bytes
     """Cache ``n`` full blocks of ``tokens`` in ``store`` with no reference;
     their hashes."""
     bs = store.layout.block_size
-    hashes = [bytes([i + 1]) * 16 for i in range(n)]
+    hashes = hash_blocks(tokens[: n * bs], bs, root_hash(store.layout.model_fingerprint, bs))
     holder = Holder("request", "cached")
     blocks = store.reserve(holder, n)
     assert blocks is not None
@@ -334,11 +339,14 @@ async def handshake_push(transport: str):
         client = GrpcKVClient(SMALL)
     await server.start()
     ids = src.reserve(SENDER, 3)
-    blocks = KVBlocks("r", ids, [*hashes, None], tokens, [7], b"start")
+    blocks = granted(
+        SMALL, server.address, KVBlocks("r", ids, [*hashes, None], tokens, [7], b"start")
+    )
+    refused_blocks = granted(SMALL, server.address, dataclasses.replace(blocks, request_id="no"))
     try:
         result = await client.push(server.address, src, blocks)
         with pytest.raises(TransferError) as refused:
-            await client.push(server.address, src, dataclasses.replace(blocks, request_id="no"))
+            await client.push(server.address, src, refused_blocks)
     finally:
         await client.close()
         await server.stop()
@@ -392,7 +400,9 @@ def test_pull_pins_only_while_streaming_and_returns_the_held_prefix():
         keeper.release(SENDER)  # cached, no holder
         free = (keeper.num_free, puller.num_free)
         client = InProcKVClient(hub, SMALL)
-        result = await client.pull(server.address, puller, [*hashes[:2], b"x" * 16, hashes[2]])
+        asked = [*hashes[:2], b"x" * 16, hashes[2]]
+        grant = pull_grant(SMALL, server.address, "pull", asked)
+        result = await client.pull(server.address, puller, asked, request_id="pull", grant=grant)
         assert result.block_hashes == hashes[:2]
         assert torch.equal(
             puller.cache.read_blocks(result.block_ids), keeper.cache.read_blocks(ids[:2])
@@ -486,7 +496,8 @@ class DataPair:
         self.src_ids = self.src.reserve(SENDER, n)
         lease = lease_holder("send", "r")
         self.src.pin(lease, self.src_ids)  # as a client's push does
-        self.sender = KVSender(self.src, lease, "r", self.src_ids, [None] * n, [], chunk_bytes)
+        tokens = list(range(n * LAYOUT.block_size))
+        self.sender = KVSender(self.src, lease, "r", self.src_ids, [None] * n, tokens, chunk_bytes)
         self.receiver = KVReceiver(self.dst)
         self.receiver.on_header(self.sender.header())
         self.registry = _Registry()

@@ -217,3 +217,19 @@ def test_a_disabled_router_or_an_unhealthy_index_routes_by_the_fallback_alone():
     r, _ = router(unhealthy, pull_min_blocks=2)
     plan = r.plan(PROMPT, prefill, decode, colocated=False)
     assert names(plan) == (P0, D0) and plan.hashes == []
+
+
+def test_the_cache_salt_keys_the_index_lookup():
+    """Blocks cached under one salt count only for requests of that salt."""
+    salted = hash_blocks(PROMPT, BS, ROOT, b"tenant-a")
+    index = InMemoryIndex()
+    index.apply(KVEvent(D2, stored=tuple(salted[:5])))
+    index.apply(KVEvent(D1, stored=tuple(HASHES[:3])))
+    r, _ = router(index)
+    prefill, decode = pools()
+    same = r.plan(PROMPT, prefill, decode, colocated=False, cache_salt=b"tenant-a")
+    other = r.plan(PROMPT, prefill, decode, colocated=False, cache_salt=b"tenant-b")
+    plain = r.plan(PROMPT, prefill, decode, colocated=False)
+    assert (same.decode.name, same.decode_cached_blocks, same.hashes) == (D2, 5, salted)
+    assert (other.decode.name, other.decode_cached_blocks) == (D0, 0)
+    assert (plain.decode.name, plain.decode_cached_blocks, plain.hashes) == (D1, 3, HASHES)

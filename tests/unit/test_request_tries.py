@@ -24,6 +24,7 @@ from block_index import InMemoryIndex, KVEvent
 from engine.hashing import hash_blocks, root_hash
 from engine.sampling import SamplingParams
 from kv_transfer import TransferError
+from net.grants import PUSH, GrantChecker, GrantRefused, push_digest
 from protocol.requests import DecodeRequest, PrefillRequest, PrefillResult
 from protocol.workers import WorkerInfo
 from protos.tandem.v1 import worker_pb2
@@ -290,6 +291,35 @@ def test_a_disaggregated_try_streams_every_token_then_the_result():
     assert req.decode_kv_address == setup.worker(t.decode_worker).info.kv_address
     assert setup.streams.registered == [req.request_id]
     assert setup.backend.failover.retries == 0
+    assert_clean(setup)
+
+
+def test_a_try_carries_the_cache_salt_and_a_push_grant_for_its_decode_worker():
+    async def serve(t: Try) -> PrefillResult:
+        t.push(11, finished=True, reason="stop")
+        return t.result()
+
+    setup = make_backend([serve])
+
+    async def main():
+        inp = GenerateInput("req", PROMPT, PARAMS, cache_salt=b"tenant-a")
+        items = [item async for item in setup.backend.generate(inp)]
+        await settle(setup)
+        return items
+
+    run(main())
+    (t,) = setup.cluster.tries
+    req = t.request
+    assert isinstance(req, PrefillRequest) and req.cache_salt == b"tenant-a"
+    security = setup.backend.config.transfer_config().security
+    decode = GrantChecker(security, req.decode_kv_address)
+    with pytest.raises(GrantRefused):  # bound to the salt
+        decode.use(req.push_grant, PUSH, req.request_id, push_digest(b""))
+    decode.use(req.push_grant, PUSH, req.request_id, push_digest(b"tenant-a"))
+    other = GrantChecker(security, setup.worker("p0").info.kv_address)
+    with pytest.raises(GrantRefused):  # bound to the decode worker
+        other.use(req.push_grant, PUSH, req.request_id, push_digest(b"tenant-a"))
+    assert req.pull_from is None and req.pull_grant == b""
     assert_clean(setup)
 
 

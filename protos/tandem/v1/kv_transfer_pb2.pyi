@@ -25,7 +25,7 @@ class KVLayout(_message.Message):
     def __init__(self, model_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., wire_dtype: _Optional[str] = ...) -> None: ...
 
 class TransferHeader(_message.Message):
-    __slots__ = ("layout", "request_id", "num_blocks", "block_hashes", "token_ids", "total_bytes", "next_token_ids", "decode_start")
+    __slots__ = ("layout", "request_id", "num_blocks", "block_hashes", "token_ids", "total_bytes", "next_token_ids", "decode_start", "grant", "cache_salt")
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -34,6 +34,8 @@ class TransferHeader(_message.Message):
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DECODE_START_FIELD_NUMBER: _ClassVar[int]
+    GRANT_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     layout: KVLayout
     request_id: str
     num_blocks: int
@@ -42,7 +44,9 @@ class TransferHeader(_message.Message):
     total_bytes: int
     next_token_ids: _containers.RepeatedScalarFieldContainer[int]
     decode_start: bytes
-    def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., request_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., token_ids: _Optional[_Iterable[int]] = ..., total_bytes: _Optional[int] = ..., next_token_ids: _Optional[_Iterable[int]] = ..., decode_start: _Optional[bytes] = ...) -> None: ...
+    grant: bytes
+    cache_salt: bytes
+    def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., request_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., token_ids: _Optional[_Iterable[int]] = ..., total_bytes: _Optional[int] = ..., next_token_ids: _Optional[_Iterable[int]] = ..., decode_start: _Optional[bytes] = ..., grant: _Optional[bytes] = ..., cache_salt: _Optional[bytes] = ...) -> None: ...
 
 class KVChunk(_message.Message):
     __slots__ = ("layer_start", "layer_end", "block_start", "block_end", "block_hashes", "crc32", "data")
@@ -87,14 +91,16 @@ class PushReply(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., bytes_received: _Optional[int] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("layout", "request_id", "block_hashes")
+    __slots__ = ("layout", "request_id", "block_hashes", "grant")
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    GRANT_FIELD_NUMBER: _ClassVar[int]
     layout: KVLayout
     request_id: str
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., request_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    grant: bytes
+    def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., request_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., grant: _Optional[bytes] = ...) -> None: ...
 
 class PullResponse(_message.Message):
     __slots__ = ("header", "chunk")

@@ -57,6 +57,7 @@ class KVTransferServicer:
         for request_id on the receiver.
         FAILED_PRECONDITION: layout mismatch (the message names the field).
         RESOURCE_EXHAUSTED: not enough free blocks. DATA_LOSS: bad checksum.
+        PERMISSION_DENIED: no valid grant for request_id (net/grants.py).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
