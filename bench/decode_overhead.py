@@ -75,18 +75,21 @@ def _bare(engine, streams: int, seed: int) -> dict:
 
 def _worker_main(conn, tree: str) -> None:
     sys.path.insert(0, tree)
-    asyncio.run(_serve_worker(conn))
+    asyncio.run(_serve_worker(conn, conn.recv()))
 
 
-async def _serve_worker(conn) -> None:
+async def _serve_worker(conn, secret: bytes) -> None:
+    """``secret``: the cluster secret the reader's process made (sent on the pipe)."""
     from decode_pool.worker import DecodeWorker
     from engine import EngineConfig, LLMEngine
     from kv_transfer import TransferConfig
+    from net.security import ClusterSecurity
     from protocol.requests import DecodeRequest
     from protocol.sampling import SamplingParams
 
     config = EngineConfig(num_threads=1, kv_cache_memory_bytes=256 << 20)
-    worker = DecodeWorker("decode-bench", config, TransferConfig(), host="127.0.0.1")
+    transfer = TransferConfig(security=ClusterSecurity(secret))
+    worker = DecodeWorker("decode-bench", config, transfer, host="127.0.0.1")
     bare = LLMEngine(config)
     addresses = await worker.start()  # older checkouts: their addresses
     # What the actor tells the router: WorkerInfo, or a dict in older checkouts.
@@ -118,6 +121,7 @@ async def _serve_worker(conn) -> None:
 
 async def _side(tree: str) -> None:
     from kv_transfer import TransferConfig
+    from net.security import ClusterSecurity
     from router.pool_manager import WorkerHandle
 
     try:
@@ -130,9 +134,11 @@ async def _side(tree: str) -> None:
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_worker_main, args=(child, tree), daemon=True)
     proc.start()
+    transfer = TransferConfig(security=ClusterSecurity.generate())
+    parent.send(transfer.security.secret)  # on the pipe, never a command line
     loop = asyncio.get_running_loop()
     info = await loop.run_in_executor(None, parent.recv)
-    streams = WorkerStreams(ROUTER_ID, lambda events: None, lambda w, why: None, TransferConfig())
+    streams = WorkerStreams(ROUTER_ID, lambda events: None, lambda w, why: None, transfer)
     handle = WorkerHandle("decode-bench", "decode", None, info)
     await streams.subscribe(handle)
     outputs = info["outputs"] if isinstance(info, dict) else info.outputs

@@ -142,9 +142,10 @@ def decode_step_s(
 
 
 async def _push(src: PoolBlockStore, dst: PoolBlockStore, blocks: list[int], reps: int):
-    server = GrpcKVServer(dst, TransferConfig(), host="127.0.0.1", port=0)
+    transfer = TransferConfig()  # one random cluster secret for both ends
+    server = GrpcKVServer(dst, transfer, host="127.0.0.1", port=0)
     await server.start()
-    client = GrpcKVClient(TransferConfig())
+    client = GrpcKVClient(transfer)
     rates = []
     try:
         for i in range(reps + 1):  # the first warms up

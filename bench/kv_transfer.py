@@ -14,7 +14,11 @@ Between two processes on 127.0.0.1, in the same run:
    certificates made with openssl) and a cluster secret, over the gRPC
    stream (the default under TLS) and over the data connection
    (``tls_data_channel``: TLS via Python's ssl module); and the median time
-   of a small (2-block) push, plaintext and both ways under TLS.
+   of a small (2-block) push, plaintext and both ways under TLS;
+4. with ``--auth-cost``: the bulk push and the 2-block push with the
+   internal gRPC calls' MAC (net/call_auth.py, the default) and without it
+   (benchkit/no_call_auth.py, a baseline only this script builds), with
+   their ratios.
 The last line is a JSON object with the figures (medians over --reps).
 """
 
@@ -188,12 +192,38 @@ def tls_figures(num_blocks: int, reps: int, raw_mb_s: float) -> dict:
     }
 
 
+def auth_cost_figures(num_blocks: int, reps: int) -> dict:
+    """The call MAC on (the default) and off, in the same run."""
+    from benchkit.no_call_auth import NoCallAuth
+    from net.security import ClusterSecurity
+
+    on = TransferConfig(security=ClusterSecurity.generate())
+    off = TransferConfig(security=NoCallAuth(ClusterSecurity.generate().secret))
+    bulk_on, bulk_off = tandem_mb_s(num_blocks, reps, on), tandem_mb_s(num_blocks, reps, off)
+    small_on, small_off = small_push_ms(on), small_push_ms(off)
+    figures = {
+        "auth_bulk_mb_s": round(statistics.median(bulk_on)),
+        "no_auth_bulk_mb_s": round(statistics.median(bulk_off)),
+        "auth_small_push_ms": round(small_on, 3),
+        "no_auth_small_push_ms": round(small_off, 3),
+    }
+    figures["auth_bulk_ratio"] = round(statistics.median(bulk_on) / statistics.median(bulk_off), 3)
+    figures["auth_small_push_ratio"] = round(small_on / small_off, 3)
+    rounded_on, rounded_off = [round(x) for x in bulk_on], [round(x) for x in bulk_off]
+    print(f"call MAC on/off, bulk MB/s: {rounded_on} / {rounded_off}")
+    print(f"call MAC on/off, 2-block push ms: {small_on:.3f} / {small_off:.3f}")
+    return figures
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=int, default=256)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--skip-model", action="store_true")
     parser.add_argument("--tls", action="store_true", help="also measure with cluster TLS")
+    parser.add_argument(
+        "--auth-cost", action="store_true", help="also measure the call MAC against none"
+    )
     args = parser.parse_args()
     num_blocks = args.mib * (1 << 20) // LAYOUT.block_bytes
     nbytes = num_blocks * LAYOUT.block_bytes
@@ -214,6 +244,8 @@ def main() -> None:
     result["grpc_only_ratio"] = round(result["grpc_only_mb_s"] / result["raw_tcp_mb_s"], 3)
     if args.tls:
         result.update(tls_figures(num_blocks, args.reps, result["raw_tcp_mb_s"]))
+    if args.auth_cost:
+        result.update(auth_cost_figures(num_blocks, args.reps))
     if not args.skip_model:
         result["smollm2_135m_2048"] = smollm2_prompt(2048)
         print(f"SmolLM2-135M shape: {result['smollm2_135m_2048']}")

@@ -14,7 +14,7 @@ error. ``lookup`` never raises.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from engine.hashing import DIGEST_SIZE
@@ -86,6 +86,7 @@ class IndexSettings:
     """Where a worker publishes its prefix cache's changes."""
 
     redis_url: str | None = None  # None: on the output streams, to the routers' index
+    redis_password: str | None = field(default=None, repr=False)  # AUTH, unless in the URL
     deployment: str = "default"
     heartbeat_s: float = 2.0
     ttl_s: float = 10.0

@@ -71,14 +71,17 @@ def _glob_escape(s: str) -> str:
     return "".join("\\" + c if c in "*?[]\\" else c for c in s)
 
 
-def _client(url: str, socket_timeout_s: float) -> redis.Redis:
+def _client(url: str, socket_timeout_s: float, password: str | None = None) -> redis.Redis:
     """A client whose errors surface at once: we retry and resync ourselves.
 
     redis-py's own retries would reconnect silently and hide that Redis may
     have restarted empty. The hiredis parser is used when installed.
+    ``password``: AUTH with it unless the URL carries one (a ``rediss://`` URL
+    speaks TLS).
     """
     return redis.Redis.from_url(
         url,
+        password=password,
         socket_timeout=socket_timeout_s,
         socket_connect_timeout=min(socket_timeout_s, 2.0),
         retry=Retry(NoBackoff(), 0),
@@ -163,6 +166,7 @@ class RedisEventPublisher:
         max_events_per_batch: int = 256,
         socket_timeout_s: float = 2.0,
         backoff_max_s: float = 2.0,
+        password: str | None = None,
     ) -> None:
         if heartbeat_s <= 0 or ttl_s <= heartbeat_s:
             raise ValueError(f"need 0 < heartbeat_s < ttl_s, got {heartbeat_s=} {ttl_s=}")
@@ -180,7 +184,7 @@ class RedisEventPublisher:
         self._max_batch = max_events_per_batch
         self._socket_timeout_s = socket_timeout_s
         self._backoff_max_s = backoff_max_s
-        self._client = _client(url, socket_timeout_s)
+        self._client = _client(url, socket_timeout_s, password)
 
         self._cond = threading.Condition()
         self._queue: deque[KVEvent] = deque()
@@ -432,6 +436,7 @@ class RedisIndex:
         socket_timeout_s: float = 2.0,
         backoff_max_s: float = 2.0,
         read_count: int = 512,
+        password: str | None = None,
     ) -> None:
         if refresh_s <= 0:
             raise ValueError(f"refresh_s must be > 0, got {refresh_s}")
@@ -441,7 +446,7 @@ class RedisIndex:
         self._backoff_max_s = backoff_max_s
         self._read_count = read_count
         self._socket_timeout_s = socket_timeout_s
-        self._client = _client(url, socket_timeout_s + self._block_s)
+        self._client = _client(url, socket_timeout_s + self._block_s, password)
         self._view = InMemoryIndex()
         self._healthy = False
         self._ready = threading.Event()

@@ -48,7 +48,16 @@ import xxhash
 
 from net import handshake
 from net.security import REFUSED_KEY, ClusterSecurity
-from net.sockets import accept_forever, recv_exact, recv_into_buffers, send_buffers, tune
+from net.sockets import (
+    Admission,
+    PortRange,
+    accept_forever,
+    listen,
+    recv_exact,
+    recv_into_buffers,
+    send_buffers,
+    tune,
+)
 
 from .interface import TransferError, new_staging
 
@@ -100,11 +109,11 @@ class DataSender:
         token: bytes,
         sender: KVSender,
         timeout_s: float,
-        frame_filter: FrameFilter | None = None,
-        security: ClusterSecurity | None = None,
+        frame_filter: FrameFilter | None,
+        security: ClusterSecurity,
     ) -> None:
         self.host, self.port, self.token = host, port, token
-        self.security = security or ClusterSecurity()
+        self.security = security
         self.sender = sender
         self.timeout_s = timeout_s
         self.frame_filter = frame_filter  # the client's message filter: sees each frame's bytes
@@ -274,14 +283,18 @@ class DataServer:
     """Listens for data connections and hands each to the push it belongs to."""
 
     def __init__(
-        self, host: str, security: ClusterSecurity | None = None, max_frame_bytes: int = 64 << 20
+        self,
+        host: str,
+        security: ClusterSecurity,
+        max_frame_bytes: int = 64 << 20,
+        ports: PortRange | None = None,
     ) -> None:
-        self.security = security or ClusterSecurity()
+        self.security = security
         self.max_frame_bytes = max_frame_bytes
         self._ssl = self.security.server_ssl_context()
         # A burst of pushes connects at once: a short backlog drops SYNs, and a
         # dropped SYN is retried after 1, 3, 7... s.
-        self._listener = socket.create_server((host, 0), backlog=socket.SOMAXCONN)
+        self._listener = listen(host, ports)
         self.port: int = self._listener.getsockname()[1]
         self._expected: dict[bytes, IncomingData] = {}
         self._lock = threading.Lock()
@@ -313,7 +326,7 @@ class DataServer:
     def _accept_forever(self) -> None:
         accept_forever(self._listener, lambda: self._stopped, self._serve, "kv-data-conn")
 
-    def _serve(self, sock: socket.socket) -> None:
+    def _serve(self, sock: socket.socket, admission: Admission) -> None:
         """TLS first (when configured), then the handshake, which names the
         push this connection brings the data of; dropped unless its token is
         expected and its answer proves the cluster secret."""
@@ -323,9 +336,12 @@ class DataServer:
             sock.settimeout(HANDSHAKE_TIMEOUT_S)
             if self._ssl is not None:
                 sock = self._ssl.wrap_socket(sock, server_side=True)
-            token = handshake.accept(
-                sock, self.security, HANDSHAKE_TAG, TOKEN_BYTES, HANDSHAKE_TIMEOUT_S
-            )
+            try:
+                token = handshake.accept(
+                    sock, self.security, HANDSHAKE_TAG, TOKEN_BYTES, HANDSHAKE_TIMEOUT_S
+                )
+            finally:
+                admission.done()
             sock.settimeout(None)
             with self._lock:
                 incoming = self._expected.pop(token, None)

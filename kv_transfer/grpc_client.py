@@ -71,9 +71,9 @@ class GrpcKVClient(KVTransferClient):
     ) -> PushResult:
         timeout = timeout_s or self.config.timeout_s
         token = secrets.token_bytes(TOKEN_BYTES) if self.config.data_channel else None
-        metadata = self.config.security.metadata()
+        metadata: tuple[tuple[str, str], ...] = ()
         if token is not None:
-            metadata += ((DATA_TOKEN_KEY, token.hex()),)
+            metadata = ((DATA_TOKEN_KEY, token.hex()),)
         call = self._channel(address).stream_unary(
             PUSH_METHOD,
             request_serializer=_identity,
@@ -185,7 +185,6 @@ class GrpcKVClient(KVTransferClient):
         )(
             request,
             timeout=timeout_s or self.config.timeout_s,
-            metadata=self.config.security.metadata(),
         )
         receiver = KVReceiver(sink, asked=list(block_hashes), asked_tokens=token_ids)
         try:

@@ -65,8 +65,11 @@ def message_limits(config: TransferConfig) -> list[tuple[str, int | str]]:
 
 
 def grpc_options(config: TransferConfig) -> list[tuple[str, int | str]]:
-    """The KV transfer channel's options: message limits plus GRPC_OPTIONS."""
-    return [*message_limits(config), *GRPC_OPTIONS]
+    """The KV transfer channel's options: message limits plus GRPC_OPTIONS;
+    with a port range, no SO_REUSEPORT (else a second server would share a
+    taken port instead of moving to the next)."""
+    reuse = [("grpc.so_reuseport", 0)] if config.port_range is not None else []
+    return [*message_limits(config), *GRPC_OPTIONS, *reuse]
 
 
 def _identity(data: bytes) -> bytes:
@@ -111,18 +114,37 @@ class GrpcKVServer(KVTransferServer):
             },
         )
         server.add_generic_rpc_handlers((handler,))
-        port = config.security.add_port(server, self._bind)
-        if port == 0:
-            raise OSError(f"could not bind the KV transfer server to {self._bind}")
+        port = self._add_port(server, config)
         await server.start()
         self._server = server
         self.address = f"{self._host}:{port}"
         self.service.identity = self.address  # what the router's grants name
         if config.data_channel and (config.security.tls is None or config.tls_data_channel):
             self._data = DataServer(
-                self._host.strip("[]"), config.security, config.max_message_bytes
+                self._host.strip("[]"), config.security, config.max_message_bytes, config.port_range
             )
         self.service.start_reaper()
+
+    @property
+    def data_port(self) -> int | None:
+        """The port of the data channel pushes are offered; None when none is."""
+        return None if self._data is None else self._data.port
+
+    def _add_port(self, server: grpc.aio.Server, config: TransferConfig) -> int:
+        """Bind ``self._bind``, or with ``port_range`` (and port 0) the first
+        free port of the range; the port."""
+        binds = [self._bind]
+        if config.port_range is not None and self._bind.endswith(":0"):
+            low, high = config.port_range
+            binds = [f"{self._host}:{p}" for p in range(low, high + 1)]
+        for bind in binds:
+            try:
+                port = config.security.add_port(server, bind)
+            except RuntimeError:  # grpc raises on a taken port where it does not return 0
+                port = 0
+            if port:
+                return port
+        raise OSError(f"could not bind the KV transfer server to {binds[0]}..{binds[-1]}")
 
     async def stop(self, grace_s: float | None = None) -> None:
         if self._server is not None:

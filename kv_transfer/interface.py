@@ -80,8 +80,13 @@ class TransferConfig:
     """Largest gRPC message a KV server or client sends or accepts, and the
     largest data-channel frame payload; must exceed ``chunk_bytes`` by
     ``CHUNK_OVERHEAD_BYTES``. Bigger messages fail with RESOURCE_EXHAUSTED."""
-    security: ClusterSecurity = field(default_factory=ClusterSecurity)
-    """Cluster secret and TLS of the KV endpoints (security.py)."""
+    security: ClusterSecurity = field(default_factory=ClusterSecurity.generate)
+    """Cluster secret and TLS of the KV endpoints (security.py); the default is a
+    fresh random secret, which only ends sharing this config can prove."""
+    port_range: tuple[int, int] | None = None
+    """Ports (both ends included) a worker's internal listeners bind: its KV
+    gRPC server, its data channel and its output streams each take the first
+    free one; None: ports the kernel picks."""
     local_streams: bool = True
     """A worker's output stream to a router on the same machine (same kernel
     and network namespace) goes over a Unix socket (local_socket.py): the
@@ -91,6 +96,8 @@ class TransferConfig:
     asks."""
 
     def __post_init__(self) -> None:
+        if self.port_range is not None and not 0 < self.port_range[0] <= self.port_range[1]:
+            raise ValueError(f"port_range {self.port_range}: expected (low, high), 0 < low <= high")
         if self.max_concurrent_pushes < 1:
             raise ValueError(
                 f"max_concurrent_pushes must be >= 1, got {self.max_concurrent_pushes}"

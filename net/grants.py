@@ -17,9 +17,9 @@ A serving worker takes each (purpose, request id) once: ``GrantChecker``
 remembers the ones used until they expire, so a grant seen on the wire
 cannot be replayed for a request already pushed or pulled.
 
-The key is always derived and always checked. An empty cluster secret gives
-a key anyone can derive; the cluster secret itself is what keeps it private
-(docs/security.md).
+The key is always derived and always checked, from a cluster secret that is
+never empty (net/security.py; generated when none is configured): the
+cluster secret is what keeps it private (docs/security.md).
 """
 
 from __future__ import annotations

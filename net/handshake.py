@@ -27,9 +27,8 @@ answers a good ANSWER either: the connection's protocol goes on.
 
 Both sides bound the handshake by a deadline (``TIMEOUT_S``), so a peer that
 connects and goes silent, or sends a byte at a time, holds a server's thread
-for that long at most. Without a cluster secret the key is empty: the
-handshake still checks the tag and the identity's form, and proves nothing
-else.
+for that long at most. The key is never empty: a ClusterSecurity always
+holds a secret (security.py), so a peer that does not know it is refused.
 """
 
 from __future__ import annotations

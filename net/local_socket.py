@@ -13,6 +13,11 @@ a name is gone when its socket closes. A name is reachable from processes
 of the same kernel and network namespace, which ``host_identity`` names:
 a peer compares the other end's identity with its own before it tries one,
 and falls back to TCP when the connection fails all the same.
+
+A server on such a socket admits only processes of its own user
+(``same_user``: the kernel's SO_PEERCRED of the connecting process), and
+then the same handshake as on TCP: another user's process on the machine
+is refused before it can try the secret.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 import os
 import secrets
 import socket
+import struct
 import sys
 from functools import cache
 from pathlib import Path
@@ -57,6 +63,28 @@ def listen_local(prefix: str) -> tuple[socket.socket, str] | None:
         sock.close()
         return None
     return sock, SCHEME + name
+
+
+_UCRED = struct.Struct("3i")  # pid, uid, gid
+
+
+def peer_uid(sock: socket.socket) -> int | None:
+    """The user id of the process at the other end of a Unix socket (as the
+    kernel recorded it at connect); None where the platform cannot tell."""
+    option = getattr(socket, "SO_PEERCRED", None)
+    if option is None:
+        return None
+    try:
+        _pid, uid, _gid = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, option, _UCRED.size))
+    except OSError:
+        return None
+    return uid
+
+
+def same_user(sock: socket.socket) -> bool:
+    """Whether the peer of a Unix socket runs as this process's user (False
+    when it cannot be told: refused, not trusted)."""
+    return peer_uid(sock) == os.getuid()
 
 
 def local_path(address: str) -> str:

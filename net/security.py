@@ -1,15 +1,18 @@
 """How internal endpoints (KV transfer, decode output streams) trust a peer.
 
-Two independent locks, both optional:
+Two locks:
 
-- A cluster secret every internal gRPC call presents in its metadata
-  (``SECRET_KEY``) and every raw connection (KV data, output streams) proves
-  in its handshake (an HMAC of the server's nonce, handshake.py). Servers
-  compare in constant time and answer UNAUTHENTICATED, or close the
+- A cluster secret, always set (``ClusterSecurity`` refuses an empty one;
+  ``ClusterSecurity.generate`` makes a random one). Every internal gRPC call
+  proves it without sending it (call_auth.py: a MAC over the method, a
+  timestamp and a nonce, checked by ``SecretInterceptor`` before a request
+  is deserialized), and every raw connection (KV data, output streams)
+  proves it in its handshake (an HMAC of the server's nonce, handshake.py).
+  Servers compare in constant time and answer UNAUTHENTICATED, or close the
   connection, without reading anything else.
-- TLS from PEM files: the server presents ``cert``/``key``; with ``ca`` set,
-  servers demand, and clients present, a certificate signed by it (mutual
-  TLS), and clients check the server's against it.
+- TLS from PEM files, optional: the server presents ``cert``/``key``; with
+  ``ca`` set, servers demand, and clients present, a certificate signed by
+  it (mutual TLS), and clients check the server's against it.
 
 The secret never appears in a repr, a log line or a command line: workers
 receive it inside their (pickled) TransferConfig.
@@ -19,7 +22,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
+import functools
+import secrets
 import ssl
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -27,7 +31,10 @@ from pathlib import Path
 
 import grpc
 
-SECRET_KEY = "tandem-cluster-secret"
+from net.call_auth import CallSigner, CallVerifier
+
+SECRET_BYTES = 32
+"""Size of a generated cluster secret."""
 # Initial metadata of a client-streaming call refused before its messages are
 # read: the client half-closes, then reads the status (see grpc_client.py).
 REFUSED_KEY = "tandem-kv-refused"
@@ -56,29 +63,30 @@ class TLSFiles:
 class ClusterSecurity:
     """Authentication and encryption of the internal endpoints."""
 
-    secret: bytes = field(default=b"", repr=False)
-    """Shared secret of the cluster; empty: no secret asked or sent."""
+    secret: bytes = field(repr=False)
+    """Shared secret of the cluster; never empty (there is no open mode)."""
     tls: TLSFiles | None = None
     """TLS of every internal server and client; None: plaintext."""
 
-    # ---- the secret ----
+    def __post_init__(self) -> None:
+        if not isinstance(self.secret, bytes) or not self.secret:
+            raise ValueError("the cluster secret must be non-empty bytes")
 
-    def metadata(self) -> tuple[tuple[str, str], ...]:
-        """What a client adds to each internal call."""
-        return ((SECRET_KEY, self.secret.hex()),) if self.secret else ()
+    @classmethod
+    def generate(cls, tls: TLSFiles | None = None) -> ClusterSecurity:
+        """A fresh random secret (``SECRET_BYTES``): what a deployment without a
+        configured one uses, and the default of a TransferConfig."""
+        return cls(secrets.token_bytes(SECRET_BYTES), tls)
 
-    def check_metadata(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> bool:
-        """True when the call presents the secret (or none is configured)."""
-        if not self.secret:
-            return True
-        presented = b""
-        for key, value in metadata or ():
-            if key == SECRET_KEY:
-                presented = value.encode() if isinstance(value, str) else value
-        return hmac.compare_digest(presented, self.secret.hex().encode())
+    # ---- the secret on gRPC calls ----
+
+    def call_signer(self) -> CallSigner:
+        """What a client uses to sign each internal call (call_auth.py)."""
+        return CallSigner(self.secret)
 
     def interceptors(self) -> list[grpc.aio.ServerInterceptor]:
-        return [SecretInterceptor(self)] if self.secret else []
+        """The server side: every call must carry a valid, fresh MAC."""
+        return [SecretInterceptor(CallVerifier(self.secret))]
 
     # ---- gRPC ----
 
@@ -95,9 +103,12 @@ class ClusterSecurity:
     def channel(
         self, address: str, options: Sequence[tuple[str, int | str]] = ()
     ) -> grpc.aio.Channel:
-        """A client channel to an internal server."""
+        """A client channel to an internal server; it signs every call."""
+        interceptors = self.call_signer().interceptors()
         if self.tls is None:
-            return grpc.aio.insecure_channel(address, options=list(options))
+            return grpc.aio.insecure_channel(
+                address, options=list(options), interceptors=interceptors
+            )
         cert, key, ca = self.tls.read()
         creds = grpc.ssl_channel_credentials(
             root_certificates=ca, private_key=key, certificate_chain=cert
@@ -105,7 +116,7 @@ class ClusterSecurity:
         opts = list(options)
         if self.tls.server_name:
             opts.append(("grpc.ssl_target_name_override", self.tls.server_name))
-        return grpc.aio.secure_channel(address, creds, options=opts)
+        return grpc.aio.secure_channel(address, creds, options=opts, interceptors=interceptors)
 
     # ---- raw TCP (the data channel) ----
 
@@ -144,30 +155,31 @@ class ClusterSecurity:
 
 
 class SecretInterceptor(grpc.aio.ServerInterceptor):
-    """Refuses every call that does not present the cluster secret."""
+    """Refuses every call whose metadata does not prove the cluster secret
+    (call_auth.py), before its requests are deserialized."""
 
-    def __init__(self, security: ClusterSecurity) -> None:
-        self._security = security
+    def __init__(self, verifier: CallVerifier) -> None:
+        self._verifier = verifier
 
     async def intercept_service(
         self,
         continuation: Callable[[grpc.HandlerCallDetails], object],
         handler_call_details: grpc.HandlerCallDetails,
     ):
-        if self._security.check_metadata(handler_call_details.invocation_metadata):
-            return await continuation(handler_call_details)
+        why = self._verifier.check(
+            handler_call_details.method, handler_call_details.invocation_metadata
+        )
         handler = await continuation(handler_call_details)
-        return _refusing(handler)
+        if why is None:
+            return handler
+        return _refusing(handler, f"cluster authentication failed: {why}")
 
 
-_UNAUTHENTICATED = "missing or wrong cluster secret"
+async def _refuse(_request, context: grpc.aio.ServicerContext, why: str) -> None:
+    await context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
 
 
-async def _refuse(_request, context: grpc.aio.ServicerContext) -> None:
-    await context.abort(grpc.StatusCode.UNAUTHENTICATED, _UNAUTHENTICATED)
-
-
-async def _refuse_stream(requests, context: grpc.aio.ServicerContext) -> None:
+async def _refuse_stream(requests, context: grpc.aio.ServicerContext, why: str) -> None:
     """Refuse a client-streaming call: grpc may report INTERNAL to a client
     whose write is pending when the status arrives, so say "refused" first,
     discard what it still sends until it half-closes (bounded), then abort."""
@@ -176,10 +188,10 @@ async def _refuse_stream(requests, context: grpc.aio.ServicerContext) -> None:
         async with asyncio.timeout(REFUSED_DRAIN_S):
             async for _ in requests:
                 pass
-    await context.abort(grpc.StatusCode.UNAUTHENTICATED, _UNAUTHENTICATED)
+    await context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
 
 
-def _refusing(handler):
+def _refusing(handler, why: str):
     """A handler of the same shape as ``handler`` that refuses the call."""
     if handler is None:
         return None
@@ -193,4 +205,12 @@ def _refusing(handler):
         make = grpc.unary_unary_rpc_method_handler
     # Requests are not deserialized: a refused call's bytes are never parsed.
     refuse = _refuse_stream if handler.request_streaming else _refuse
-    return make(refuse, request_deserializer=None, response_serializer=None)
+    return make(
+        functools.partial(_call_refuse, refuse, why),
+        request_deserializer=None,
+        response_serializer=None,
+    )
+
+
+async def _call_refuse(refuse, why: str, request, context: grpc.aio.ServicerContext) -> None:
+    await refuse(request, context, why)

@@ -1,14 +1,37 @@
 """Plain and TLS sockets: framing helpers every internal stream shares
-(scatter/gather sends and receives, exact reads, the accept loop)."""
+(scatter/gather sends and receives, exact reads, the accept loop, listening
+in a fixed port range)."""
 
 from __future__ import annotations
 
+import errno
 import socket
 import ssl
 import threading
 from collections.abc import Callable, Sequence
 
 _IOV_BATCH = 512  # buffers per sendmsg / recvmsg_into (Linux allows 1024)
+
+
+PortRange = tuple[int, int]
+"""Ports ``low`` to ``high``, both included."""
+
+
+def listen(host: str, ports: PortRange | None = None) -> socket.socket:
+    """A listening TCP socket on ``host``: on a free port the kernel picks
+    (``ports`` None), else on the first free one of ``ports``, so that a
+    firewall can name the ports internal endpoints use. OSError when every
+    port of the range is taken."""
+    if ports is None:
+        return socket.create_server((host, 0), backlog=socket.SOMAXCONN)
+    low, high = ports
+    for port in range(low, high + 1):
+        try:
+            return socket.create_server((host, port), backlog=socket.SOMAXCONN)
+        except OSError as e:
+            if e.errno != errno.EADDRINUSE:
+                raise
+    raise OSError(errno.EADDRINUSE, f"no free port in {low}-{high} on {host}")
 
 
 def tune(sock: socket.socket) -> None:
@@ -74,14 +97,40 @@ def recv_exact(sock: socket.socket, view: memoryview) -> bool:
     return True
 
 
+MAX_HANDSHAKES = 256
+"""Connections one listener lets run their handshake at once; one more is
+closed at once, so that strangers who connect and stall hold a bounded
+number of threads (each for the handshake's deadline at most)."""
+
+
+class Admission:
+    """One connection's slot among a listener's handshakes in progress:
+    ``done()`` once its handshake is over (passed or failed) frees it."""
+
+    def __init__(self, slots: threading.BoundedSemaphore) -> None:
+        self._slots = slots
+        self._held = True
+        self._lock = threading.Lock()
+
+    def done(self) -> None:
+        with self._lock:
+            held, self._held = self._held, False
+        if held:
+            self._slots.release()
+
+
 def accept_forever(
     listener: socket.socket,
     stopped: Callable[[], bool],
-    serve: Callable[[socket.socket], None],
+    serve: Callable[[socket.socket, Admission], None],
     name: str,
+    max_handshakes: int = MAX_HANDSHAKES,
 ) -> None:
     """Serve each connection on a thread of its own until ``stopped()``
-    (the owner shuts the listener down to end the wait)."""
+    (the owner shuts the listener down to end the wait). ``serve`` calls
+    ``admission.done()`` when its handshake is over; past ``max_handshakes``
+    at once, a new connection is closed unserved."""
+    slots = threading.BoundedSemaphore(max_handshakes)
     while not stopped():
         try:
             sock, _ = listener.accept()
@@ -89,7 +138,22 @@ def accept_forever(
             if stopped():
                 return
             continue
-        threading.Thread(target=serve, args=(sock,), name=name, daemon=True).start()
+        if not slots.acquire(blocking=False):
+            sock.close()
+            continue
+        admission = Admission(slots)
+        threading.Thread(
+            target=_serve_admitted, args=(serve, sock, admission), name=name, daemon=True
+        ).start()
+
+
+def _serve_admitted(
+    serve: Callable[[socket.socket, Admission], None], sock: socket.socket, admission: Admission
+) -> None:
+    try:
+        serve(sock, admission)
+    finally:
+        admission.done()
 
 
 def split_address(address: str) -> str:

@@ -13,6 +13,7 @@ build what the workers run with (``EngineConfig``, ``TransferConfig``,
 from __future__ import annotations
 
 import os
+import secrets
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -22,6 +23,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     SecretStr,
     ValidationError,
     model_validator,
@@ -37,6 +39,7 @@ if TYPE_CHECKING:
     from net.security import ClusterSecurity
 
 CLUSTER_SECRET_ENV = "TANDEM_CLUSTER_SECRET"
+REDIS_PASSWORD_ENV = "TANDEM_REDIS_PASSWORD"
 
 
 class Section(BaseModel):
@@ -281,11 +284,17 @@ class RoutingSection(Section):
     are left to compute, it prefills them itself (no transfer); 0 turns this off, so
     that decode steps never carry prefill work."""
     redis_url: str | None = None
-    """Block index in Redis (e.g. redis://127.0.0.1:6379/0), shared by several routers;
-    None: an in-process index in the router."""
+    """Block index in Redis (e.g. redis://127.0.0.1:6379/0; rediss:// for TLS), shared by
+    several routers; None: an in-process index in the router."""
+    redis_password: SecretStr | None = Field(None, repr=False)
+    """Password the router and workers AUTH to Redis with (unless redis_url carries one);
+    YAML or the TANDEM_REDIS_PASSWORD environment variable, never a flag; never logged."""
     deployment: str = Field("default", min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
     """Name of this deployment: its Redis keys are prefixed with it (and the model), so
     that deployments sharing a Redis do not see each other's blocks."""
+
+    def redis_password_value(self) -> str | None:
+        return self.redis_password.get_secret_value() if self.redis_password else None
 
 
 class TransferSection(Section):
@@ -307,8 +316,22 @@ class TransferSection(Section):
     streams) and largest KV data-channel frame; at least 16 (a chunk is 8 MiB)."""
     local_output_streams: bool = True
     """A decode worker's output stream to a router on the same machine goes over a Unix
-    socket (no TLS: it never leaves the machine) instead of TCP; false: TCP (and TLS
-    where configured) everywhere."""
+    socket (same user only; off under cluster mutual TLS) instead of TCP; false: TCP
+    (and TLS where configured) everywhere."""
+    port_range: tuple[int, int] | None = None
+    """[low, high]: the ports every worker's internal listeners (KV gRPC, KV data channel,
+    output streams) bind, each the first free one, so that firewalls can name them; give
+    at least 3 ports per worker of a node. None: ports the kernel picks."""
+
+    @model_validator(mode="after")
+    def _check_ports(self) -> TransferSection:
+        if self.port_range is not None:
+            low, high = self.port_range
+            if not 1024 <= low <= high <= 65535:
+                raise ValueError(
+                    f"port_range: expected [low, high] in 1024-65535, got {low}-{high}"
+                )
+        return self
 
     def transfer_config(self, security: ClusterSecurity) -> TransferConfig:
         """What every worker's KV server and client use."""
@@ -320,6 +343,7 @@ class TransferSection(Section):
             max_message_bytes=self.max_message_mb << 20,
             security=security,
             local_streams=self.local_output_streams,
+            port_range=self.port_range,
         )
 
 
@@ -374,9 +398,15 @@ class SecuritySection(Section):
     cache_salt differs; per_api_key: each API key is a domain of its own (needs API
     keys), so no key's requests hit (or time) another key's cached prompts."""
     tls_cert: Path | None = None
-    """PEM certificate chain of the router's gRPC API; set with tls_key to serve TLS only."""
+    """PEM certificate chain of the router's gRPC API (and of the HTTP front unless
+    http_tls_cert is set); set with tls_key to serve TLS only."""
     tls_key: Path | None = None
     """PEM private key of tls_cert."""
+    http_tls_cert: Path | None = None
+    """PEM certificate chain of the HTTP front (HTTPS only, plain HTTP refused); set with
+    http_tls_key. Unset: tls_cert and tls_key, when set, serve the HTTP front too."""
+    http_tls_key: Path | None = None
+    """PEM private key of http_tls_cert."""
     cluster_tls_cert: Path | None = None
     """PEM certificate every worker and the router present on the internal endpoints
     (KV transfer gRPC and data channel, output streams); set with cluster_tls_key."""
@@ -389,18 +419,35 @@ class SecuritySection(Section):
     """Name internal clients expect in servers' certificates; None: the peer's address
     (then the certificate must name every node's IP)."""
     cluster_secret: SecretStr | None = Field(None, repr=False)
-    """Shared secret internal KV and output-stream calls must present (else
-    UNAUTHENTICATED); YAML or the TANDEM_CLUSTER_SECRET environment variable, never a
-    flag; never logged."""
+    """Shared secret every internal endpoint (KV gRPC and data channel, output streams)
+    makes its peers prove (else UNAUTHENTICATED); YAML or the TANDEM_CLUSTER_SECRET
+    environment variable, never a flag; never logged. Unset: the router generates a
+    random one at start and hands it to its workers (routers sharing workers or a Redis
+    index must then be given one)."""
+
+    _generated_secret: bytes = PrivateAttr(default_factory=lambda: secrets.token_bytes(32))
 
     @model_validator(mode="after")
     def _check_tls(self) -> SecuritySection:
-        for cert, key in (("tls_cert", "tls_key"), ("cluster_tls_cert", "cluster_tls_key")):
+        pairs = (
+            ("tls_cert", "tls_key"),
+            ("http_tls_cert", "http_tls_key"),
+            ("cluster_tls_cert", "cluster_tls_key"),
+        )
+        for cert, key in pairs:
             if (getattr(self, cert) is None) != (getattr(self, key) is None):
                 raise ValueError(f"{cert} and {key} go together: set both or neither")
         if self.cluster_tls_ca is not None and self.cluster_tls_cert is None:
             raise ValueError("cluster_tls_ca needs cluster_tls_cert and cluster_tls_key")
-        files = ("tls_cert", "tls_key", "cluster_tls_cert", "cluster_tls_key", "cluster_tls_ca")
+        files = (
+            "tls_cert",
+            "tls_key",
+            "http_tls_cert",
+            "http_tls_key",
+            "cluster_tls_cert",
+            "cluster_tls_key",
+            "cluster_tls_ca",
+        )
         for name in files:
             path = getattr(self, name)
             if path is not None and not path.is_file():
@@ -412,11 +459,23 @@ class SecuritySection(Section):
             raise ValueError("a key is in both api_keys and admin_keys: give each role its own")
         return self
 
+    def http_tls(self) -> tuple[Path, Path] | None:
+        """(certificate, key) of the HTTP front: its own, else the gRPC API's; None:
+        plain HTTP."""
+        if self.http_tls_cert is not None and self.http_tls_key is not None:
+            return self.http_tls_cert, self.http_tls_key
+        if self.tls_cert is not None and self.tls_key is not None:
+            return self.tls_cert, self.tls_key
+        return None
+
     def cluster_security(self) -> ClusterSecurity:
         """The internal endpoints' secret and TLS, for workers and the router."""
         from net.security import ClusterSecurity, TLSFiles
 
-        secret = self.cluster_secret.get_secret_value().encode() if self.cluster_secret else b""
+        if self.cluster_secret is not None:
+            secret = self.cluster_secret.get_secret_value().encode()
+        else:
+            secret = self._generated_secret
         tls = None
         if self.cluster_tls_cert is not None and self.cluster_tls_key is not None:
             tls = TLSFiles(
@@ -496,7 +555,8 @@ class ServeConfig(BaseModel):
     ) -> ServeConfig:
         """YAML file (optional) plus ``overrides`` by dotted path
         (``{"pools.prefill": 2}``; None values are ignored), plus the cluster
-        secret from $TANDEM_CLUSTER_SECRET when neither sets it."""
+        secret from $TANDEM_CLUSTER_SECRET and the Redis password from
+        $TANDEM_REDIS_PASSWORD when neither sets them."""
         data: dict = {}
         if path is not None:
             loaded = yaml.safe_load(Path(path).read_text()) or {}
@@ -506,10 +566,15 @@ class ServeConfig(BaseModel):
         for dotted, value in (overrides or {}).items():
             if value is not None:
                 _set_path(data, dotted, value)
-        secret = os.environ.get(CLUSTER_SECRET_ENV)
-        security = data.get("security") or {}
-        if secret and isinstance(security, dict) and "cluster_secret" not in security:
-            _set_path(data, "security.cluster_secret", secret)
+        for env, dotted in (
+            (CLUSTER_SECRET_ENV, "security.cluster_secret"),
+            (REDIS_PASSWORD_ENV, "routing.redis_password"),
+        ):
+            value = os.environ.get(env)
+            section, key = dotted.split(".")
+            given = data.get(section) or {}
+            if value and isinstance(given, dict) and key not in given:
+                _set_path(data, dotted, value)
         return cls.model_validate(data)
 
     def updated(self, **sections: Mapping[str, Any] | BaseModel) -> ServeConfig:

@@ -173,7 +173,11 @@ class WorkerPool:
         options = actor_options(res, num_gpus, self.config.pools.worker_max_restarts)
         engine = self.config.engine_config(self.role, num_gpus)
         routing = self.config.routing
-        index = IndexSettings(redis_url=routing.redis_url, deployment=routing.deployment)
+        index = IndexSettings(
+            redis_url=routing.redis_url,
+            redis_password=routing.redis_password_value(),
+            deployment=routing.deployment,
+        )
         transfer = self.config.transfer_config()
         args = (name, engine, transfer, index, self.host, self.config.server.log_format)
         cores = None if self.cores is None else self.cores.claim(name)

@@ -158,7 +158,11 @@ class RayBackend:
             return InMemoryIndex()
         from block_index import RedisIndex, redis_prefix
 
-        return RedisIndex(routing.redis_url, redis_prefix(routing.deployment, fingerprint))
+        return RedisIndex(
+            routing.redis_url,
+            redis_prefix(routing.deployment, fingerprint),
+            password=routing.redis_password_value(),
+        )
 
     def _apply_events(self, events) -> None:
         for e in events:

@@ -57,6 +57,8 @@ class HttpSettings:
     port: int  # 0 picks a free one
     model_name: str  # what /v1/models lists and requests must name
     chat_template_file: str | Path | None = None
+    tls_cert: Path | None = None  # with tls_key (PEM files): HTTPS only
+    tls_key: Path | None = None
 
 
 class TandemService(generate_pb2_grpc.TandemServicer):
@@ -197,7 +199,7 @@ class RouterServer:
             state = FrontState(
                 self.lifecycle, self.api_keys, http.model_name, http.chat_template_file
             )
-            self.http = HttpFront(state, http.host, http.port)
+            self.http = HttpFront(state, http.host, http.port, http.tls_cert, http.tls_key)
         self.health = health.aio.HealthServicer()
         self.port = port
         """The bound port (the chosen one once started, when 0 was asked for)."""

@@ -23,6 +23,7 @@ from router.config import ServeConfig, describe_errors
 from router.limits import TRANSPORT_BYTES_PER_TOKEN, generate_message_limit
 from router.service import HttpSettings, RouterServer, check_keys
 from router.tenancy import CacheDomains
+from tandem_cli import ray_auth
 from worker.cpu_binding import (
     CoreLayout,
     available_cores,
@@ -106,11 +107,14 @@ def http_settings(config: ServeConfig, *, local: bool = False) -> HttpSettings |
     server = config.server
     if server.http_port is None:
         return None
+    tls = config.security.http_tls()
     return HttpSettings(
         host="127.0.0.1" if local else server.http_host or server.host,
         port=0 if local else server.http_port,
         model_name=model_name(config),
         chat_template_file=server.chat_template,
+        tls_cert=tls[0] if tls else None,
+        tls_key=tls[1] if tls else None,
     )
 
 
@@ -168,6 +172,7 @@ def init_ray(config: ServeConfig) -> bool:
     """Connect to ``pools.ray_address``, or start a local Ray cluster sized for
     the pools (on loopback when the router binds a loopback host).
 
+    Ray's token authentication is on either way (tandem_cli/ray_auth.py).
     Returns True when this call started Ray (the caller then shuts it down).
     """
     import ray
@@ -176,6 +181,7 @@ def init_ray(config: ServeConfig) -> bool:
         return False
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     pools_config = config.pools
+    ray_auth.enable(local=not pools_config.ray_address)
     if pools_config.ray_address:
         ray.init(address=pools_config.ray_address)
         return True

@@ -122,7 +122,7 @@ class KVServerHarness:
             PUSH_METHOD,
             request_serializer=lambda b: b,
             response_deserializer=pb.PushReply.FromString,
-        )(timeout=timeout_s, metadata=self.config.security.metadata() + tuple(metadata))
+        )(timeout=timeout_s, metadata=tuple(metadata))
         try:
             for msg in messages:
                 if call.done():

@@ -34,7 +34,7 @@ def _ping(host: str, port: int, timeout_s: float = 0.5) -> bool:
     try:
         with socket.create_connection((host, port), timeout=timeout_s) as s:
             s.sendall(b"PING\r\n")
-            return s.recv(64).startswith(b"+PONG")
+            return s.recv(64).startswith((b"+PONG", b"-NOAUTH"))  # up (and locked)
     except OSError:
         return False
 
@@ -49,7 +49,10 @@ class RedisServer:
         host: str = "127.0.0.1",
         executable: str = REDIS_SERVER,
         startup_timeout_s: float = 10.0,
+        password: str | None = None,
     ) -> None:
+        """``password``: clients must AUTH with it (given on stdin, not argv)."""
+        self.password = password
         if shutil.which(executable) is None:
             raise RuntimeError(f"{executable} is not installed")
         self.host = host
@@ -90,6 +93,7 @@ class RedisServer:
         # fmt: off
         argv = [
             self._executable,
+            *(["-"] if self.password else []),  # config from stdin: requirepass
             "--port", str(self.port),
             "--bind", self.host,
             "--save", "",
@@ -99,9 +103,14 @@ class RedisServer:
             "--daemonize", "no",
         ]
         # fmt: on
+        stdin = subprocess.PIPE if self.password else subprocess.DEVNULL
         self._proc = subprocess.Popen(
-            argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            argv, stdin=stdin, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )
+        if self.password and self._proc.stdin is not None:
+            quoted = self.password.replace("\\", "\\\\").replace('"', '\\"')
+            self._proc.stdin.write(f'requirepass "{quoted}"\n'.encode())
+            self._proc.stdin.close()
         deadline = time.monotonic() + self._startup_timeout_s
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:

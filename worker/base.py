@@ -81,6 +81,7 @@ class EngineWorker:
             heartbeat_s=index.heartbeat_s,
             ttl_s=index.ttl_s,
             snapshot=self.cached_hashes,
+            password=index.redis_password,
         )
 
     def open_outputs(self, host: str, transfer: TransferConfig) -> OutputServer:
@@ -91,6 +92,7 @@ class EngineWorker:
             self._router_gone,
             transfer.max_message_bytes,
             local=transfer.local_streams,
+            ports=transfer.port_range,
         )
         return self.outputs
 

@@ -39,9 +39,9 @@ from collections.abc import Callable
 
 from block_index import KVEvent
 from net import handshake
-from net.local_socket import listen_local
+from net.local_socket import listen_local, same_user
 from net.security import ClusterSecurity
-from net.sockets import accept_forever, tune
+from net.sockets import Admission, PortRange, accept_forever, listen, tune
 from protocol.outputs import RequestOutput
 from protos.tandem.v1 import worker_pb2
 from worker import output_wire as wire
@@ -178,16 +178,21 @@ class OutputServer:
         on_router_gone: RouterGone,
         max_frame_bytes: int = 64 << 20,
         local: bool = True,
+        ports: PortRange | None = None,
     ) -> None:
-        """``local``: offer a Unix socket as well, for routers on this machine
-        (``local_address``, "" when not offered or the platform has none)."""
+        """``ports``: the range the TCP listener binds in (net/sockets.py, listen).
+        ``local``: offer a Unix socket as well, for routers on this machine
+        (``local_address``, "" when not offered or the platform has none).
+        Under cluster mutual TLS none is offered: its peers could not show a
+        certificate there, and mutual TLS promises that every peer does."""
         self.security = security
         self.max_frame_bytes = max_frame_bytes
         self._on_router_gone = on_router_gone
         self._ssl = security.server_ssl_context()
-        self._listener = socket.create_server((host, 0), backlog=socket.SOMAXCONN)
+        self._listener = listen(host, ports)
         self.address = f"{host}:{self._listener.getsockname()[1]}"
-        made = listen_local("out") if local else None
+        mutual_tls = security.tls is not None and security.tls.ca is not None
+        made = listen_local("out") if local and not mutual_tls else None
         self._local_listener, self.local_address = made or (None, "")
         self._lock = threading.Lock()
         self._freed = threading.Condition(self._lock)  # a router's stream left _routers
@@ -287,21 +292,29 @@ class OutputServer:
 
     def _accept(self, listener: socket.socket, tls: bool) -> None:
         accept_forever(
-            listener, lambda: self._stopped, lambda s: self._serve(s, tls), "outputs-conn"
+            listener, lambda: self._stopped, lambda s, a: self._serve(s, a, tls), "outputs-conn"
         )
 
-    def _serve(self, sock: socket.socket, tls: bool) -> None:
+    def _serve(self, sock: socket.socket, admission: Admission, tls: bool) -> None:
         """One router's connection: TLS first (with the cluster's TLS, if any,
         and ``tls``: not on the local socket), then the handshake, whose
-        identity is the router's id."""
+        identity is the router's id. The local socket first admits only
+        processes of this worker's own user (local_socket.same_user)."""
+        if not tls and not same_user(sock):
+            log.warning("refused a local output stream from another user's process")
+            sock.close()
+            return
         try:
             tune(sock)
             sock.settimeout(HANDSHAKE_TIMEOUT_S)
             if tls and self._ssl is not None:
                 sock = self._ssl.wrap_socket(sock, server_side=True)
-            identity = handshake.accept(
-                sock, self.security, wire.HANDSHAKE_TAG, timeout_s=HANDSHAKE_TIMEOUT_S
-            )
+            try:
+                identity = handshake.accept(
+                    sock, self.security, wire.HANDSHAKE_TAG, timeout_s=HANDSHAKE_TIMEOUT_S
+                )
+            finally:
+                admission.done()
             router_id = identity.decode(errors="replace")
         except (OSError, ValueError):  # ssl.SSLError and HandshakeRefused are OSErrors
             router_id = None

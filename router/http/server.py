@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Iterator
+from pathlib import Path
 
 import uvicorn
 
@@ -22,18 +23,28 @@ class _Server(uvicorn.Server):
 class HttpFront:
     """The OpenAI-compatible HTTP API and /metrics, beside the gRPC API."""
 
-    def __init__(self, state: FrontState, host: str, port: int) -> None:
+    def __init__(
+        self,
+        state: FrontState,
+        host: str,
+        port: int,
+        tls_cert: Path | None = None,
+        tls_key: Path | None = None,
+    ) -> None:
+        """With ``tls_cert`` and ``tls_key`` (PEM files) the port serves HTTPS only."""
         self.state = state
         self.host = host
         self.port = port
         """The bound port (the chosen one once started, when 0 was asked for)."""
+        self.tls = (tls_cert, tls_key) if tls_cert is not None and tls_key is not None else None
         self._server: _Server | None = None
         self._task: asyncio.Task | None = None
 
     @property
     def url(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        scheme = "https" if self.tls is not None else "http"
+        return f"{scheme}://{host}:{self.port}"
 
     async def start(self) -> None:
         config = uvicorn.Config(
@@ -44,6 +55,8 @@ class HttpFront:
             access_log=False,
             lifespan="off",
             timeout_graceful_shutdown=5,
+            ssl_certfile=str(self.tls[0]) if self.tls else None,
+            ssl_keyfile=str(self.tls[1]) if self.tls else None,
         )
         self._server = server = _Server(config)
         self._task = asyncio.create_task(_serve(server))

@@ -109,7 +109,8 @@ def test_tls_router_and_secured_workers_serve(hardened, certs):
 def test_a_worker_refuses_a_kv_peer_without_credentials(hardened, certs, who):
     good = hardened.config.transfer_config()
     if who == "no secret":
-        config = dataclasses.replace(good, security=ClusterSecurity(b"", good.security.tls))
+        stranger = ClusterSecurity.generate(good.security.tls)
+        config = dataclasses.replace(good, security=stranger)
         expected = grpc.StatusCode.UNAUTHENTICATED
     else:
         config = dataclasses.replace(good, security=ClusterSecurity(SECRET.encode()))
@@ -137,7 +138,8 @@ def test_a_decode_worker_refuses_an_output_stream_without_the_secret(hardened):
     from router.worker_streams import WorkerStreams
 
     transfer = hardened.config.transfer_config()
-    no_secret = dataclasses.replace(transfer, security=ClusterSecurity(b"", transfer.security.tls))
+    stranger = ClusterSecurity.generate(transfer.security.tls)
+    no_secret = dataclasses.replace(transfer, security=stranger)
     decode = hardened.backend.decode.workers[0]
     intruder = WorkerHandle(decode.name, "decode", None, decode.info)
 

@@ -289,7 +289,7 @@ async def _push_frames(h: KVServerHarness, n: int, frames: list[bytes]) -> grpc.
         request_serializer=lambda b: b,
         response_deserializer=pb.PushReply.FromString,
     )(
-        metadata=(*CONFIG.security.metadata(), (datachannel.DATA_TOKEN_KEY, token.hex())),
+        metadata=((datachannel.DATA_TOKEN_KEY, token.hex()),),
         timeout=30,
     )
     rid = f"frames-{next(_counter)}"
@@ -364,7 +364,7 @@ def test_fuzzed_pulls_get_a_precise_status_and_leak_nothing(grpc_only, cached_ha
 
         call = grpc_only.channel.unary_stream(
             PULL_METHOD, request_serializer=lambda b: b, response_deserializer=wire.decode
-        )(request, timeout=20, metadata=CONFIG.security.metadata())
+        )(request, timeout=20)
         messages = []
         try:
             async for msg in call:

@@ -20,7 +20,7 @@ import torch
 from engine.block_pool import Holder
 from kv_transfer import GrpcKVClient, TransferConfig, TransferError, datachannel, wire
 from net import handshake
-from net.security import SECRET_KEY, ClusterSecurity
+from net.security import ClusterSecurity
 from tests.kv_harness import LAYOUT, KVServerHarness, block_tokens, header, make_store
 from tests.tls_certs import tls_files
 
@@ -79,8 +79,8 @@ def test_a_push_without_the_cluster_secret_is_refused(data_channel):
     secured = TransferConfig(security=ClusterSecurity(SECRET), data_channel=data_channel)
     harness = KVServerHarness(secured)
     try:
-        for wrong in (b"", b"correct horse battery stapler"):
-            config = dataclasses.replace(secured, security=ClusterSecurity(wrong))
+        for wrong in (ClusterSecurity.generate(), ClusterSecurity(b"correct horse battery")):
+            config = dataclasses.replace(secured, security=wrong)
             assert _status_of_push(harness, config) == grpc.StatusCode.UNAUTHENTICATED
             client = GrpcKVClient(config)
             with pytest.raises(TransferError) as err:
@@ -117,10 +117,7 @@ def test_a_data_connection_without_the_secrets_mac_is_dropped():
                 request_serializer=lambda b: b,
                 response_deserializer=pb.PushReply.FromString,
             )(
-                metadata=(
-                    (SECRET_KEY, SECRET.hex()),
-                    (datachannel.DATA_TOKEN_KEY, token.hex()),
-                ),
+                metadata=((datachannel.DATA_TOKEN_KEY, token.hex()),),
                 timeout=30,
             )
             grant = harness.push_grant("stolen")
@@ -179,7 +176,7 @@ def test_tls_data_channel_refuses_a_plaintext_connection(cluster_certs):
             conn.sendall(handshake.MAGIC + bytes(64))
             assert _dropped(conn)  # not a TLS hello
         # A TLS client whose certificate another CA signed: no further.
-        ctx = ClusterSecurity(b"", tls_files(cluster_certs[1])).client_ssl_context()
+        ctx = ClusterSecurity.generate(tls_files(cluster_certs[1])).client_ssl_context()
         assert ctx is not None
         ctx.check_hostname = False
         ctx.verify_mode = ssl.CERT_NONE
@@ -223,7 +220,8 @@ def test_transfer_config_refuses_a_limit_below_the_chunk_size():
 def test_a_client_runs_at_most_max_concurrent_pushes_at_once():
     """A burst of pushes queues in the client (found by bench/load.py: 1,000
     pushes at once crawled past their deadlines)."""
-    harness = KVServerHarness(TransferConfig(), num_blocks=64)
+    config = TransferConfig()
+    harness = KVServerHarness(config, num_blocks=64)
 
     class CountingStore(type(make_store())):
         active = peak = 0
@@ -240,7 +238,7 @@ def test_a_client_runs_at_most_max_concurrent_pushes_at_once():
 
     plain = make_store(64)
     src = CountingStore(plain.pool, plain.cache)
-    client = GrpcKVClient(TransferConfig(max_concurrent_pushes=2))
+    client = GrpcKVClient(dataclasses.replace(config, max_concurrent_pushes=2))
 
     async def burst() -> list:
         ids = [src.reserve(Holder("request", f"b{i}"), 2) for i in range(8)]
@@ -262,6 +260,23 @@ def test_a_client_runs_at_most_max_concurrent_pushes_at_once():
         assert harness.settle() == ([], harness.initial_free)
     finally:
         harness.thread.run(client.close())
+        harness.close()
+
+
+def test_a_kv_server_with_default_options_refuses_a_stranger_with_default_options():
+    """No option set anywhere: each TransferConfig holds its own random secret,
+    so a client that was not handed the server's cannot push or pull."""
+    harness = KVServerHarness(TransferConfig())
+    try:
+        assert _status_of_push(harness, TransferConfig()) == grpc.StatusCode.UNAUTHENTICATED
+        client = GrpcKVClient(TransferConfig())
+        with pytest.raises(TransferError) as err:
+            harness.thread.run(client.pull(harness.server.address, make_store(), [bytes(32)]))
+        harness.thread.run(client.close())
+        assert err.value.code == grpc.StatusCode.UNAUTHENTICATED
+        assert harness.settle() == ([], harness.initial_free)
+        _push(harness, harness.config)  # the config's own holder gets through
+    finally:
         harness.close()
 
 

@@ -38,7 +38,8 @@ pytestmark = pytest.mark.integration
 
 LAYOUT = KVLayout("fp-test", "float32", 8, 16, 4, 64)  # 256 KiB per block
 BIG = 1024  # blocks: 256 MiB
-SMALL_CHUNKS = TransferConfig(chunk_bytes=256 << 10)
+SECURITY = ClusterSecurity.generate()  # shared by the peers of the module
+SMALL_CHUNKS = TransferConfig(chunk_bytes=256 << 10, security=SECURITY)
 CPU = torch.device("cpu")
 
 
@@ -55,18 +56,26 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float = 60) -> bool:
 def peers(request):
     data = request.param == "data"
     specs = {
-        "sender": PeerSpec(BIG + 64, LAYOUT, seed=1, config=TransferConfig(data_channel=data)),
+        "sender": PeerSpec(
+            BIG + 64, LAYOUT, seed=1, config=TransferConfig(data_channel=data, security=SECURITY)
+        ),
         "receiver": PeerSpec(
-            BIG + 64, LAYOUT, seed=2, config=TransferConfig(lease_s=120, data_channel=data)
+            BIG + 64,
+            LAYOUT,
+            seed=2,
+            config=TransferConfig(lease_s=120, data_channel=data, security=SECURITY),
         ),
         "short_lease": PeerSpec(
-            64, LAYOUT, seed=3, config=TransferConfig(lease_s=1.0, data_channel=data)
+            64,
+            LAYOUT,
+            seed=3,
+            config=TransferConfig(lease_s=1.0, data_channel=data, security=SECURITY),
         ),
         "other_layout": PeerSpec(
             64,
             KVLayout("fp-test", "float32", 8, 16, 2, 64),
             seed=4,
-            config=TransferConfig(data_channel=data),
+            config=TransferConfig(data_channel=data, security=SECURITY),
         ),
     }
     started = {name: Peer(spec) for name, spec in specs.items()}
@@ -199,7 +208,7 @@ def test_data_connection_is_offered_and_an_abandoned_one_frees_the_blocks():
         config = TransferConfig(lease_s=0.5, reap_interval_s=0.05)
         server = GrpcKVServer(store, config)
         await server.start()
-        channel = grpc.aio.insecure_channel(server.address)
+        channel = config.security.channel(server.address)
         try:
             token = bytes(range(16))
             call = channel.stream_unary(
@@ -220,8 +229,8 @@ def test_data_connection_is_offered_and_an_abandoned_one_frees_the_blocks():
             port = int(metadata[datachannel.DATA_PORT_KEY])
             assert store.num_free == 12 and [h.kind for h in store.holders()] == ["lease"]
             with socket.create_connection(("127.0.0.1", port), timeout=10) as stray:
-                # The right secret (none) and tag, but a token no push expects.
-                handshake.connect(stray, ClusterSecurity(), datachannel.HANDSHAKE_TAG, bytes(16))
+                # The right secret and tag, but a token no push expects.
+                handshake.connect(stray, config.security, datachannel.HANDSHAKE_TAG, bytes(16))
                 assert stray.recv(1) == b""  # dropped
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await call  # the lease expires: blocks freed, call ended
@@ -241,8 +250,8 @@ def _prompt(n: int, seed: int) -> list[int]:
 
 def test_decode_after_push_continues_like_one_engine(llama_dir):
     params = {"temperature": 0.0, "max_tokens": 20, "ignore_eos": True}
-    prefill = Peer(PeerSpec(64, model=str(llama_dir)))
-    decode = Peer(PeerSpec(64, model=str(llama_dir)))
+    spec = PeerSpec(64, model=str(llama_dir), config=TransferConfig(security=SECURITY))
+    prefill, decode = Peer(spec), Peer(spec)
     try:
         free = (prefill.call("num_free"), decode.call("num_free"))
         for i, n in enumerate([7, 33, 70]):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import os
 import socket
 import threading
 import time
@@ -18,7 +19,7 @@ import pytest
 from block_index import KVEvent
 from kv_transfer import TransferConfig
 from net import handshake
-from net.local_socket import host_identity
+from net.local_socket import host_identity, local_path
 from net.security import ClusterSecurity
 from protocol.outputs import RequestOutput
 from protocol.workers import WorkerInfo
@@ -431,19 +432,68 @@ needs_local = pytest.mark.skipif(not host_identity(), reason="no abstract Unix s
 
 
 @needs_local
-@pytest.mark.parametrize("tls", [False, True])
-def test_a_router_on_the_same_machine_reads_over_the_unix_socket(cluster_certs, tls):
-    """Under cluster TLS too: the local socket never leaves the machine, and
-    its handshake still proves the secret."""
-    security = ClusterSecurity(SECRET, tls_files(cluster_certs[0]) if tls else None)
-
+def test_a_router_on_the_same_machine_reads_over_the_unix_socket():
     async def body(pair: Pair):
         _offer(pair.worker, pair.server.local_address)
         streams = await pair.subscribe()
         assert _family(streams) == socket.AF_UNIX
         await _one_request_streams(pair, streams)
 
+    run_with_pair(body, ClusterSecurity(SECRET))
+
+
+def test_under_cluster_mutual_tls_a_worker_offers_no_unix_socket(cluster_certs):
+    """Mutual TLS promises every peer shows a certificate; the Unix socket
+    could not ask for one, so it is off and a local router reads over TLS."""
+    security = ClusterSecurity(SECRET, tls_files(cluster_certs[0]))
+
+    async def body(pair: Pair):
+        assert pair.server.local_address == ""
+        streams = await pair.subscribe()
+        assert _family(streams) == socket.AF_INET
+        await _one_request_streams(pair, streams)
+
     run_with_pair(body, security)
+
+
+def _hello_bytes(path: str, user: int | None) -> int:
+    """Bytes a process (forked, as ``user`` if given) reads from the Unix
+    socket at ``path`` before the server closes it or sends its HELLO."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: socket calls only, then _exit
+        got = 0
+        try:
+            if user is not None:
+                os.setuid(user)
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.settimeout(10)
+                s.connect(path)
+                got = len(s.recv(64))
+        except OSError:
+            pass
+        os.write(write_end, str(got).encode())
+        os._exit(0)
+    os.close(write_end)
+    try:
+        return int(os.read(read_end, 16) or b"-1")
+    finally:
+        os.close(read_end)
+        os.waitpid(pid, 0)
+
+
+@needs_local
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a process as another user")
+def test_the_unix_socket_refuses_another_users_process_before_the_handshake():
+    """Another user's process gets not even the server's HELLO; one of the
+    worker's own user does (then it must still prove the secret)."""
+    server = OutputServer("127.0.0.1", ClusterSecurity(SECRET), lambda r, ids: None)
+    path = local_path(server.local_address)
+    try:
+        assert _hello_bytes(path, 65534) == 0
+        assert _hello_bytes(path, None) == handshake.HELLO_BYTES
+    finally:
+        server.close()
 
 
 @needs_local

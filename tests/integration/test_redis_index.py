@@ -299,3 +299,20 @@ def test_router_and_worker_started_while_redis_down(env):
     assert index.lookup(h) == {}
     env.server.start()
     assert wait_for(lambda: index.lookup(h) == {"w0": 3})
+
+
+def test_a_redis_with_a_password_serves_those_who_give_it_and_no_one_else():
+    with RedisServer(password="the redis password").start() as locked:
+        env = Env(locked)
+        try:
+            stranger = RedisIndex(locked.url, PREFIX, **FAST)
+            env.made.append(stranger)
+            assert not stranger.wait_ready(2)  # NOAUTH: never healthy, never a hit
+            index = env.index(password="the redis password")
+            pub = env.pub("prefill-0", password="the redis password")
+            h = chain(4)
+            pub.publish(KVEvent("prefill-0", stored=tuple(h)))
+            assert wait_for(lambda: index.lookup(h) == {"prefill-0": 4})
+            assert stranger.lookup(h) == {}
+        finally:
+            env.close()

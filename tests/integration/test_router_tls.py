@@ -59,7 +59,8 @@ def test_cluster_secret_comes_from_the_environment_and_stays_hidden(monkeypatch,
     assert security.secret == b"s3cret-from-env"
     assert "s3cret" not in repr(config.transfer_config())
     monkeypatch.delenv(CLUSTER_SECRET_ENV)
-    assert ServeConfig.load(None).security.cluster_security().secret == b""
+    generated = ServeConfig.load(None).security.cluster_security().secret
+    assert len(generated) == 32  # none configured: one generated, never empty
     # The file's secret wins over the environment's.
     monkeypatch.setenv(CLUSTER_SECRET_ENV, "from-env")
     secrets = tmp_path / "secret.yaml"

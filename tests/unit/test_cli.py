@@ -12,7 +12,7 @@ import pytest
 
 from router.client import TandemClient, generate_sync
 from router.config import ServeConfig
-from tandem_cli import serve
+from tandem_cli import ray_auth, serve
 from tandem_cli.main import build_parser, main
 from tests.fakes import FakeBackend, FakeTokenizer, RouterInThread
 
@@ -176,6 +176,8 @@ def test_init_ray_sizes_a_loopback_cluster(monkeypatch):
     calls: list[dict] = []
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", lambda **kw: calls.append(kw))
+    for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        monkeypatch.delenv(name, raising=False)
     config = ServeConfig(
         pools={
             "prefill": 2,
@@ -190,8 +192,28 @@ def test_init_ray_sizes_a_loopback_cluster(monkeypatch):
     assert kw["resources"] == {"decode": 3.0}
     assert kw["include_dashboard"] is False
     assert kw["_system_config"] == {"worker_niceness": 0}  # not Ray's 15 (worker_niceness)
+    assert os.environ["RAY_AUTH_MODE"] == "token"  # a fresh token for the local cluster
+    assert len(os.environ["RAY_AUTH_TOKEN"]) == 64
+    monkeypatch.delenv("RAY_AUTH_TOKEN")
     serve.init_ray(config.updated(pools={"ray_address": "10.0.0.1:6379"}))
     assert calls[-1] == {"address": "10.0.0.1:6379"}
+    assert "RAY_AUTH_TOKEN" not in os.environ  # a joined cluster's token is configured
+
+
+def test_init_ray_refuses_to_turn_ray_token_auth_off(monkeypatch):
+    import ray
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: pytest.fail("ray.init without token auth"))
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    with pytest.raises(ValueError, match="RAY_AUTH_MODE=disabled"):
+        serve.init_ray(ServeConfig())
+
+
+def test_a_configured_ray_token_is_kept():
+    environ = {"RAY_AUTH_TOKEN_PATH": "/run/secrets/ray-token"}
+    ray_auth.enable(local=True, environ=environ)
+    assert environ == {"RAY_AUTH_TOKEN_PATH": "/run/secrets/ray-token", "RAY_AUTH_MODE": "token"}
 
 
 def test_serve_runs_until_sigterm_then_drains(capsys):

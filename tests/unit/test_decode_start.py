@@ -27,6 +27,7 @@ from tests.pool_checks import leftover_holders
 pytestmark = pytest.mark.unit
 
 ROUTER = "router-a"
+TRANSFER = TransferConfig()  # one cluster secret for the workers and the router
 
 
 class Outputs:
@@ -65,7 +66,7 @@ class Outputs:
 @contextlib.asynccontextmanager
 async def pair(llama_dir):
     config = EngineConfig(model=str(llama_dir), num_kv_blocks=48)
-    p, d = PrefillWorker("p", config), DecodeWorker("d", config)
+    p, d = PrefillWorker("p", config, TRANSFER), DecodeWorker("d", config, TRANSFER)
     await p.start()
     d.start_loop()
     await d.kv_server.start()
@@ -170,7 +171,7 @@ def test_pushes_for_an_aborted_request_or_a_router_without_a_stream_are_refused(
 async def prefill_stream(p: PrefillWorker):
     """A router's reader of ``p``'s output stream: (handle, events it brought)."""
     events: list = []
-    streams = WorkerStreams(ROUTER, events.extend, lambda w, why: None, TransferConfig())
+    streams = WorkerStreams(ROUTER, events.extend, lambda w, why: None, TRANSFER)
     handle = WorkerHandle(p.name, "prefill", None, p.describe())
     await streams.subscribe(handle)
     try:

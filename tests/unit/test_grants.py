@@ -107,17 +107,18 @@ def test_a_grant_under_another_secret_is_refused():
         checker.use(stranger.mint(PUSH, D, "r", push_digest(b"")), PUSH, "r", push_digest(b""))
 
 
-def test_an_empty_secret_still_keys_and_checks_grants():
-    """No secret: every field is still bound; a grant under a real secret does not pass."""
+def test_a_generated_secret_keys_and_checks_grants():
+    """No configured secret: the generated one keys the grants (there is no
+    empty secret); a grant under another secret does not pass."""
     clock = Clock()
-    empty, keyed = ClusterSecurity(), GrantMinter(SECURITY, clock=clock)
-    checker = GrantChecker(empty, D, clock)
+    generated, keyed = ClusterSecurity.generate(), GrantMinter(SECURITY, clock=clock)
+    checker = GrantChecker(generated, D, clock)
     with pytest.raises(GrantRefused):
         checker.use(b"", PUSH, "r", push_digest(b""))
     with pytest.raises(GrantRefused):
         checker.use(keyed.mint(PUSH, D, "r", push_digest(b"")), PUSH, "r", push_digest(b""))
-    checker.use(GrantMinter(empty, clock=clock).mint(PUSH, D, "r", push_digest(b"")), PUSH, "r",
-                push_digest(b""))  # fmt: skip
+    checker.use(GrantMinter(generated, clock=clock).mint(PUSH, D, "r", push_digest(b"")), PUSH,
+                "r", push_digest(b""))  # fmt: skip
 
 
 def test_a_checker_without_an_address_refuses_everything():

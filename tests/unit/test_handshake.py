@@ -8,10 +8,11 @@ import contextlib
 import socket
 import struct
 import threading
+from types import SimpleNamespace
 
 import pytest
 
-from net import handshake
+from net import handshake, sockets
 from net.security import ClusterSecurity
 
 pytestmark = pytest.mark.unit
@@ -75,17 +76,19 @@ def test_the_right_secret_passes_and_what_follows_is_left_unread():
     assert left == AFTER  # the connection's protocol starts right after the answer
 
 
-def test_no_secret_on_both_sides_passes():
-    server = Server(security=ClusterSecurity())
-    _connect(server, security=ClusterSecurity())
-    server.finish()
-    assert server.result == b"router-a"
+def test_there_is_no_empty_secret():
+    with pytest.raises(ValueError, match="non-empty"):
+        ClusterSecurity(b"")
+    assert len(ClusterSecurity.generate().secret) == 32
+    assert ClusterSecurity.generate().secret != ClusterSecurity.generate().secret
 
 
 @pytest.mark.parametrize("secret", [b"", b"the cluster secreT", b"the cluster secret!"])
 def test_a_wrong_secret_is_refused(secret):
+    """b"": the answer of a peer that keys its MAC with the empty secret (what an
+    unconfigured deployment used to accept)."""
     server = Server()
-    _connect(server, security=ClusterSecurity(secret))
+    _connect(server, security=SimpleNamespace(secret=secret))
     assert server.finish() == AFTER
     assert server.result is None and server.refused("cluster secret")
 
@@ -202,3 +205,54 @@ def test_the_event_driven_client_answers_byte_by_byte():
     assert server.result == b"router-a"
     with pytest.raises(handshake.HandshakeRefused):
         handshake.ClientHandshake(SECRET, TAG, b"r").feed(b"XXXX" + bytes(16))
+
+
+def test_a_listener_bounds_the_handshakes_in_progress_and_frees_a_slot_when_one_ends():
+    """Strangers who connect and stall hold at most max_handshakes threads;
+    past it a connection is closed unserved, and a slot frees as soon as a
+    handshake ends (here: its peer goes away)."""
+    listener = sockets.listen("127.0.0.1")
+    address = listener.getsockname()
+    stopped = threading.Event()
+
+    def serve(sock, admission):
+        with sock:
+            with contextlib.suppress(OSError):
+                handshake.accept(sock, SECRET, TAG, timeout_s=30)
+            admission.done()
+
+    accepting = threading.Thread(
+        target=sockets.accept_forever,
+        args=(listener, stopped.is_set, serve, "test-conn", 2),
+        daemon=True,
+    )
+    accepting.start()
+
+    def hello_bytes(conn: socket.socket) -> int:
+        conn.settimeout(10)
+        got = b""
+        with contextlib.suppress(ConnectionError):
+            while len(got) < handshake.HELLO_BYTES:
+                chunk = conn.recv(64)
+                if not chunk:
+                    break
+                got += chunk
+        return len(got)
+
+    stalled = [socket.create_connection(address) for _ in range(2)]
+    try:
+        assert [hello_bytes(c) for c in stalled] == [handshake.HELLO_BYTES] * 2
+        with socket.create_connection(address) as third:
+            assert hello_bytes(third) == 0  # closed unserved
+        stalled.pop().close()  # that handshake ends: its slot is free again
+        for _ in range(100):
+            with socket.create_connection(address) as again:
+                if hello_bytes(again) == handshake.HELLO_BYTES:
+                    break
+        else:
+            pytest.fail("no slot came free")
+    finally:
+        for c in stalled:
+            c.close()
+        stopped.set()
+        listener.close()

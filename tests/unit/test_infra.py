@@ -96,6 +96,125 @@ def test_kuberay_groups_offer_the_pinned_resources_and_the_router_is_a_service()
     assert config.routing.redis_url == "redis://tandem-redis:6379/0"
 
 
+# ---- closed by default: Ray token auth, secrets, network policy, probes ----
+
+SECRET_ENVS = {"RAY_AUTH_TOKEN", "TANDEM_CLUSTER_SECRET", "TANDEM_REDIS_PASSWORD", "REDIS_PASSWORD"}
+
+
+def _ray_containers(ray_cluster: dict) -> list[dict]:
+    specs = [ray_cluster["spec"]["headGroupSpec"]]
+    specs += ray_cluster["spec"]["workerGroupSpecs"]
+    return [c for spec in specs for c in spec["template"]["spec"]["containers"]]
+
+
+def _env(container: dict) -> dict[str, dict]:
+    return {e["name"]: e for e in container.get("env", [])}
+
+
+def _from_secret(entry: dict) -> bool:
+    """Set from a Secret, never written in the manifest."""
+    return "value" not in entry and "secretKeyRef" in entry.get("valueFrom", {})
+
+
+def test_ray_up_runs_token_auth_with_the_token_from_a_file_and_no_open_dashboard():
+    text = (INFRA / "ray" / "cluster.yaml").read_text()
+    cluster = yaml.safe_load(text)
+    starts = cluster["head_start_ray_commands"] + cluster["worker_start_ray_commands"]
+    ray_starts = [c for c in starts if "ray start" in c]
+    assert len(ray_starts) == 2
+    for command in ray_starts:
+        assert "RAY_AUTH_MODE=token" in command and "RAY_AUTH_TOKEN_PATH=" in command
+    assert "--env RAY_AUTH_MODE=token" in cluster["docker"]["run_options"]
+    assert "0.0.0.0" not in text  # no dashboard (or anything) on every interface
+    assert "RAY_AUTH_TOKEN=" not in text  # the token is never inline
+    token_dir = next(k for k in cluster["file_mounts"] if k.endswith("secrets"))
+    local = REPO / cluster["file_mounts"][token_dir]
+    assert (local / ".gitignore").read_text().splitlines()[1] == "*"  # never committed
+    assert "infra/ray/secrets" in (REPO / ".dockerignore").read_text()  # nor in an image
+
+
+def test_every_kuberay_ray_container_has_token_auth_from_the_secret():
+    (ray_cluster,) = _by_kind("RayCluster")
+    head_params = ray_cluster["spec"]["headGroupSpec"]["rayStartParams"]
+    assert head_params.get("dashboard-host", "127.0.0.1") == "127.0.0.1"
+    containers = _ray_containers(ray_cluster)
+    assert len(containers) >= 4  # head, router, prefill, decode
+    for container in containers:
+        env = _env(container)
+        assert env["RAY_AUTH_MODE"]["value"] == "token", container["name"]
+        assert _from_secret(env["RAY_AUTH_TOKEN"]), container["name"]
+    for deployment in _by_kind("Deployment"):
+        containers += deployment["spec"]["template"]["spec"]["containers"]
+    for container in containers:
+        for name, entry in _env(container).items():
+            if name in SECRET_ENVS:
+                assert _from_secret(entry), f"{container['name']}: {name} written inline"
+
+
+def test_the_router_gets_its_secrets_and_a_liveness_probe():
+    (ray_cluster,) = _by_kind("RayCluster")
+    head = ray_cluster["spec"]["headGroupSpec"]["template"]["spec"]["containers"]
+    (router,) = [c for c in head if c["name"] == "router"]
+    env = _env(router)
+    assert _from_secret(env["TANDEM_CLUSTER_SECRET"])
+    assert _from_secret(env["TANDEM_REDIS_PASSWORD"])
+    port = ServeConfig.load(SERVE_CONFIG).server.port
+    assert router["livenessProbe"]["grpc"]["port"] == port
+    assert router["readinessProbe"]["grpc"]["port"] == port
+
+
+def test_redis_asks_for_the_password_from_the_secret_and_never_on_its_command_line():
+    (redis,) = [d for d in _by_kind("Deployment") if d["metadata"]["name"] == "tandem-redis"]
+    (container,) = redis["spec"]["template"]["spec"]["containers"]
+    assert _from_secret(_env(container)["REDIS_PASSWORD"])
+    script = " ".join(container["args"])
+    assert "requirepass" in script and "redis-server -" in script  # config on stdin
+    assert "--requirepass" not in script
+    assert "livenessProbe" in container
+    probe = " ".join(container["readinessProbe"]["exec"]["command"])
+    assert "REDISCLI_AUTH" in probe  # an unauthenticated PING gets NOAUTH
+
+
+def _labels_of_pods() -> list[dict[str, str]]:
+    (ray_cluster,) = _by_kind("RayCluster")
+    specs = [ray_cluster["spec"]["headGroupSpec"], *ray_cluster["spec"]["workerGroupSpecs"]]
+    specs += [d["spec"] for d in _by_kind("Deployment")]
+    return [spec["template"]["metadata"]["labels"] for spec in specs]
+
+
+def _selects(selector: dict, labels: dict[str, str]) -> bool:
+    return selector.get("matchLabels", {}).items() <= labels.items()
+
+
+def test_network_policies_admit_only_the_deployments_pods_to_internal_ports():
+    policies = _by_kind("NetworkPolicy")
+    own = {"app.kubernetes.io/name": "tandem"}
+    port = ServeConfig.load(SERVE_CONFIG).server.port
+    for labels in _labels_of_pods():  # every pod is under some policy (default deny)
+        assert any(_selects(p["spec"]["podSelector"], labels) for p in policies), labels
+    for policy in policies:
+        spec = policy["spec"]
+        assert spec["policyTypes"] == ["Ingress"]
+        for rule in spec["ingress"]:
+            sources = rule.get("from")
+            if sources:  # from pods only, and only the deployment's own
+                assert all(set(s) == {"podSelector"} for s in sources), policy
+                assert all(_selects(s["podSelector"], own) for s in sources), policy
+                continue
+            # Open to any source: the router's public gRPC port on router pods only.
+            assert [p["port"] for p in rule["ports"]] == [port], policy
+            selector = spec["podSelector"]["matchLabels"]
+            assert selector.get("app.kubernetes.io/component") == "router", policy
+    listed = yaml.safe_load((INFRA / "kuberay" / "kustomization.yaml").read_text())
+    assert "networkpolicy.yaml" in listed["resources"]
+
+
+def test_the_example_config_fixes_the_internal_port_range():
+    config = ServeConfig.load(SERVE_CONFIG)
+    low, high = config.transfer.port_range
+    assert high - low + 1 >= 3 * 8  # three listeners for each of up to 8 workers a node
+
+
 def _docker_context(dest: Path) -> Path:
     """A copy of the repository as `docker build .` sends it: without what
     .dockerignore names (a name at the top, or ``**/name`` at any depth)."""

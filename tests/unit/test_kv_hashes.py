@@ -112,7 +112,7 @@ def test_tokens_that_do_not_cover_the_blocks_are_refused(n_tokens):
         push_grant(CONFIG, "inproc:other", "r"),
         push_grant(CONFIG, "inproc:d", "r2"),
         push_grant(CONFIG, "inproc:d", "r", salt=b"another"),
-        push_grant(TransferConfig(), "inproc:d", "r"),  # under the empty secret
+        push_grant(TransferConfig(), "inproc:d", "r"),  # under another (random) secret
     ],
 )
 def test_a_push_without_its_grant_is_refused_before_any_block_is_reserved(grant):

@@ -112,7 +112,9 @@ SENDER = Holder("request", "r")
 def _blocks(server, ids: list[int], config: TransferConfig | None = None) -> KVBlocks:
     tokens = list(range(100, 100 + len(ids) * LAYOUT.block_size))
     blocks = KVBlocks("r", ids, [None] * len(ids), tokens)
-    return granted(config or TransferConfig(), server.address, blocks)
+    # The grant is minted under the server's own cluster secret (a default
+    # TransferConfig holds a random one of its own).
+    return granted(config or server.service.config, server.address, blocks)
 
 
 async def _push(client, server, src, dst, n: int, config: TransferConfig):

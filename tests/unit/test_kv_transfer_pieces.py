@@ -136,6 +136,7 @@ def run(coro):
 
 
 SMALL = TransferConfig(chunk_bytes=1024)
+PAIR_SECURITY = ClusterSecurity(b"the pair's secret")
 
 
 def test_push_claim_copies_blocks_exactly():
@@ -504,7 +505,9 @@ class DataPair:
             self.registry, b"t" * 16, self.receiver, lambda: None
         )
         self.receiver.expect_data(self.incoming)
-        self.data = datachannel.DataSender("", 0, b"t" * 16, self.sender, 10.0, frame_filter)
+        self.data = datachannel.DataSender(
+            "", 0, b"t" * 16, self.sender, 10.0, frame_filter, PAIR_SECURITY
+        )
 
     def run(self) -> None:
         a, b = socket.socketpair()
@@ -517,7 +520,7 @@ class DataPair:
         sender = threading.Thread(target=send)
         sender.start()
         tag, size = datachannel.HANDSHAKE_TAG, datachannel.TOKEN_BYTES
-        assert handshake.accept(b, ClusterSecurity(), tag, size) == b"t" * 16
+        assert handshake.accept(b, PAIR_SECURITY, tag, size) == b"t" * 16
         self.incoming.serve(b)
         sender.join()
 
