@@ -2,7 +2,7 @@
 credential but what its command line gives it (an insider, with
 ``--secret-stdin``, reads the cluster secret from stdin, never from argv).
 Prints the outcome as one JSON line (``{"status": ..., "detail": ...}``;
-see attacker_kv.Outcome); the reserve attack prints one when its header is
+see attack_outcome.Outcome); the reserve attack prints one when its header is
 answered and one at the end. benchkit/attacks.py runs it with an environment stripped of every
 TANDEM_* and RAY_* variable.
 
@@ -18,12 +18,12 @@ import json
 import sys
 
 from benchkit import attacker_api as api
-from benchkit import attacker_kv as kv
 from benchkit import attacker_streams as streams
+from benchkit.attack_outcome import NO_SECRET, Outcome
 from engine.kv_layout import KVLayout
 
 
-def emit(outcome: kv.Outcome) -> None:
+def emit(outcome: Outcome) -> None:
     print(json.dumps(dataclasses.asdict(outcome)), flush=True)
 
 
@@ -90,13 +90,17 @@ def _secret(args: argparse.Namespace) -> bytes | None:
     return bytes.fromhex(sys.stdin.readline().strip()) if args.secret_stdin else None
 
 
-def run(args: argparse.Namespace) -> kv.Outcome:
+def run(args: argparse.Namespace) -> Outcome:
     match args.attack:
         case "pull":
+            from benchkit import attacker_kv as kv  # torch, for the KV attacks alone
+
             return asyncio.run(kv.pull(args.kv, args.layout, args.tokens, _secret(args)))
         case "push" | "reserve":
+            from benchkit import attacker_kv as kv
+
             secret = _secret(args)
-            key = kv.NO_SECRET if secret is None else secret
+            key = NO_SECRET if secret is None else secret
             router_id, stream = streams.login_for_pushes(args.outputs, args.router_id, key)
             try:
                 if args.attack == "push":
@@ -110,7 +114,7 @@ def run(args: argparse.Namespace) -> kv.Outcome:
                 if stream is not None:
                     stream.close()
         case "stream":
-            key = _secret(args) or kv.NO_SECRET
+            key = _secret(args) or NO_SECRET
             return streams.stream_login(args.outputs, args.router_id, args.read_s, key)
         case "scale":
             return asyncio.run(api.scale(args.target, args.key, args.prefill, args.decode))
@@ -132,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         emit(run(_parser().parse_args(argv)))
     except (ConnectionError, TimeoutError) as e:
-        emit(kv.Outcome("dropped", f"{type(e).__name__}: {e}"[:200]))
+        emit(Outcome("dropped", f"{type(e).__name__}: {e}"[:200]))
     return 0
 
 

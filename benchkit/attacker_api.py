@@ -16,7 +16,7 @@ import urllib.parse
 import grpc
 import httpx
 
-from benchkit.attacker_kv import Outcome
+from benchkit.attack_outcome import Outcome
 from protos.tandem.v1 import admin_pb2, admin_pb2_grpc
 from router.auth import client_metadata
 from router.client import TandemClient, open_channel

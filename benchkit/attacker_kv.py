@@ -22,11 +22,11 @@ import asyncio
 import json
 import secrets
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import grpc
 import numpy as np
 
+from benchkit.attack_outcome import Outcome
 from engine.hashing import hash_blocks, root_hash
 from engine.kv_layout import KVLayout
 from kv_transfer import wire
@@ -35,22 +35,7 @@ from kv_transfer.grpc_server import HELD_BLOCKS_KEY, PULL_METHOD, PUSH_METHOD
 from net.security import ClusterSecurity
 from protos.tandem.v1 import kv_transfer_pb2 as pb
 
-NO_SECRET = b""
-"""The key of the only secret a stranger can guess: none (what a
-deployment without a configured secret used to key its MACs with)."""
 UNLIMITED = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """What one attack got: ``status`` is a gRPC code name (``OK`` when the
-    call went through), ``HTTP <n>``, ``dropped`` (the connection ended
-    before any data came back), ``served`` (data came back) or
-    ``unreachable`` (nothing listens there: the attack did not run);
-    ``detail`` says what, in words."""
-
-    status: str
-    detail: str
 
 
 def prompt_hashes(layout: KVLayout, token_ids: Sequence[int]) -> list[bytes]:

@@ -12,7 +12,7 @@ import secrets
 import socket
 import time
 
-from benchkit.attacker_kv import NO_SECRET, Outcome
+from benchkit.attack_outcome import NO_SECRET, Outcome
 from net import handshake, local_socket
 from net.sockets import split_address
 from protos.tandem.v1 import worker_pb2

@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchkit.attacker_kv import Outcome
+from benchkit.attack_outcome import Outcome
 from engine.kv_layout import KVLayout
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -22,8 +22,8 @@ import time
 import grpc
 import pytest
 
+from benchkit.attack_outcome import Outcome
 from benchkit.attack_target import cluster_secret, engine_alone, rss_mb, target_of, worker_pids
-from benchkit.attacker_kv import Outcome
 from benchkit.attacks import (
     ATTACKS,
     FORGE,
