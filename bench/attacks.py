@@ -6,7 +6,11 @@ one user key and one admin key in the environment, nothing else set).
 
 Each attack runs in a process of its own with no credential
 (benchkit/attacker.py, benchkit/attacks.py) while honest users stream
-greedy requests. Prints a markdown table (attack | what it got | as
+greedy requests; the insider attacks get the generated cluster secret on
+their stdin. The NaN attacks need tests/faults.py's poisoned workers,
+which a benchmark does not run: their row here is the same request on the
+product's workers (answered), and tests/integration/test_attacks.py is
+where it meets NaN logits. Prints a markdown table (attack | what it got | as
 required), then what the honest streams got and the blocks left held,
 then one JSON line with all of it.
 """
@@ -22,25 +26,36 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchkit.attack_target import engine_alone, rss_mb, target_of, worker_pids
-from benchkit.attacker_kv import Outcome
+from benchkit.attack_outcome import Outcome
+from benchkit.attack_target import cluster_secret, engine_alone, rss_mb, target_of, worker_pids
 from benchkit.attacks import (
     ATTACKS,
     FORGE,
     HONEST_PROMPTS,
+    INSIDER,
+    INSIDER_RESERVE,
+    INSIDER_TAKEOVER,
+    NAN_ATTACKS,
     RESERVE,
     STOP_FLOODS,
     TAKEOVER,
-    HonestLoad,
+    Attack,
     reserve_pool,
     run_attacker,
     table,
 )
 from benchkit.deployment import Deployment
+from benchkit.honest_load import HonestLoad
 from router.config import ServeConfig
 
 USER_KEY = "sk-bench-attacks-user"
 ADMIN_KEY = "sk-bench-attacks-admin"
+NAN_UNPOISONED = Attack(
+    "the NaN prompt on the product's workers (NaN needs tests/faults.py's hook: test_attacks.py)",
+    NAN_ATTACKS[0].args,
+    frozenset({"OK"}),
+)
+"""What a benchmark can run of the NaN attack: without the hook, a plain request."""
 
 
 def main() -> None:
@@ -58,23 +73,30 @@ def main() -> None:
         target = target_of(dep, USER_KEY, reference)
         load = HonestLoad(dep.address, USER_KEY, {p: reference.outputs[p] for p in HONEST_PROMPTS})
         load.start()
-        rows = [(a.name, run_attacker(a.args(target)), a.expected) for a in [*ATTACKS, FORGE]]
+        secret = cluster_secret(dep)
+        attacks = [*ATTACKS, NAN_UNPOISONED, FORGE]
+        rows = [(a.name, run_attacker(a.args(target)), a.expected) for a in attacks]
+        rows += [(a.name, run_attacker(a.args(target), secret=secret), a.expected) for a in INSIDER]
         decode = target.of_role("decode", "colocated")[0].name
-        load.pause()  # the pool's free blocks stay put until the header takes them
-        dep.wait_no_leaks(90)
-        free = dep.worker_stats()[decode].free_blocks
-        first, seen = reserve_pool(
-            target, free, args.hold_s, lambda: dep.worker_stats()[decode].free_blocks
-        )
-        load.resume()
-        if seen is not None:
-            first = Outcome(first.status, f"{first.detail}; {seen} blocks free while held")
-        rows.append((RESERVE.name, first, RESERVE.expected))
+        for reserve, key in ((RESERVE, None), (INSIDER_RESERVE, secret)):
+            load.pause()  # the pool's free blocks stay put until the header takes them
+            dep.wait_no_leaks(90)
+            free = dep.worker_stats()[decode].free_blocks
+            first, seen = reserve_pool(
+                target, free, args.hold_s, lambda: dep.worker_stats()[decode].free_blocks, key
+            )
+            free_after = dep.worker_stats()[decode].free_blocks
+            load.resume()
+            held = f"{seen} blocks free while held, " if seen is not None else ""
+            detail = f"{first.detail}; {held}{free_after} of {free} free after it"
+            rows.append((reserve.name, Outcome(first.status, detail), reserve.expected))
         pids = worker_pids(dep)
         before = {n: rss_mb(p) for n, p in pids.items()}
         rows += [(f.name, run_attacker(f.args(target)), f.expected) for f in STOP_FLOODS]
         growth = {n: round(rss_mb(p) - before[n], 1) for n, p in pids.items()}
         rows.append((TAKEOVER.name, run_attacker(TAKEOVER.args(target)), TAKEOVER.expected))
+        insider = run_attacker(INSIDER_TAKEOVER.args(target), secret=secret)
+        rows.append((INSIDER_TAKEOVER.name, insider, INSIDER_TAKEOVER.expected))
         load.pause()
         leaks = dep.wait_no_leaks(90)
         load.stop()

@@ -83,3 +83,8 @@ def rss_mb(pid: int) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     raise ValueError(f"no VmRSS for process {pid}")
+
+
+def cluster_secret(dep: Deployment) -> bytes:
+    """The secret the deployment generated at start (what an insider holds)."""
+    return dep.backend.streams.transfer.security.secret

@@ -1,8 +1,9 @@
 """The attacker: one attack per run, in a process of its own, with no
-credential but what its command line gives it. Prints the outcome as one
-JSON line (``{"status": ..., "detail": ...}``; see attacker_kv.Outcome);
-the reserve attack prints one when its header is answered and one at the
-end. benchkit/attacks.py runs it with an environment stripped of every
+credential but what its command line gives it (an insider, with
+``--secret-stdin``, reads the cluster secret from stdin, never from argv).
+Prints the outcome as one JSON line (``{"status": ..., "detail": ...}``;
+see attack_outcome.Outcome); the reserve attack prints one when its header is
+answered and one at the end. benchkit/attacks.py runs it with an environment stripped of every
 TANDEM_* and RAY_* variable.
 
     python -m benchkit.attacker pull --kv HOST:PORT --layout JSON --tokens 1,2,3
@@ -17,11 +18,12 @@ import json
 import sys
 
 from benchkit import attacker_api as api
-from benchkit import attacker_kv as kv
+from benchkit import attacker_streams as streams
+from benchkit.attack_outcome import NO_SECRET, Outcome
 from engine.kv_layout import KVLayout
 
 
-def emit(outcome: kv.Outcome) -> None:
+def emit(outcome: Outcome) -> None:
     print(json.dumps(dataclasses.asdict(outcome)), flush=True)
 
 
@@ -31,6 +33,12 @@ def _tokens(text: str) -> list[int]:
 
 def _layout(text: str) -> KVLayout:
     return KVLayout(**json.loads(text))
+
+
+def _insider_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--secret-stdin", action="store_true", help="an insider: the cluster secret (hex) on stdin"
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -48,10 +56,12 @@ def _parser() -> argparse.ArgumentParser:
         if name != "pull":
             p.add_argument("--outputs", required=True, help="the worker's output streams")
             p.add_argument("--router-id", required=True, help="the real router's id")
+        _insider_flag(p)
     p = sub.add_parser("stream", help="log in to an output stream")
     p.add_argument("--outputs", required=True, help="host:port or unix-abstract:NAME")
     p.add_argument("--router-id", default="router-attacker")
     p.add_argument("--read-s", type=float, default=3.0)
+    _insider_flag(p)
     p = sub.add_parser("scale")
     p.add_argument("--target", required=True)
     p.add_argument("--key", default=None)
@@ -71,26 +81,41 @@ def _parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name)
         p.add_argument("--target", required=True)
         p.add_argument("--key", required=True)
+    p.add_argument("--late", action="store_true", help="NaN after two decode tokens")
     return parser
 
 
-def run(args: argparse.Namespace) -> kv.Outcome:
+def _secret(args: argparse.Namespace) -> bytes | None:
+    """The insider's cluster secret: one hex line on stdin."""
+    return bytes.fromhex(sys.stdin.readline().strip()) if args.secret_stdin else None
+
+
+def run(args: argparse.Namespace) -> Outcome:
     match args.attack:
         case "pull":
-            return asyncio.run(kv.pull(args.kv, args.layout, args.tokens))
+            from benchkit import attacker_kv as kv  # torch, for the KV attacks alone
+
+            return asyncio.run(kv.pull(args.kv, args.layout, args.tokens, _secret(args)))
         case "push" | "reserve":
-            router_id, stream = kv.login_for_pushes(args.outputs, args.router_id)
+            from benchkit import attacker_kv as kv
+
+            secret = _secret(args)
+            key = NO_SECRET if secret is None else secret
+            router_id, stream = streams.login_for_pushes(args.outputs, args.router_id, key)
             try:
                 if args.attack == "push":
-                    return asyncio.run(kv.push(args.kv, args.layout, args.tokens, router_id))
-                return asyncio.run(
-                    kv.reserve(args.kv, args.layout, args.blocks, args.hold_s, router_id, emit)
-                )
+                    attack = kv.push(args.kv, args.layout, args.tokens, router_id, secret)
+                else:
+                    attack = kv.reserve(
+                        args.kv, args.layout, args.blocks, args.hold_s, router_id, emit, secret
+                    )
+                return asyncio.run(attack)
             finally:
                 if stream is not None:
                     stream.close()
         case "stream":
-            return kv.stream_login(args.outputs, args.router_id, args.read_s)
+            key = _secret(args) or NO_SECRET
+            return streams.stream_login(args.outputs, args.router_id, args.read_s, key)
         case "scale":
             return asyncio.run(api.scale(args.target, args.key, args.prefill, args.decode))
         case "body":
@@ -103,7 +128,7 @@ def run(args: argparse.Namespace) -> kv.Outcome:
         case "nan":
             return asyncio.run(api.extreme_sampling(args.target, args.key))
         case "nan-prompt":
-            return asyncio.run(api.poisoned_prompt(args.target, args.key))
+            return asyncio.run(api.poisoned_prompt(args.target, args.key, args.late))
     raise AssertionError(args.attack)
 
 
@@ -111,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         emit(run(_parser().parse_args(argv)))
     except (ConnectionError, TimeoutError) as e:
-        emit(kv.Outcome("dropped", f"{type(e).__name__}: {e}"[:200]))
+        emit(Outcome("dropped", f"{type(e).__name__}: {e}"[:200]))
     return 0
 
 

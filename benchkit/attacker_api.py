@@ -16,13 +16,15 @@ import urllib.parse
 import grpc
 import httpx
 
-from benchkit.attacker_kv import Outcome
+from benchkit.attack_outcome import Outcome
 from protos.tandem.v1 import admin_pb2, admin_pb2_grpc
 from router.auth import client_metadata
 from router.client import TandemClient, open_channel
 
 NAN_PROMPT = [13, 37, 13, 37]
-"""The prompt start tests/faults.py's poisoned engines give NaN logits."""
+"""The prompt start tests/faults.py's poisoned engines give NaN logits at prefill."""
+NAN_LATE_PROMPT = [13, 37, 13, 38]
+"""Likewise, once the request has two output tokens (tests/faults.py)."""
 STOP_STRINGS = 4096
 STOP_CHARS = 256
 EXTREME_SAMPLING: dict[str, object] = {
@@ -153,11 +155,20 @@ async def extreme_sampling(target: str, key: str) -> Outcome:
     return await _one_request(target, key, "def f(x):", **EXTREME_SAMPLING)
 
 
-async def poisoned_prompt(target: str, key: str) -> Outcome:
-    """One sampled request whose prompt starts with NAN_PROMPT: on a worker
-    whose engine tests/faults.py poisons, its logits are NaN (as a broken
-    KV block or kernel would make them); on any other, a plain request."""
-    return await _one_request(target, key, [*NAN_PROMPT, 100, 200], temperature=1.0, seed=3)
+async def poisoned_prompt(target: str, key: str, late: bool = False) -> Outcome:
+    """One sampled request whose prompt starts with NAN_PROMPT (NAN_LATE_PROMPT
+    when ``late``): on workers whose engine tests/faults.py poisons, its
+    logits turn NaN (as a broken KV block or kernel would make them); on any
+    other, a plain request. The detail counts the tokens streamed first."""
+    prompt = [*(NAN_LATE_PROMPT if late else NAN_PROMPT), 100, 200]
+    streamed = 0
+    async with TandemClient(target, timeout_s=120, api_key=key) as client:
+        try:
+            async for r in client.generate(prompt, max_tokens=8, temperature=1.0, seed=3):
+                streamed += len(r.chunk.token_ids)
+        except grpc.aio.AioRpcError as e:
+            return Outcome(e.code().name, f"{streamed} tokens streamed, then: {e.details()}"[:300])
+    return Outcome("OK", f"{streamed} tokens")
 
 
 async def _one_request(target: str, key: str, prompt, **sampling: object) -> Outcome:

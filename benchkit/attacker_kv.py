@@ -9,50 +9,33 @@ addresses, the public model (its KV layout and fingerprint, hence the block
 hashes of any token ids) and the protocol (this repository). It speaks the
 protocols itself (plain gRPC channels, its own handshake client) with no
 credential: no call signature, and the empty key for the handshake's MAC.
+
+The insider variant (``secret`` given) holds the cluster secret: its calls
+carry a valid call MAC (net/security.py's signing channel) and its output
+stream login succeeds, but it has no router grant (net/grants.py), so each
+transfer it asks for must still be refused (PERMISSION_DENIED).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
 import json
 import secrets
-import socket
-import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import grpc
 import numpy as np
 
+from benchkit.attack_outcome import Outcome
 from engine.hashing import hash_blocks, root_hash
 from engine.kv_layout import KVLayout
 from kv_transfer import wire
 from kv_transfer.datachannel import PUSH_REFUSED_KEY
 from kv_transfer.grpc_server import HELD_BLOCKS_KEY, PULL_METHOD, PUSH_METHOD
-from net import handshake, local_socket
-from net.sockets import split_address
+from net.security import ClusterSecurity
 from protos.tandem.v1 import kv_transfer_pb2 as pb
-from protos.tandem.v1 import worker_pb2
-from worker import output_wire
 
-NO_SECRET = b""
-"""The key of the only secret a stranger can guess: none (what a
-deployment without a configured secret used to key its MACs with)."""
 UNLIMITED = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """What one attack got: ``status`` is a gRPC code name (``OK`` when the
-    call went through), ``HTTP <n>``, ``dropped`` (the connection ended
-    before any data came back), ``served`` (data came back) or
-    ``unreachable`` (nothing listens there: the attack did not run);
-    ``detail`` says what, in words."""
-
-    status: str
-    detail: str
 
 
 def prompt_hashes(layout: KVLayout, token_ids: Sequence[int]) -> list[bytes]:
@@ -61,23 +44,27 @@ def prompt_hashes(layout: KVLayout, token_ids: Sequence[int]) -> list[bytes]:
     return list(hash_blocks(token_ids, layout.block_size, root))
 
 
-def _channel(address: str) -> grpc.aio.Channel:
-    """A plain channel: no TLS, no credential, no call signature."""
-    return grpc.aio.insecure_channel(address, options=UNLIMITED)
+def _channel(address: str, secret: bytes | None) -> grpc.aio.Channel:
+    """A plain channel (no TLS); with ``secret``, every call carries its MAC."""
+    if secret is None:
+        return grpc.aio.insecure_channel(address, options=UNLIMITED)
+    return ClusterSecurity(secret).channel(address, UNLIMITED)
 
 
 def _refused(e: grpc.aio.AioRpcError) -> Outcome:
     return Outcome(e.code().name, (e.details() or "")[:200])
 
 
-async def pull(kv_address: str, layout: KVLayout, token_ids: Sequence[int]) -> Outcome:
-    """PullBlocks for the blocks of a prompt someone else sent."""
+async def pull(
+    kv_address: str, layout: KVLayout, token_ids: Sequence[int], secret: bytes | None = None
+) -> Outcome:
+    """PullBlocks for the blocks of a prompt someone else sent (no grant)."""
     hashes = prompt_hashes(layout, token_ids)
     request = pb.PullRequest(
         layout=wire.layout_to_proto(layout), request_id="attacker-pull", block_hashes=hashes
     )
     header, nbytes = None, 0
-    async with _channel(kv_address) as channel:
+    async with _channel(kv_address, secret) as channel:
         call = channel.unary_stream(
             PULL_METHOD,
             request_serializer=pb.PullRequest.SerializeToString,
@@ -115,25 +102,12 @@ def decode_start(router_id: str, num_prompt_tokens: int) -> bytes:
     return json.dumps(start).encode()
 
 
-def login_for_pushes(outputs: str, router_id: str) -> tuple[str, socket.socket | None]:
-    """A router id whose stream is open on the decode worker, as its pushes
-    need: an output stream of the attacker's own when it gets one (the
-    socket, kept open by the caller), else ``router_id`` (the real router's)."""
-    own = f"router-{secrets.token_hex(4)}"
-    try:
-        conn = _connect(outputs)
-        _answer_hello(conn, output_wire.HANDSHAKE_TAG, own.encode())
-        conn.settimeout(5)
-        if conn.recv(1):  # the stream's open frame: logged in
-            return own, conn
-        conn.close()
-    except OSError:
-        pass
-    return router_id, None
-
-
 async def push(
-    kv_address: str, layout: KVLayout, token_ids: Sequence[int], router_id: str
+    kv_address: str,
+    layout: KVLayout,
+    token_ids: Sequence[int],
+    router_id: str,
+    secret: bytes | None = None,
 ) -> Outcome:
     """PushBlocks of KV of the attacker's making (over the gRPC stream) under
     the hashes and tokens of a prompt other users will send, starting a
@@ -150,7 +124,7 @@ async def push(
         next_token_ids=[token_ids[-1]],
         decode_start=decode_start(router_id, n * layout.block_size),
     )
-    async with _channel(kv_address) as channel:
+    async with _channel(kv_address, secret) as channel:
         call = channel.stream_unary(
             PUSH_METHOD,
             request_serializer=lambda b: b,
@@ -193,6 +167,7 @@ async def reserve(
     hold_s: float,
     router_id: str,
     announce: Callable[[Outcome], None],
+    secret: bytes | None = None,
 ) -> Outcome:
     """A push header for ``num_blocks`` blocks (a request for ``router_id``)
     and nothing after it. An accepted header is ``announce``d at once, then
@@ -206,7 +181,7 @@ async def reserve(
         next_token_ids=[1],
         decode_start=decode_start(router_id, num_blocks * layout.block_size),
     )
-    channel = _channel(kv_address)
+    channel = _channel(kv_address, secret)
     call = channel.stream_unary(
         PUSH_METHOD, request_serializer=lambda b: b, response_deserializer=pb.PushReply.FromString
     )(timeout=hold_s + 30)
@@ -224,76 +199,3 @@ async def reserve(
     finally:
         call.cancel()
         await channel.close()
-
-
-def stream_login(address: str, router_id: str, read_s: float) -> Outcome:
-    """Log in to a worker's output stream (``host:port`` or a Unix socket's
-    address) as ``router_id`` and read what comes for ``read_s``."""
-    try:
-        conn = _connect(address)
-    except OSError as e:
-        return Outcome("unreachable", f"{type(e).__name__}: {e}")
-    with conn:
-        try:
-            _answer_hello(conn, output_wire.HANDSHAKE_TAG, router_id.encode())
-        except OSError as e:
-            return Outcome("dropped", f"in the handshake: {e}")
-        return _read_frames(conn, read_s)
-
-
-def _answer_hello(conn: socket.socket, tag: bytes, identity: bytes) -> None:
-    """The client side of net/handshake.py, its MAC keyed with NO_SECRET."""
-    hello = b""
-    while len(hello) < handshake.HELLO_BYTES:
-        data = conn.recv(handshake.HELLO_BYTES - len(hello))
-        if not data:
-            raise ConnectionError(f"closed after {len(hello)} bytes of the hello")
-        hello += data
-    nonce = handshake.parse_hello(hello)
-    tag_field = bytes([len(tag)]) + tag
-    id_field = len(identity).to_bytes(2, "little") + identity
-    mac = hmac.new(NO_SECRET, tag_field + nonce + id_field, hashlib.sha256).digest()
-    conn.sendall(handshake.MAGIC + tag_field + id_field + mac)
-
-
-def _connect(address: str) -> socket.socket:
-    if address.startswith(local_socket.SCHEME):
-        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        conn.settimeout(10)
-        try:
-            conn.connect(local_socket.local_path(address))
-        except OSError:
-            conn.close()
-            raise
-        return conn
-    port = int(address.rsplit(":", 1)[1])
-    return socket.create_connection((split_address(address), port), timeout=10)
-
-
-def _read_frames(conn: socket.socket, read_s: float) -> Outcome:
-    reader = output_wire.FrameReader(64 << 20)
-    frames = deltas = events = 0
-    deadline = time.monotonic() + read_s
-    while (left := deadline - time.monotonic()) > 0:
-        conn.settimeout(left)
-        try:
-            data = conn.recv(1 << 16)
-        except TimeoutError:
-            break
-        except OSError as e:
-            return _stream_outcome(frames, deltas, events, f"then reset: {e}")
-        if not data:
-            return _stream_outcome(frames, deltas, events, "then closed")
-        for payload in reader.feed(data):
-            batch = worker_pb2.StepBatch.FromString(payload)
-            frames += 1
-            deltas += len(batch.deltas)
-            events += len(batch.cache_events)
-    return _stream_outcome(frames, deltas, events, "still open")
-
-
-def _stream_outcome(frames: int, deltas: int, events: int, end: str) -> Outcome:
-    if frames == 0:
-        return Outcome("dropped", f"no frame; {end}")
-    detail = f"{frames} frames: {deltas} token deltas, {events} cache events; {end}"
-    return Outcome("served", detail)

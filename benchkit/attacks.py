@@ -5,24 +5,27 @@ network attacker learns (addresses, the router's id, the public model);
 what each got, and what it had to get. tests/integration/test_attacks.py
 and bench/attacks.py run it.
 
-Honest users keep streaming meanwhile (``HonestLoad``): greedy requests
-whose tokens must equal those of the engine alone.
+The insider attacks (``INSIDER``) run the KV attacks again from a process
+that holds the cluster secret (handed over on its stdin) but no router
+grant. The NaN attacks (``NAN_ATTACKS``) need workers whose engines
+tests/faults.py poisons; on any other they are plain requests.
+
+Honest users keep streaming meanwhile (benchkit/honest_load.py): greedy
+requests whose tokens must equal those of the engine alone.
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import os
 import subprocess
 import sys
-import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-from benchkit.attacker_kv import Outcome
+from benchkit.attack_outcome import Outcome
 from engine.kv_layout import KVLayout
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,6 +33,10 @@ REFUSED_KV = frozenset({"UNAUTHENTICATED", "PERMISSION_DENIED"})
 """A KV call without the cluster secret or a router's grant."""
 DROPPED = frozenset({"dropped"})
 """A raw endpoint (output stream) ends the connection in the handshake."""
+NO_GRANT = frozenset({"PERMISSION_DENIED"})
+"""A KV call with the cluster secret's MAC but no router grant (net/grants.py)."""
+FAULTED = frozenset({"INTERNAL"})
+"""A request whose logits turn NaN on every try: failed after two (docs/failures.md)."""
 CONTAINED = frozenset({"OK", "INVALID_ARGUMENT", "INTERNAL", "ABORTED", "DATA_LOSS"})
 """A request answered, or failed alone: the honest streams show the rest went on."""
 
@@ -143,11 +150,6 @@ ATTACKS = [
         lambda t: ["nan", "--target", t.address, "--key", t.user_key],
         CONTAINED,
     ),
-    Attack(
-        "a request whose logits a poisoned engine makes NaN",
-        lambda t: ["nan-prompt", "--target", t.address, "--key", t.user_key],
-        CONTAINED,
-    ),
 ]
 """The attacks whose outcome is all there is to check."""
 FORGE = Attack(
@@ -179,6 +181,34 @@ RESERVE = Attack(
     REFUSED_KV,
 )
 """Run by ``reserve_pool`` (it needs the pool's size and a look while held)."""
+INSIDER_PREFIX = "insider (cluster secret, no grant): "
+INSIDER = [
+    Attack(INSIDER_PREFIX + a.name, lambda t, a=a: [*a.args(t), "--secret-stdin"], NO_GRANT)
+    for a in (*ATTACKS[:2], FORGE)
+]
+"""The pulls and the forged push again, from a process that holds the secret."""
+INSIDER_RESERVE = Attack(
+    INSIDER_PREFIX + RESERVE.name, lambda t: [*RESERVE.args(t), "--secret-stdin"], NO_GRANT
+)
+INSIDER_TAKEOVER = Attack(
+    INSIDER_PREFIX.replace("no grant", "a live stream's id") + TAKEOVER.name,
+    lambda t: [*TAKEOVER.args(t), "--secret-stdin"],
+    DROPPED,
+)
+"""A login that passes the handshake under the id of the router's live stream."""
+NAN_ATTACKS = [
+    Attack(
+        "a request whose logits turn NaN at prefill (tests/faults.py's hook)",
+        lambda t: ["nan-prompt", "--target", t.address, "--key", t.user_key],
+        FAULTED,
+    ),
+    Attack(
+        "a request whose logits turn NaN after two decode tokens (tests/faults.py's hook)",
+        lambda t: ["nan-prompt", "--target", t.address, "--key", t.user_key, "--late"],
+        FAULTED,
+    ),
+]
+"""Only on workers of tests/faults.py's Faulty*Actor classes (test_attacks.py)."""
 
 
 def stranger_env() -> dict[str, str]:
@@ -196,11 +226,17 @@ def _outcome(line: str) -> Outcome:
     return Outcome(**json.loads(line))
 
 
-def run_attacker(args: list[str], timeout_s: float = 300.0) -> Outcome:
-    """Run one attack in a fresh process; its last output line."""
+def _stdin(secret: bytes | None) -> str | None:
+    """What an insider reads on stdin: the secret, in hex (never on argv)."""
+    return None if secret is None else secret.hex() + "\n"
+
+
+def run_attacker(args: list[str], timeout_s: float = 300.0, secret: bytes | None = None) -> Outcome:
+    """Run one attack in a fresh process; its last output line. ``secret``:
+    the cluster secret an insider attack reads on its stdin."""
     done = subprocess.run(
         _command(args), cwd=ROOT, env=stranger_env(), capture_output=True, text=True,
-        timeout=timeout_s,
+        timeout=timeout_s, input=_stdin(secret),
     )  # fmt: skip
     lines = done.stdout.strip().splitlines()
     if done.returncode != 0 or not lines:
@@ -209,19 +245,28 @@ def run_attacker(args: list[str], timeout_s: float = 300.0) -> Outcome:
     return _outcome(lines[-1])
 
 
-def reserve_pool(target: Target, blocks: int, hold_s: float, while_held: Callable[[], object]):
-    """The header-only push for ``blocks`` blocks of the decode worker: its
-    outcome and what ``while_held()`` returned (run while the call is held;
-    None when the push was refused). Returns once the attacker has exited."""
-    args = RESERVE.args(target)
+def reserve_pool(
+    target: Target,
+    blocks: int,
+    hold_s: float,
+    while_held: Callable[[], object],
+    secret: bytes | None = None,
+):
+    """The header-only push for ``blocks`` blocks of the decode worker (an
+    insider's with ``secret``): its outcome and what ``while_held()``
+    returned (run while the call is held; None when the push was refused).
+    Returns once the attacker has exited."""
+    args = (INSIDER_RESERVE if secret is not None else RESERVE).args(target)
     args[args.index("--blocks") + 1] = str(blocks)
     args[args.index("--hold-s") + 1] = str(hold_s)
     proc = subprocess.Popen(
-        _command(args), cwd=ROOT, env=stranger_env(), stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL, text=True,
+        _command(args), cwd=ROOT, env=stranger_env(), stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
     )  # fmt: skip
     try:
-        assert proc.stdout is not None
+        assert proc.stdin is not None and proc.stdout is not None
+        proc.stdin.write(_stdin(secret) or "")
+        proc.stdin.close()
         first = proc.stdout.readline()
         if not first:
             return Outcome("attacker failed", "no output"), None
@@ -244,61 +289,3 @@ def table(rows: Sequence[tuple[str, Outcome, frozenset[str]]]) -> str:
         ok = "yes" if got.status in expected else f"no (wants {' or '.join(sorted(expected))})"
         lines.append(f"| {name} | {got.status}: {detail} | {ok} |")
     return "\n".join(lines)
-
-
-@dataclass
-class HonestLoad:
-    """Honest users' greedy streams, round after round in a thread of their
-    own until ``stop``; each stream's tokens are checked against
-    ``reference`` (prompt -> the engine alone's tokens)."""
-
-    address: str
-    key: str
-    reference: dict[str, list[int]]
-    streams: int = 0
-    mismatches: list[str] = field(default_factory=list)
-    errors: list[str] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self._stop = threading.Event()
-        self._paused = threading.Event()
-        self._idle = threading.Event()  # set between rounds while paused
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
-
-    def start(self) -> HonestLoad:
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=300)
-
-    def pause(self) -> None:
-        """Returns once the round in flight has finished; none starts until ``resume``."""
-        self._idle.clear()
-        self._paused.set()
-        self._idle.wait(timeout=300)
-
-    def resume(self) -> None:
-        self._paused.clear()
-
-    async def _run(self) -> None:
-        from router.client import TandemClient
-
-        async with TandemClient(self.address, timeout_s=120, api_key=self.key) as client:
-            while not self._stop.is_set():
-                if self._paused.is_set():
-                    self._idle.set()
-                    await asyncio.sleep(0.05)
-                    continue
-                await asyncio.gather(*(self._one(client, p) for p in self.reference))
-
-    async def _one(self, client, prompt: str) -> None:
-        try:
-            done = await client.complete(prompt, **HONEST_SAMPLING)
-        except Exception as e:  # every failure is a finding
-            self.errors.append(f"{prompt[:30]!r}: {type(e).__name__}: {e}"[:300])
-            return
-        self.streams += 1
-        if done.token_ids != self.reference[prompt]:
-            self.mismatches.append(f"{prompt[:30]!r}: {done.token_ids}")

@@ -59,9 +59,12 @@ MAX_REQUEST_FAULTS = 2
 
 def request_fault(worker: str, exc: BaseException) -> RequestFault | None:
     """The RequestFault a worker call's exception stands for, if any (Ray
-    raises a RequestFailed of the worker as a RayTaskError with that cause)."""
+    raises a RequestFailed of the worker as a RayTaskError with that cause).
+    Its message is the cause's own: the RayTaskError is a RequestFailed too,
+    but its text is the worker's traceback, pid and address, which are not
+    the client's to read."""
     cause = getattr(exc, "cause", None)
-    for e in (exc, cause):
+    for e in (cause, exc):
         if isinstance(e, RequestFailed):
             return RequestFault(worker, str(e))
     return None

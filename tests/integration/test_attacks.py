@@ -6,6 +6,12 @@ benchkit/attacks.py) and must be refused with a precise status, or be
 contained; meanwhile honest users stream greedy requests that must finish
 with exactly the tokens of the engine alone, and every worker ends with
 its blocks back.
+
+The workers run tests/faults.py's Faulty*Actor classes, so that a prompt
+starting with NAN_PROMPT (NAN_LATE_PROMPT) gets NaN logits at prefill
+(after two decode tokens): no public request produces NaN otherwise
+(docs/failures.md). Nothing else in them differs from the product's. The
+insider attacks hand the attacker the generated cluster secret on stdin.
 """
 
 from __future__ import annotations
@@ -16,25 +22,30 @@ import time
 import grpc
 import pytest
 
-from benchkit.attack_target import engine_alone, rss_mb, target_of, worker_pids
-from benchkit.attacker_kv import Outcome
+from benchkit.attack_outcome import Outcome
+from benchkit.attack_target import cluster_secret, engine_alone, rss_mb, target_of, worker_pids
 from benchkit.attacks import (
     ATTACKS,
     FORGE,
     FORGED_PROMPT,
     HONEST_PROMPTS,
     HONEST_SAMPLING,
+    INSIDER,
+    INSIDER_RESERVE,
+    INSIDER_TAKEOVER,
+    NAN_ATTACKS,
     RESERVE,
     STOP_FLOODS,
     TAKEOVER,
-    HonestLoad,
     reserve_pool,
     run_attacker,
     table,
 )
 from benchkit.deployment import Deployment
+from benchkit.honest_load import HonestLoad
 from router.client import TandemClient
 from router.config import ServeConfig
+from tests.faults import FaultyDecodeActor, FaultyPrefillActor
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -58,7 +69,8 @@ def dep(ray_cluster):
     env.setenv("TANDEM_ADMIN_KEYS", ADMIN_KEY)
     try:
         deployment = Deployment(
-            ServeConfig(engine={"kv_cache_memory_mb": 32}, server={"http_port": 0})
+            ServeConfig(engine={"kv_cache_memory_mb": 32}, server={"http_port": 0}),
+            actor_classes={"prefill": FaultyPrefillActor, "decode": FaultyDecodeActor},
         )
     except BaseException:
         env.undo()
@@ -164,6 +176,54 @@ def test_a_header_only_push_cannot_hold_the_pool(dep, target, honest, reference,
     assert first.status in RESERVE.expected, (first, seen)
 
 
+def test_an_insider_without_a_grant_moves_no_kv(dep, target, honest, findings):
+    """The cluster secret lets a process call a worker, not move KV: its
+    pulls, its forged push and its header-only push are refused for want of
+    the router's grant, and no block is held, not even for a moment."""
+    secret = cluster_secret(dep)
+    got = {a.name: run_attacker(a.args(target), secret=secret) for a in INSIDER}
+    decode = target.of_role("decode", "colocated")[0].name
+    honest.pause()
+    try:
+        assert dep.wait_no_leaks(LEASES_S) == {}
+        free = dep.worker_stats()[decode].free_blocks
+        reserve, seen = reserve_pool(
+            target, free, 5, lambda: dep.worker_stats()[decode].free_blocks, secret
+        )
+        free_after = dep.worker_stats()[decode].free_blocks
+        leaks = dep.wait_no_leaks(LEASES_S)
+    finally:
+        honest.resume()
+    got[INSIDER_RESERVE.name] = _with(reserve, f"{free_after} of {free} blocks free after it")
+    for attack in [*INSIDER, INSIDER_RESERVE]:
+        findings.append((attack.name, got[attack.name], attack.expected))
+    assert (seen, free_after, leaks) == (None, free, {})
+    assert {name: o.status for name, o in got.items()} == {
+        a.name: "PERMISSION_DENIED" for a in [*INSIDER, INSIDER_RESERVE]
+    }, got
+
+
+@pytest.mark.parametrize("attack", NAN_ATTACKS, ids=["at_prefill", "in_decode"])
+def test_a_nan_request_fails_alone(dep, target, honest, findings, attack):
+    """NaN logits on every try: INTERNAL once two tries faulted (docs/failures.md),
+    after the tokens streamed before the fault; the workers stay in routing,
+    the honest streams go on (checked last) and no block is left held."""
+    got = run_attacker(attack.args(target))
+    findings.append((attack.name, got, attack.expected))
+    streamed = 2 if "--late" in attack.args(target) else 0
+    assert got.status == "INTERNAL", got
+    assert got.detail.startswith(f"{streamed} tokens streamed"), got
+    assert "failed in 2 tries" in got.detail and "non-finite logits" in got.detail, got
+    assert 'File "' not in got.detail and "pid=" not in got.detail, got  # no remote traceback
+    backend = dep.backend
+    assert (len(backend.prefill.workers), len(backend.decode.workers)) == target.pools
+    honest.pause()
+    try:
+        assert dep.wait_no_leaks(LEASES_S) == {}
+    finally:
+        honest.resume()
+
+
 def test_a_stop_string_flood_is_refused_with_bounded_memory(dep, target, honest, findings):
     pids = worker_pids(dep)
     before = {name: rss_mb(pid) for name, pid in pids.items()}
@@ -177,15 +237,21 @@ def test_a_stop_string_flood_is_refused_with_bounded_memory(dep, target, honest,
     assert wrong == {}
 
 
-def test_the_routers_id_cannot_take_over_its_stream(dep, target, honest, reference, findings):
-    got = run_attacker(TAKEOVER.args(target))
+@pytest.mark.parametrize("insider", [False, True], ids=["stranger", "insider"])
+def test_the_routers_id_cannot_take_over_its_stream(
+    dep, target, honest, reference, findings, insider
+):
+    """A stranger fails the handshake; an insider passes it, but the id's
+    stream is live, so the worker closes the new one."""
+    attack = INSIDER_TAKEOVER if insider else TAKEOVER
+    got = run_attacker(attack.args(target), secret=cluster_secret(dep) if insider else None)
     after = _complete(dep, HONEST_PROMPTS[0])  # the router's stream still carries its tokens
     said = _said(after, reference.outputs[HONEST_PROMPTS[0]])
     findings.append(
-        (TAKEOVER.name, _with(got, f"the router's next request got {said}"), TAKEOVER.expected)
+        (attack.name, _with(got, f"the router's next request got {said}"), attack.expected)
     )
     assert after == reference.outputs[HONEST_PROMPTS[0]]
-    assert got.status in TAKEOVER.expected, got
+    assert got.status in attack.expected, got
 
 
 def test_honest_streams_got_their_exact_tokens_throughout(dep, honest):

@@ -13,7 +13,7 @@ import pytest
 from protocol.outputs import RequestFailed
 from protocol.workers import UNHEALTHY_FAILED_STEPS, WorkerHealth
 from protos.tandem.v1 import worker_pb2
-from router.failover import WorkerLost
+from router.failover import WorkerLost, request_fault
 from router.messages import RequestError
 from router.pool_manager import WorkerHandle
 from tests.unit.test_request_tries import (
@@ -144,6 +144,20 @@ def test_a_prefill_call_that_failed_the_request_counts_as_a_fault():
     assert health.asked == [first.prefill_worker, second.decode_worker]
     assert second.prefill_worker != first.prefill_worker
     assert_clean(setup)
+
+
+def test_a_fault_raised_through_ray_carries_the_workers_message_alone():
+    """As Ray raises a worker's RequestFailed: a RayTaskError that is also a
+    RequestFailed, whose text is the remote traceback. The client gets the
+    worker's message, not the traceback, pid or address."""
+    from ray.exceptions import RayTaskError
+
+    remote = 'Traceback (most recent call last):\n  File "/srv/prefill_pool/worker.py", line 9'
+    exc = RayTaskError("prefill", remote, RequestFailed(NAN), pid=4242, ip="10.0.0.7")
+    fault = request_fault("prefill-0", exc.as_instanceof_cause())
+    assert fault is not None
+    assert fault.message == NAN
+    assert str(fault) == f"worker prefill-0 failed the request: {NAN}"
 
 
 def test_lost_workers_are_still_retried_past_two():
