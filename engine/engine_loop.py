@@ -103,7 +103,7 @@ class EngineLoop:
             outputs = self.engine.step(pool_lock=self.lock)
         except Exception:  # a broken step must not kill the worker silently
             log.exception("engine step failed; aborting every request")
-            self.engine.failed_steps += 1
+            self.engine.note_failed_step()
             outputs = self._abort_all()
         self.num_steps += 1
         return outputs

@@ -13,6 +13,7 @@ import contextlib
 import itertools
 import logging
 import threading
+import time
 from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
@@ -139,7 +140,9 @@ class LLMEngine(RequestFaults):
         self.eos_token_ids = frozenset(eos)
         self.sampler = Sampler(spec.vocab_size, self.eos_token_ids, kernels)
         self._seqs: dict[str, Sequence] = {}
-        self.failed_steps = 0  # steps in a row that raised for no one request (its health)
+        self.failed_steps = 0  # engine/request_faults.py: the worker's health
+        self.last_failed_step_at: float | None = None
+        self.clock = time.monotonic
         self._arrival = itertools.count()
         self.device = device
         self.speculator: SpecDecoder | None = None
@@ -307,10 +310,11 @@ class LLMEngine(RequestFaults):
         A fault tied to one sequence (non-finite logits, an error in its stop,
         detokenize or verify step) fails that request alone (finish_reason
         "error"), frees its blocks, and the rest of the batch goes on. A pass
-        that raises is run again one sequence at a time: the sequences that
-        raise alone fail, the others go on. ``failed_steps`` counts the steps
-        in a row whose pass raised with no sequence running alone either (the
-        fault is then not known to be one request's; docs/failures.md)."""
+        of one sequence that raises fails that one. A pass of several that
+        raises is run again one sequence at a time: the sequences that raise
+        alone fail, the others go on; if none runs even alone, they are all
+        aborted and the step counts in ``failed_steps`` (the fault is then not
+        known to be one request's; engine/request_faults.py, docs/failures.md)."""
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
@@ -320,11 +324,8 @@ class LLMEngine(RequestFaults):
             self.speculator.fit(batch)
         try:
             outputs = self._run(batch, pool_lock)
-        except Exception:
-            log.exception("a step of %d sequences raised; running them one at a time", len(batch))
-            outputs, ran = self._run_alone(batch, pool_lock)
-            self.failed_steps = 0 if ran else self.failed_steps + 1
-            return outputs
+        except Exception as exc:
+            return self._step_raised(batch, pool_lock, exc)
         self.failed_steps = 0
         return outputs
 

@@ -105,9 +105,19 @@ class WorkerStats:
 
 
 UNHEALTHY_FAILED_STEPS = 3
-"""A worker whose last this many engine steps raised answers its health
-check as failing (``WorkerHealth.failing``), and the router takes it out of
-routing (router/health.py)."""
+"""A worker whose last this many engine steps failed for no one request
+(engine/request_faults.py) answers its health check as failing
+(``WorkerHealth.failing``), and the router takes it out of routing
+(router/health.py)."""
+
+FAILING_WINDOW_S = 30.0
+"""Failed steps count only while the last of them is younger than this: an
+engine out of routing gets no requests, so no step of its can pass, and
+without the window it would stay failing for good. After it the worker
+answers healthy again and the router takes it back; one more failed step
+there makes it failing at once (the count goes on from where it was until a
+step passes). Shorter than ``pools.worker_recovery_timeout_s`` (120 s by
+default), or the router gives the worker up first."""
 
 
 @dataclass(frozen=True)
@@ -120,7 +130,10 @@ class WorkerHealth:
     free_blocks: int
     initial_free_blocks: int
     num_requests: int
-    failed_steps: int = 0  # engine steps in a row that raised (0 after one that did not)
+    failed_steps: int = 0
+    """Engine steps in a row that failed for no one request, while the last of
+    them is under ``FAILING_WINDOW_S`` old (0 after a step that passed, and
+    once the window is over)."""
 
     @property
     def failing(self) -> bool:

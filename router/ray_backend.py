@@ -13,9 +13,9 @@ A request that meets a dead worker or a failed transfer is tried again
 them on a healthy pair. Dead workers leave routing until their health
 check passes again (router/worker_recovery.py). A request a worker failed
 for a fault tied to it (``RequestFault``) is tried again too, but fails
-with INTERNAL once it has failed so ``MAX_REQUEST_FAULTS`` times; the
-worker is asked for its health then, and leaves routing if its steps keep
-failing.
+with INTERNAL once it has failed so ``MAX_REQUEST_FAULTS`` times. A worker
+that failed or dropped a request is asked for its health then, and leaves
+routing if its steps keep failing.
 """
 
 from __future__ import annotations
@@ -390,8 +390,11 @@ class RayBackend:
                 streaming = True
                 if delta is not LOST:
                     delta = merge_queued(delta, queue)
-                if delta is LOST or (delta.finished and delta.finish_reason == "abort"):
-                    raise WorkerLost(d.name, "its output stream broke or it dropped the request")
+                if delta is LOST:
+                    raise WorkerLost(d.name, "its output stream broke")
+                if delta.finished and delta.finish_reason == "abort":
+                    await self._check_after_fault(d)  # its steps may keep failing
+                    raise WorkerLost(d.name, "it dropped the request")
                 if delta.finished and delta.finish_reason == "error":
                     await self._check_after_fault(d)
                     raise RequestFault(d.name, delta.error or "no reason given")
@@ -478,12 +481,14 @@ class RayBackend:
             raise fault from exc
         finally:
             p.in_flight -= 1
+        if result.aborted:  # it dropped the request: its steps may keep failing
+            await self._check_after_fault(p)
         await self.streams.caught_up(p, result.events_seq)
         return result
 
     async def _check_after_fault(self, worker: WorkerHandle) -> None:
-        """A worker failed a request: one health check, and out of routing
-        unless it passes (its steps keep failing, or it does not answer)."""
+        """A worker failed or dropped a request: one health check, and out of
+        routing unless it passes (its steps keep failing, or it does not answer)."""
         state = await health.check(worker, self.config.tuning.health_timeout_s)
         if state is not health.Health.HEALTHY:
             self.recovery.suspect(worker, f"its health is {state.value} after a request failed")

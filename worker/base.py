@@ -112,7 +112,7 @@ class EngineWorker:
             free, n, failed = self.engine.block_pool.num_free, 0, 0
         else:
             free, n, failed = await self.loop.acall(
-                lambda e: (e.block_pool.num_free, len(e.request_ids()), e.failed_steps)
+                lambda e: (e.block_pool.num_free, len(e.request_ids()), e.recent_failed_steps())
             )
         return WorkerHealth(
             self.name, self.incarnation, self.started, free, self.initial_free_blocks, n, failed

@@ -10,13 +10,17 @@ from __future__ import annotations
 import grpc
 import pytest
 
+from engine import EngineConfig, LLMEngine
 from protocol.outputs import RequestFailed
 from protocol.workers import UNHEALTHY_FAILED_STEPS, WorkerHealth
 from protos.tandem.v1 import worker_pb2
 from router.failover import WorkerLost, request_fault
 from router.messages import RequestError
 from router.pool_manager import WorkerHandle
+from tests.pool_checks import leftover_holders
 from tests.unit.test_request_tries import (
+    PARAMS,
+    PROMPT,
     Setup,
     Try,
     _Method,
@@ -27,6 +31,7 @@ from tests.unit.test_request_tries import (
     run,
     settle,
 )
+from worker.output_wire import to_delta
 
 pytestmark = pytest.mark.unit
 
@@ -177,8 +182,17 @@ def test_lost_workers_are_still_retried_past_two():
     assert_clean(setup)
 
 
-def test_a_worker_whose_steps_keep_failing_leaves_routing_until_it_passes():
-    setup = make_backend([_stream_then_fail, _resume])
+async def _stream_then_drop(t: Try):
+    """The decode worker's engine aborted the request (no step of it could
+    run, even alone): the worker's fault, not the request's."""
+    t.push(11)
+    t.push(12, finished=True, reason="abort")
+    return t.result()
+
+
+@pytest.mark.parametrize("ending", [_stream_then_fail, _stream_then_drop], ids=["error", "abort"])
+def test_a_worker_whose_steps_keep_failing_leaves_routing_until_it_passes(ending):
+    setup = make_backend([ending, _resume])
     health = Health(setup)
     recovery = setup.backend.recovery
     recovery.poll_s = 0.01
@@ -201,4 +215,63 @@ def test_a_worker_whose_steps_keep_failing_leaves_routing_until_it_passes():
     assert sorted(back) == ["d0", "d1"]
     assert setup.backend.failover.workers_lost == 1
     assert setup.backend.failover.workers_recovered == 1
+    assert_clean(setup)
+
+
+def test_requests_no_step_could_run_even_alone_are_retried_past_two_and_succeed(llama_dir):
+    """A decode engine whose every pass raises (a lost device) aborts the
+    request with its batch neighbour: a lost worker to the router, which
+    tries it again, past two tries, and charges no fault to it; the next
+    worker serves it with the tokens of an undisturbed run. The engine's
+    pool is as it started."""
+    engine = LLMEngine(EngineConfig(model=str(llama_dir), num_kv_blocks=64))
+    start = engine.block_pool.num_free
+    forward = engine._forward
+
+    def device_lost(batch):
+        raise RuntimeError("device lost")
+
+    def decode(t: Try, *neighbours: str) -> None:
+        """The decode worker: the try's request (and others in its batch) to
+        the end, its outputs on the try's stream as the worker sends them."""
+        rid = rid_of(t)
+        req = t.request
+        engine.add_request(rid, req.prompt_token_ids, req.params, False, req.output_token_ids)
+        for i, other in enumerate(neighbours):
+            engine.add_request(other, PROMPT[i:], PARAMS)
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.request_id == rid:
+                    t.queue.put_nowait(to_delta(out))
+
+    async def on_a_lost_device(t: Try):
+        engine._forward = device_lost
+        decode(t, f"{rid_of(t)}/neighbour")
+        return t.result()
+
+    async def on_a_good_one(t: Try):
+        engine._forward = forward
+        decode(t)
+        return t.result()
+
+    reference, reason = [], None
+    engine.add_request("reference", PROMPT, PARAMS)
+    while engine.has_unfinished():
+        for out in engine.step():
+            reference += out.new_token_ids
+            reason = out.finish_reason or reason
+
+    setup = make_backend([on_a_lost_device] * 3 + [on_a_good_one])
+    health = Health(setup)
+    tokens, result = run(collect(setup))
+    tries = setup.cluster.tries
+    assert tokens == reference and result.finish_reason == reason
+    assert len(tries) == 4
+    assert setup.backend.failover.retries == 3 and setup.backend.failover.faulted == 0
+    assert health.asked == [t.decode_worker for t in tries[:3]]  # answered healthy: stays
+    assert tries[1].decode_worker != tries[0].decode_worker
+    assert sorted(setup.cluster.aborts) == sorted((t.decode_worker, rid_of(t)) for t in tries[:3])
+    assert engine.request_ids() == []
+    assert leftover_holders(engine.block_pool) == []
+    assert engine.block_pool.num_free == start
     assert_clean(setup)

@@ -22,7 +22,7 @@ from engine.sampling import (
     make_generator,
 )
 from protocol.sampling import SamplingParams
-from protocol.workers import UNHEALTHY_FAILED_STEPS
+from protocol.workers import FAILING_WINDOW_S, UNHEALTHY_FAILED_STEPS
 from tests.faults import NAN_PROMPT, inject_nan, starts_with_nan_prompt
 from tests.pool_checks import leftover_holders
 from worker.base import EngineWorker
@@ -133,19 +133,61 @@ def test_a_pass_that_raises_for_one_sequence_fails_only_that_one(llama_dir):
     assert engine.failed_steps == 0
 
 
-def test_steps_that_keep_raising_are_counted(llama_dir):
+class Clock:
+    """A clock the test moves (the engine's ``clock``): no waiting on time."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _device_lost(batch):
+    raise RuntimeError("device lost")
+
+
+def test_a_step_of_one_sequence_that_raises_is_that_requests_fault(llama_dir):
     engine = _engine(llama_dir)
-
-    def broken_forward(batch):
-        raise RuntimeError("device lost")
-
-    engine._forward = broken_forward
-    for i in range(3):
+    start = engine.block_pool.num_free
+    engine._forward = _device_lost
+    for i in range(UNHEALTHY_FAILED_STEPS + 2):
         engine.add_request(f"r{i}", _prompt(10, i), GREEDY)
         outs = engine.step()
-        assert [(o.request_id, o.finish_reason) for o in outs] == [(f"r{i}", "error")]
-        assert engine.failed_steps == i + 1
+        assert [(o.request_id, o.finish_reason, o.error) for o in outs] == [
+            (f"r{i}", "error", "its step failed: RuntimeError: device lost")
+        ]
+        assert engine.recent_failed_steps() == 0  # not the worker's
     assert leftover_holders(engine.block_pool) == []
+    assert engine.block_pool.num_free == start
+
+
+def test_steps_whose_sequences_raise_even_alone_abort_them_and_count(llama_dir):
+    """No sequence runs alone either: nothing tells whose fault it is. They are
+    aborted (the router tries them again elsewhere, as after a lost worker),
+    not failed, and the steps count against the worker while they are recent."""
+    engine = _engine(llama_dir)
+    engine.clock = clock = Clock()
+    start = engine.block_pool.num_free
+    engine._forward = _device_lost
+    for i in range(UNHEALTHY_FAILED_STEPS):
+        rids = [f"r{i}.{j}" for j in range(3)]
+        for j, rid in enumerate(rids):
+            engine.add_request(rid, _prompt(10 + j, j), GREEDY)
+        last = clock.now
+        outs = engine.step()
+        assert sorted((o.request_id, o.finish_reason, o.error) for o in outs) == [
+            (rid, "abort", None) for rid in rids
+        ]
+        assert engine.recent_failed_steps() == i + 1
+        clock.now += 1.0
+    assert not engine.has_unfinished() and engine.request_ids() == []
+    assert leftover_holders(engine.block_pool) == []
+    assert engine.block_pool.num_free == start
+    clock.now = last + FAILING_WINDOW_S / 2
+    assert engine.recent_failed_steps() == UNHEALTHY_FAILED_STEPS
+    clock.now = last + FAILING_WINDOW_S
+    assert engine.recent_failed_steps() == 0  # old failures: the worker may be tried again
 
 
 def test_an_error_in_one_requests_bookkeeping_fails_it_alone(llama_dir):
@@ -222,34 +264,51 @@ def test_a_row_with_every_token_masked_gets_an_error_not_a_raise():
 # ---- the worker's health ----------------------------------------------------
 
 
-def test_a_worker_whose_steps_keep_failing_answers_its_health_check_failing(llama_dir):
+async def finish_reasons(worker: EngineWorker, requests: list[str]) -> list[str | None]:
+    """Add the requests to a started worker's engine at once (one batch), and
+    return how each finished."""
+    loop = asyncio.get_running_loop()
+    done = {rid: loop.create_future() for rid in requests}
+    for rid, fut in done.items():
+        worker.listen(rid, lambda out, f=fut: out.finished and not f.done() and f.set_result(out))
+
+    def add(engine: LLMEngine) -> None:
+        for i, rid in enumerate(requests):
+            engine.add_request(rid, _prompt(10 + i, i), GREEDY)
+
+    await worker.loop.acall(add)
+    outs = await asyncio.gather(*done.values())
+    for rid in requests:
+        worker.unlisten(rid)
+    return [out.finish_reason for out in outs]
+
+
+async def fail_steps(worker: EngineWorker, n: int) -> None:
+    """``n`` steps of two sequences that raise even alone (a lost device)."""
+    forward = worker.engine._forward
+    worker.engine._forward = _device_lost
+    try:
+        for i in range(n):
+            assert await finish_reasons(worker, [f"lost{i}.a", f"lost{i}.b"]) == ["abort"] * 2
+    finally:
+        worker.engine._forward = forward
+
+
+def test_a_worker_whose_steps_keep_failing_answers_failing_while_they_are_recent(llama_dir):
     async def main() -> list[tuple[int, bool]]:
         worker = EngineWorker("w", EngineConfig(model=str(llama_dir), num_kv_blocks=64))
-        forward = worker.engine._forward
-
-        def broken_forward(batch):
-            raise RuntimeError("device lost")
-
-        async def one_request(rid: str) -> str | None:
-            done: asyncio.Future = asyncio.get_running_loop().create_future()
-            worker.listen(
-                rid, lambda out: out.finished and not done.done() and done.set_result(out)
-            )
-            await worker.loop.acall(lambda e: e.add_request(rid, _prompt(10, 1), GREEDY))
-            return (await done).finish_reason
-
+        worker.engine.clock = clock = Clock()
         answers = []
         worker.start_loop()
         try:
-            worker.engine._forward = broken_forward
-            for i in range(UNHEALTHY_FAILED_STEPS):
-                assert await one_request(f"bad{i}") == "error"
+            for _ in range(UNHEALTHY_FAILED_STEPS):
+                await fail_steps(worker, 1)
                 health = await worker.health()
                 answers.append((health.failed_steps, health.failing))
-            worker.engine._forward = forward  # the device works again
-            assert await one_request("good") == "length"
+            clock.now += FAILING_WINDOW_S  # idle since: no step could have passed
             health = await worker.health()
             answers.append((health.failed_steps, health.failing))
+            assert await finish_reasons(worker, ["good"]) == ["length"]
             assert worker.stats().idle
         finally:
             worker.stop_loop()
@@ -260,6 +319,28 @@ def test_a_worker_whose_steps_keep_failing_answers_its_health_check_failing(llam
         (i + 1, i + 1 >= UNHEALTHY_FAILED_STEPS) for i in range(UNHEALTHY_FAILED_STEPS)
     ]
     assert answers[-1] == (0, False)
+
+
+def test_single_request_faults_never_make_a_worker_failing(llama_dir):
+    """An idle worker gets one request at a time, each of whose steps raises:
+    each request fails (its fault), the worker stays healthy."""
+
+    async def main() -> list[tuple[str | None, int, bool]]:
+        worker = EngineWorker("w", EngineConfig(model=str(llama_dir), num_kv_blocks=64))
+        answers = []
+        worker.start_loop()
+        try:
+            worker.engine._forward = _device_lost
+            for i in range(UNHEALTHY_FAILED_STEPS + 2):
+                (reason,) = await finish_reasons(worker, [f"bad{i}"])
+                health = await worker.health()
+                answers.append((reason, health.failed_steps, health.failing))
+            assert worker.stats().idle
+        finally:
+            worker.stop_loop()
+        return answers
+
+    assert asyncio.run(main()) == [("error", 0, False)] * (UNHEALTHY_FAILED_STEPS + 2)
 
 
 def test_a_nan_request_under_speculative_decoding_fails_alone(llama_dir):

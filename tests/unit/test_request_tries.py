@@ -26,7 +26,7 @@ from engine.sampling import SamplingParams
 from kv_transfer import TransferError
 from net.grants import PUSH, GrantChecker, GrantRefused, push_digest
 from protocol.requests import DecodeRequest, PrefillRequest, PrefillResult
-from protocol.workers import WorkerInfo
+from protocol.workers import WorkerHealth, WorkerInfo
 from protos.tandem.v1 import worker_pb2
 from router.backend import GenerateInput, GenerateResult, TokenDelta
 from router.config import ServeConfig
@@ -139,6 +139,7 @@ class Cluster:
         kv = f"{name}.kv:1"
         self.by_kv[kv] = name
         info = WorkerInfo(name, 4096, 1000, "fp", f"{name}-1", "/model", kv_address=kv)
+        actor.health = _Method(lambda: _healthy(info))
         return WorkerHandle(name, role, actor, info)
 
     def spawn(self, coro: Awaitable[Any]) -> None:
@@ -166,6 +167,10 @@ class Cluster:
             pass
 
         return done()
+
+
+async def _healthy(info: WorkerInfo) -> WorkerHealth:
+    return WorkerHealth(info.name, info.incarnation, True, 10, 10, 0)
 
 
 @dataclass

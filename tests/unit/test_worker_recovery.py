@@ -1,5 +1,6 @@
 """A worker that failed leaves routing at once and comes back only after its
-health check passes; a restarted actor is started again first."""
+health check passes; a restarted actor is started again first, and a worker
+whose steps failed comes back once the failures are old."""
 
 from __future__ import annotations
 
@@ -8,12 +9,17 @@ import asyncio
 import pytest
 import ray
 
-from protocol.workers import WorkerHealth, WorkerInfo
+from engine import EngineConfig
+from protocol.workers import FAILING_WINDOW_S, UNHEALTHY_FAILED_STEPS, WorkerHealth, WorkerInfo
+from router import health
 from router.failover import FailoverStats, WorkerLost
+from router.health import Health
 from router.pool_manager import WorkerHandle
 from router.watchdog import Watchdog
 from router.worker_recovery import WorkerRecovery
 from router.worker_streams import LOST
+from tests.unit.test_request_faults import Clock, fail_steps
+from worker.base import EngineWorker
 
 pytestmark = pytest.mark.unit
 
@@ -161,5 +167,63 @@ def test_watchdog_waits_on_a_busy_worker_and_fails_over_from_a_hung_one():
         assert pool.workers == []
         assert await dog.call(wa, asyncio.sleep(0, "x")) == "x"  # answered in time
         await recovery.close()
+
+    asyncio.run(run())
+
+
+def test_a_worker_out_of_routing_for_failing_steps_comes_back_once_they_are_old(
+    llama_dir, monkeypatch
+):
+    """A real worker whose steps failed (a lost device) answers failing and
+    leaves routing; out of routing it runs no step that could pass. Once its
+    failures are FAILING_WINDOW_S old (an injected clock) it answers healthy
+    and the recovery watcher takes it back."""
+    killed = []
+    monkeypatch.setattr("router.worker_recovery.ray.kill", killed.append)
+
+    async def run():
+        worker = EngineWorker("w", EngineConfig(model=str(llama_dir), num_kv_blocks=64))
+        worker.engine.clock = clock = Clock()
+        answers: list[bool] = []
+        three_failing = asyncio.Event()
+
+        async def answer() -> WorkerHealth:
+            reply = await worker.health()
+            answers.append(reply.failing)
+            if answers.count(True) >= 3:
+                three_failing.set()
+            return reply
+
+        actor = type("EngineActor", (), {})()
+        actor.health = _Method(answer)
+        handle = WorkerHandle("w", "decode", actor, info(worker.incarnation, "w:out"))
+        pool = FakePool([handle])
+        events = []
+
+        async def on_down(w):
+            events.append("down")
+
+        async def on_back(w):
+            events.append("back")
+
+        recovery = WorkerRecovery(
+            [pool], on_down, on_back, FailoverStats(), poll_s=0.01, recovery_timeout_s=30
+        )
+        worker.start_loop()
+        try:
+            await fail_steps(worker, UNHEALTHY_FAILED_STEPS)
+            assert await health.check(handle, 10) is Health.FAILING
+            recovery.suspect(handle, "its steps keep failing")
+            async with asyncio.timeout(30):
+                await three_failing.wait()  # the watcher asked, and it stayed failing
+            assert pool.workers == [] and recovery.is_down(handle)
+            clock.now += FAILING_WINDOW_S  # idle all along
+            await recovery.wait_all(40)
+            assert pool.workers == [handle] and not recovery.is_down(handle)
+            assert answers[-1] is False and killed == []
+            assert events == ["down", "back"]
+            assert worker.stats().idle
+        finally:
+            worker.stop_loop()
 
     asyncio.run(run())
