@@ -31,6 +31,7 @@ import struct
 import time
 from collections.abc import Callable, Sequence
 
+from engine.hashing import length_prefixed
 from net.security import ClusterSecurity
 
 PUSH = "push"
@@ -56,14 +57,14 @@ class GrantUsed(GrantRefused):
 
 def push_digest(cache_salt: bytes) -> bytes:
     """What a push grant binds: the cache salt its blocks are hashed with."""
-    return hashlib.sha256(_field(b"push") + _field(cache_salt)).digest()
+    return hashlib.sha256(length_prefixed(b"push") + length_prefixed(cache_salt)).digest()
 
 
 def pull_digest(block_hashes: Sequence[bytes]) -> bytes:
     """What a pull grant binds: the block hashes, in order."""
-    h = hashlib.sha256(_field(b"pull"))
+    h = hashlib.sha256(length_prefixed(b"pull"))
     for block_hash in block_hashes:
-        h.update(_field(block_hash))
+        h.update(length_prefixed(block_hash))
     return h.digest()
 
 
@@ -158,16 +159,12 @@ def _mac(
 ) -> bytes:
     msg = b"".join(
         (
-            _field(_MAC_LABEL),
-            _field(purpose.encode()),
-            _field(target.encode()),
-            _field(request_id.encode()),
-            _field(digest),
+            length_prefixed(_MAC_LABEL),
+            length_prefixed(purpose.encode()),
+            length_prefixed(target.encode()),
+            length_prefixed(request_id.encode()),
+            length_prefixed(digest),
             _EXPIRY.pack(expiry),
         )
     )
     return hmac.new(key, msg, hashlib.sha256).digest()
-
-
-def _field(data: bytes) -> bytes:
-    return len(data).to_bytes(4, "little") + data
