@@ -112,16 +112,29 @@ class GrantChecker:
     def __repr__(self) -> str:
         return f"GrantChecker(target={self.target!r})"
 
+    def __len__(self) -> int:
+        """How many used grants it remembers: only unexpired ones, once a grant
+        is checked after the others expired."""
+        return len(self._used)
+
     def use(self, grant: bytes, purpose: str, request_id: str, digest: bytes) -> None:
-        """Raise GrantRefused unless ``grant`` allows this transfer, unused."""
-        expiry = self.check(grant, purpose, request_id, digest)
-        now = self._clock()
-        self._forget_expired(now)
+        """Raise GrantRefused unless ``grant`` allows this transfer, unused; then
+        mark it used."""
+        self.take(purpose, request_id, self.check(grant, purpose, request_id, digest))
+
+    def take(self, purpose: str, request_id: str, expiry: float) -> None:
+        """Mark the grant ``check`` found good (its ``expiry``) used: what a
+        server does once the transfer is sure to start. GrantUsed if it was."""
+        self._refuse_used(purpose, request_id)
         key = (purpose, request_id)
-        if self._used.get(key, 0.0) > now:
-            raise GrantUsed(f"the {purpose} grant for request {request_id!r} was used already")
         self._used[key] = expiry
         self._by_expiry.append((expiry, key))
+
+    def _refuse_used(self, purpose: str, request_id: str) -> None:
+        now = self._clock()
+        self._forget_expired(now)
+        if self._used.get((purpose, request_id), 0.0) > now:
+            raise GrantUsed(f"the {purpose} grant for request {request_id!r} was used already")
 
     def _forget_expired(self, now: float) -> None:
         """Drop used grants past their expiry (grants are minted with one TTL,
@@ -132,7 +145,8 @@ class GrantChecker:
                 del self._used[key]
 
     def check(self, grant: bytes, purpose: str, request_id: str, digest: bytes) -> float:
-        """The grant's expiry (s since the epoch) if it allows this transfer."""
+        """The grant's expiry (s since the epoch) if it allows this transfer and
+        is unused; it stays unused (``take`` marks it)."""
         if not self.target:
             raise GrantRefused("this server has no address to check grants against yet")
         if len(grant) != GRANT_BYTES or grant[:1] != VERSION:
@@ -147,6 +161,7 @@ class GrantChecker:
             raise GrantRefused(f"the {purpose} grant for request {request_id!r} has expired")
         if expiry_s > now + 2 * GRANT_TTL_S:
             raise GrantRefused(f"the {purpose} grant for request {request_id!r} lasts too long")
+        self._refuse_used(purpose, request_id)
         return expiry_s
 
 
