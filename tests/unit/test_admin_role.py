@@ -146,12 +146,20 @@ def test_scale_refuses_out_of_bounds_fields_before_the_backend(request_fields, n
 def test_a_scale_ray_cannot_place_is_deadline_exceeded_and_serving_goes_on():
     async def body():
         error = PlacementTimeout("1 new decode workers were not placed and started")
-        backend = FakePools(delay_s=0, scale_error=error)
+        placing = asyncio.Event()
+        backend = FakePools(delay_s=0, scale_error=error, placing=placing)
         async with serving(backend, admin_keys=ApiKeys([ADMIN])) as channel:
             admin = admin_pb2_grpc.AdminStub(channel)
-            code, details = await status_of(
-                admin.Scale(admin_pb2.ScaleRequest(decode=2), metadata=client_metadata(ADMIN))
+            scale = asyncio.ensure_future(
+                status_of(
+                    admin.Scale(admin_pb2.ScaleRequest(decode=2), metadata=client_metadata(ADMIN))
+                )
             )
+            await backend.scaling.wait()  # the scale waits for placement ...
+            assert await generate(channel, None) == grpc.StatusCode.OK  # ... requests go on
+            assert not scale.done()
+            placing.set()  # placement gives up
+            code, details = await scale
             assert code == grpc.StatusCode.DEADLINE_EXCEEDED
             assert "not placed" in details
             assert await generate(channel, None) == grpc.StatusCode.OK
