@@ -23,6 +23,12 @@ DIGEST_SIZE = 16
 _HASH_VERSION = b"tandem-block-hash-v1"
 
 
+def length_prefixed(data: bytes) -> bytes:
+    """``data`` after its length (4 bytes, little-endian): the field encoding of
+    every MAC and digest input in tandem, so no two tuples give the same bytes."""
+    return len(data).to_bytes(4, "little") + data
+
+
 def root_hash(model_fingerprint: str, block_size: int) -> BlockHash:
     """The chain's root: binds the model and the block size."""
     h = hashlib.blake2b(digest_size=DIGEST_SIZE)
@@ -37,8 +43,7 @@ def hash_block(parent: BlockHash, token_ids: Sequence[int], extra: bytes = b"") 
     h = hashlib.blake2b(digest_size=DIGEST_SIZE)
     h.update(parent)
     h.update(np.asarray(token_ids, dtype="<i4").tobytes())
-    h.update(len(extra).to_bytes(4, "little"))
-    h.update(extra)
+    h.update(length_prefixed(extra))
     return BlockHash(h.digest())
 
 

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import grpc
 
-from engine.hashing import hash_blocks, root_hash
+from engine.hashing import hash_blocks, length_prefixed, root_hash
 from engine.kv_layout import KVLayout
 from protos.tandem.v1 import kv_transfer_pb2 as pb
 
@@ -35,8 +35,8 @@ def cache_salt_for(wire_dtype: str, cache_salt: bytes) -> bytes:
         return cache_salt
     h = hashlib.blake2b(digest_size=16)
     h.update(b"tandem-wire-salt-v1")
-    h.update(len(wire_dtype).to_bytes(4, "little") + wire_dtype.encode())
-    h.update(cache_salt)
+    h.update(length_prefixed(wire_dtype.encode()))
+    h.update(length_prefixed(cache_salt))
     return h.digest()
 
 

@@ -90,12 +90,17 @@ class KVTransferService:
     def use_grant(self, grant: bytes, purpose: str, request_id: str, digest: bytes) -> None:
         """Take a transfer's grant, or raise PERMISSION_DENIED (ALREADY_EXISTS:
         a valid grant used before, a replay)."""
-        try:
-            self.grants.use(grant, purpose, request_id, digest)
-        except GrantUsed as exc:
-            raise TransferError(grpc.StatusCode.ALREADY_EXISTS, str(exc)) from None
-        except GrantRefused as exc:
-            raise TransferError(grpc.StatusCode.PERMISSION_DENIED, str(exc)) from None
+        self.take_grant(purpose, request_id, self.check_grant(grant, purpose, request_id, digest))
+
+    def check_grant(self, grant: bytes, purpose: str, request_id: str, digest: bytes) -> float:
+        """A good, unused grant's expiry (it stays unused), else as ``use_grant``."""
+        with _grant_errors():
+            return self.grants.check(grant, purpose, request_id, digest)
+
+    def take_grant(self, purpose: str, request_id: str, expiry: float) -> None:
+        """Mark a checked grant used (ALREADY_EXISTS if it was meanwhile)."""
+        with _grant_errors():
+            self.grants.take(purpose, request_id, expiry)
 
     def claim(self, request_id: str) -> Held | None:
         committed = self._committed.pop(request_id, None)
@@ -168,6 +173,16 @@ class KVTransferService:
         self._committed[request_id] = (held, lease)
 
 
+@contextlib.contextmanager
+def _grant_errors() -> Iterator[None]:
+    try:
+        yield
+    except GrantUsed as exc:
+        raise TransferError(grpc.StatusCode.ALREADY_EXISTS, str(exc)) from None
+    except GrantRefused as exc:
+        raise TransferError(grpc.StatusCode.PERMISSION_DENIED, str(exc)) from None
+
+
 class IncomingPush:
     def __init__(self, service: KVTransferService, cancel: Callable[[], None]) -> None:
         self._service = service
@@ -201,22 +216,27 @@ class IncomingPush:
         self._lease.renew()
 
     def _admit(self, msg: Message) -> None:
-        """Check a header's request before the receiver reserves a block."""
+        """Check a header's request before the receiver reserves a block: its
+        grant first (a stranger learns nothing of the request), then the
+        request; the grant is used only once the push is sure to start, so a
+        push refused here can be retried with the same grant."""
         if self.receiver.state is TransferState.PENDING and isinstance(msg, pb.TransferHeader):
+            service = self._service
             try:
-                self._service.use_grant(
+                expiry = service.check_grant(
                     msg.grant, PUSH, msg.request_id, push_digest(msg.cache_salt)
                 )
             except TransferError:
                 self.receiver.fail()
                 raise
             self._check_request_id(msg.request_id)
-            if self._service.handler is not None:
-                try:
-                    self._service.handler.check(msg.request_id, msg.decode_start)
-                except TransferError:
-                    self._forget()
-                    raise
+            try:
+                if service.handler is not None:
+                    service.handler.check(msg.request_id, msg.decode_start)
+                service.take_grant(PUSH, msg.request_id, expiry)
+            except TransferError:
+                self._forget()
+                raise
 
     def _after(self, done: bool) -> pb.PushReply | None:
         request_id = self.receiver.request_id

@@ -31,6 +31,7 @@ import struct
 import time
 from collections.abc import Callable, Sequence
 
+from engine.hashing import length_prefixed
 from net.security import ClusterSecurity
 
 PUSH = "push"
@@ -56,14 +57,14 @@ class GrantUsed(GrantRefused):
 
 def push_digest(cache_salt: bytes) -> bytes:
     """What a push grant binds: the cache salt its blocks are hashed with."""
-    return hashlib.sha256(_field(b"push") + _field(cache_salt)).digest()
+    return hashlib.sha256(length_prefixed(b"push") + length_prefixed(cache_salt)).digest()
 
 
 def pull_digest(block_hashes: Sequence[bytes]) -> bytes:
     """What a pull grant binds: the block hashes, in order."""
-    h = hashlib.sha256(_field(b"pull"))
+    h = hashlib.sha256(length_prefixed(b"pull"))
     for block_hash in block_hashes:
-        h.update(_field(block_hash))
+        h.update(length_prefixed(block_hash))
     return h.digest()
 
 
@@ -111,16 +112,29 @@ class GrantChecker:
     def __repr__(self) -> str:
         return f"GrantChecker(target={self.target!r})"
 
+    def __len__(self) -> int:
+        """How many used grants it remembers: only unexpired ones, once a grant
+        is checked after the others expired."""
+        return len(self._used)
+
     def use(self, grant: bytes, purpose: str, request_id: str, digest: bytes) -> None:
-        """Raise GrantRefused unless ``grant`` allows this transfer, unused."""
-        expiry = self.check(grant, purpose, request_id, digest)
-        now = self._clock()
-        self._forget_expired(now)
+        """Raise GrantRefused unless ``grant`` allows this transfer, unused; then
+        mark it used."""
+        self.take(purpose, request_id, self.check(grant, purpose, request_id, digest))
+
+    def take(self, purpose: str, request_id: str, expiry: float) -> None:
+        """Mark the grant ``check`` found good (its ``expiry``) used: what a
+        server does once the transfer is sure to start. GrantUsed if it was."""
+        self._refuse_used(purpose, request_id)
         key = (purpose, request_id)
-        if self._used.get(key, 0.0) > now:
-            raise GrantUsed(f"the {purpose} grant for request {request_id!r} was used already")
         self._used[key] = expiry
         self._by_expiry.append((expiry, key))
+
+    def _refuse_used(self, purpose: str, request_id: str) -> None:
+        now = self._clock()
+        self._forget_expired(now)
+        if self._used.get((purpose, request_id), 0.0) > now:
+            raise GrantUsed(f"the {purpose} grant for request {request_id!r} was used already")
 
     def _forget_expired(self, now: float) -> None:
         """Drop used grants past their expiry (grants are minted with one TTL,
@@ -131,7 +145,8 @@ class GrantChecker:
                 del self._used[key]
 
     def check(self, grant: bytes, purpose: str, request_id: str, digest: bytes) -> float:
-        """The grant's expiry (s since the epoch) if it allows this transfer."""
+        """The grant's expiry (s since the epoch) if it allows this transfer and
+        is unused; it stays unused (``take`` marks it)."""
         if not self.target:
             raise GrantRefused("this server has no address to check grants against yet")
         if len(grant) != GRANT_BYTES or grant[:1] != VERSION:
@@ -146,6 +161,7 @@ class GrantChecker:
             raise GrantRefused(f"the {purpose} grant for request {request_id!r} has expired")
         if expiry_s > now + 2 * GRANT_TTL_S:
             raise GrantRefused(f"the {purpose} grant for request {request_id!r} lasts too long")
+        self._refuse_used(purpose, request_id)
         return expiry_s
 
 
@@ -158,16 +174,12 @@ def _mac(
 ) -> bytes:
     msg = b"".join(
         (
-            _field(_MAC_LABEL),
-            _field(purpose.encode()),
-            _field(target.encode()),
-            _field(request_id.encode()),
-            _field(digest),
+            length_prefixed(_MAC_LABEL),
+            length_prefixed(purpose.encode()),
+            length_prefixed(target.encode()),
+            length_prefixed(request_id.encode()),
+            length_prefixed(digest),
             _EXPIRY.pack(expiry),
         )
     )
     return hmac.new(key, msg, hashlib.sha256).digest()
-
-
-def _field(data: bytes) -> bytes:
-    return len(data).to_bytes(4, "little") + data

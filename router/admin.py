@@ -15,6 +15,7 @@ import grpc
 from protos.tandem.v1 import admin_pb2 as pb
 from protos.tandem.v1 import admin_pb2_grpc
 from router.backend import ManagedPools, PlacementTimeout
+from router.config import pool_size_error
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Admin"].full_name
 MAX_POOL_WORKERS = 64
@@ -33,10 +34,10 @@ class AdminService(admin_pb2_grpc.AdminServicer):
     def _bad_field(self, request: pb.ScaleRequest) -> str | None:
         """What is wrong with a field of ``request``, naming it; None: nothing."""
         for name in ("prefill", "decode"):
-            size = getattr(request, name)
-            if request.HasField(name) and size > self.max_pool_workers:
-                limit = self.max_pool_workers
-                return f"{name}: {size} workers is above pools.max_workers ({limit})"
+            if request.HasField(name):
+                why = pool_size_error(name, getattr(request, name), self.max_pool_workers)
+                if why is not None:
+                    return why
         drain = request.drain_timeout_s
         if request.HasField("drain_timeout_s") and not 0 <= drain <= MAX_DRAIN_TIMEOUT_S:
             return f"drain_timeout_s must be between 0 and {MAX_DRAIN_TIMEOUT_S:g}, got {drain}"

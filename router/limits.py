@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from protocol.sampling import MAX_STOP_STRINGS, MAX_STOP_TOTAL_CHARS
-
 from .tokenizer import RouterTokenizer
 
 FALLBACK_BYTES_PER_TOKEN = 64
@@ -28,18 +26,13 @@ MESSAGE_HEADROOM_BYTES = 64 << 10
 
 @dataclass(frozen=True)
 class RequestLimits:
-    """The configured bounds on one request (``limits.*``)."""
+    """The configured bounds on one request (``limits.*``; the config, router/config.py,
+    bounds these values themselves)."""
 
     max_stop_strings: int = 16
     max_stop_bytes: int = 4096
     max_http_body_bytes: int = 16 << 20
     max_in_flight_per_key: int = 256
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.max_stop_strings <= MAX_STOP_STRINGS:
-            raise ValueError(f"max_stop_strings must be in [0, {MAX_STOP_STRINGS}]")
-        if not 1 <= self.max_stop_bytes <= MAX_STOP_TOTAL_CHARS:
-            raise ValueError(f"max_stop_bytes must be in [1, {MAX_STOP_TOTAL_CHARS}]")
 
     def stop_error(self, stop: list[str]) -> str | None:
         """Why ``stop`` is refused (the message names the field), else None."""

@@ -15,7 +15,7 @@ from protos.tandem.v1 import generate_pb2 as pb
 
 from .backend import Backend, GenerateInput, GenerateResult, TokenDelta
 from .limits import RequestLimits, prompt_byte_limit
-from .tenancy import check_client_salt, derive_salt
+from .tenancy import CacheDomains, Tenant, check_client_salt
 
 DEFAULT_MAX_TOKENS = 16  # vLLM's default when a request leaves max_tokens unset
 MAX_REQUEST_ID_CHARS = 256
@@ -133,7 +133,7 @@ def request_id_of(request: pb.GenerateRequest) -> str:
     return rid or uuid.uuid4().hex
 
 
-def cache_salt_of(request: pb.GenerateRequest, tenant: bytes) -> bytes:
+def cache_salt_of(request: pb.GenerateRequest, tenant: Tenant) -> bytes:
     """The block-hash salt of the request's domain: ``tenant`` (router/tenancy.py)
     and its checked ``cache_salt``."""
     client_salt = request.cache_salt if request.HasField("cache_salt") else None
@@ -142,7 +142,7 @@ def cache_salt_of(request: pb.GenerateRequest, tenant: bytes) -> bytes:
             check_client_salt(client_salt)
         except ValueError as e:
             raise invalid_argument(str(e)) from None
-    return derive_salt(tenant, client_salt)
+    return tenant.salt(client_salt)
 
 
 def check_request_id(field_name: str, rid: str) -> None:
@@ -160,14 +160,15 @@ async def to_generate_input(
     request: pb.GenerateRequest,
     backend: Backend,
     received_s: float | None = None,
-    tenant: bytes = b"",
+    tenant: Tenant | None = None,
     limits: RequestLimits | None = None,
 ) -> GenerateInput:
     """Validate and tokenize a request received at ``received_s`` (perf_counter;
-    None: now) from ``tenant`` (empty: none). Raises RequestError (INVALID_ARGUMENT)."""
+    None: now) from ``tenant`` (None: none, under a random salt key). Raises
+    RequestError (INVALID_ARGUMENT)."""
     rid = request_id_of(request)
     params = sampling_params(request, backend, limits)
-    salt = cache_salt_of(request, tenant)
+    salt = cache_salt_of(request, tenant or CacheDomains().tenant(None))
     ids = await prompt_token_ids(request, backend)
     if received_s is None:
         return GenerateInput(request_id=rid, prompt_token_ids=ids, params=params, cache_salt=salt)

@@ -224,20 +224,17 @@ class RayBackend:
         could not restart it) and start as many new ones, which Ray places on
         nodes that have the pool's resources; replacements that cannot be placed
         yet are tried again on the next call (``placement_timeout_s`` None:
-        ``pools.placement_timeout_s``). Returns the names dropped."""
+        ``pools.placement_timeout_s``). Returns the names dropped.
+
+        Dead workers leave routing even while a scale waits for placement (it
+        holds the scale lock); their replacements are then left to a later call."""
         if placement_timeout_s is None:
             placement_timeout_s = self.config.pools.placement_timeout_s
+        dropped = await self._drop_dead(ping_timeout_s)
+        if self._scale_lock.locked():
+            return dropped
         async with self._scale_lock:
-            dropped: list[str] = []
             for pool in (self.prefill, self.decode):
-                dead = await pool.find_dead(ping_timeout_s)
-                if dead:
-                    log.warning("%s workers died: %s", pool.role, [w.name for w in dead])
-                    pool.remove(dead)
-                    for worker in dead:
-                        await self._worker_down(worker)
-                    self._missing[pool.role] = self._missing.get(pool.role, 0) + len(dead)
-                    dropped += [w.name for w in dead]
                 missing = self._missing.get(pool.role, 0)
                 if not missing:
                     continue
@@ -249,7 +246,24 @@ class RayBackend:
                 self._missing[pool.role] = 0
                 for worker in new:
                     await self.streams.subscribe(worker)
-            return dropped
+        return dropped
+
+    async def _drop_dead(self, ping_timeout_s: float) -> list[str]:
+        """Take the workers that died for good out of routing; they are counted
+        as missing. Returns their names."""
+        dropped: list[str] = []
+        for pool in (self.prefill, self.decode):
+            found = await pool.find_dead(ping_timeout_s)
+            dead = [w for w in found if w in pool.workers]  # not taken out by a scale meanwhile
+            if not dead:
+                continue
+            log.warning("%s workers died: %s", pool.role, [w.name for w in dead])
+            pool.remove(dead)
+            self._missing[pool.role] = self._missing.get(pool.role, 0) + len(dead)
+            dropped += [w.name for w in dead]
+            for worker in dead:
+                await self._worker_down(worker)
+        return dropped
 
     async def _watch_workers(self, interval_s: float) -> None:
         while True:

@@ -10,41 +10,48 @@ first token tell nothing about another domain's prompts.
 
 The default domain (no tenant, no salt) has the empty salt, so a deployment
 that uses neither keeps the block hashes it always had. Every other domain's
-salt is a BLAKE2b digest over the length-prefixed tenant and salt: two
-different pairs never give the same input, so domains cannot collide. The
-salt is deterministic, so every router of a deployment (and the workers'
-caches they share) agree on it.
+salt is an HMAC-SHA256 (cut to 16 bytes), under a key derived from the
+cluster secret, over the length-prefixed tenant and salt: two different
+pairs never give the same input, so domains cannot collide, and a salt seen
+on the wire (push headers, Ray calls) cannot be tested against guessed API
+keys or salt strings without the secret. Routers that share a configured
+``cluster_secret`` derive the same salts, so they (and the workers' caches
+they share) agree on every domain; a router with a generated secret has
+salts of its own.
 """
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+import hmac
+import secrets
+from dataclasses import dataclass, field
 from typing import Literal
 
-from .auth import bearer_token
+from engine.hashing import length_prefixed
+from net.security import ClusterSecurity
+
+from .auth import bearer_token, key_digest
 
 CacheDomain = Literal["shared", "per_api_key"]
 MAX_CACHE_SALT_CHARS = 256
-_PERSON = b"tandem-salt-v1"  # BLAKE2b personalization: these digests are only salts
+SALT_BYTES = 16
+_KEY_LABEL = b"tandem-salt-v1"  # the salt key: HMAC(cluster secret, this label)
 
 
-def key_tenant(key: str | None) -> bytes:
-    """The tenant of an API key: its SHA-256 digest; empty for no key."""
-    return hashlib.sha256(key.encode()).digest() if key else b""
+def salt_key(security: ClusterSecurity) -> bytes:
+    """The key domain salts are derived under, from the cluster secret."""
+    return hmac.new(security.secret, _KEY_LABEL, hashlib.sha256).digest()
 
 
-def derive_salt(tenant: bytes, client_salt: str | None) -> bytes:
-    """The block-hash salt of the domain (tenant, client_salt); empty for the
-    default domain (no tenant, no salt)."""
+def derive_salt(key: bytes, tenant: bytes, client_salt: str | None) -> bytes:
+    """The block-hash salt of the domain (tenant, client_salt) under ``key``
+    (``salt_key``); empty for the default domain (no tenant, no salt)."""
     salt = (client_salt or "").encode()
     if not tenant and not salt:
         return b""
-    h = hashlib.blake2b(digest_size=16, person=_PERSON)
-    for part in (tenant, salt):
-        h.update(len(part).to_bytes(4, "big"))
-        h.update(part)
-    return h.digest()
+    mac = hmac.new(key, length_prefixed(tenant) + length_prefixed(salt), hashlib.sha256)
+    return mac.digest()[:SALT_BYTES]
 
 
 def check_client_salt(value: str) -> None:
@@ -59,14 +66,35 @@ def check_client_salt(value: str) -> None:
 
 
 @dataclass(frozen=True)
+class Tenant:
+    """A request's tenant and the key its domain's salt is derived under."""
+
+    key: bytes = field(repr=False)
+    id: bytes = b""
+    """Empty (no tenant), or the digest of the request's API key."""
+
+    def salt(self, client_salt: str | None) -> bytes:
+        """The block-hash salt of the domain (this tenant, ``client_salt``)."""
+        return derive_salt(self.key, self.id, client_salt)
+
+
+@dataclass(frozen=True)
 class CacheDomains:
-    """How the router picks a request's tenant (``security.cache_domain``)."""
+    """How the router picks a request's tenant (``security.cache_domain``), and the
+    key salts are derived under (random unless built from a ClusterSecurity)."""
 
     mode: CacheDomain = "shared"
+    key: bytes = field(default_factory=lambda: secrets.token_bytes(32), repr=False)
 
-    def tenant(self, authorization: str | None) -> bytes:
+    @classmethod
+    def of(cls, mode: CacheDomain, security: ClusterSecurity) -> CacheDomains:
+        """The domains of a router whose cluster secret is ``security``'s."""
+        return cls(mode, salt_key(security))
+
+    def tenant(self, authorization: str | None) -> Tenant:
         """The tenant of a request sent with this ``authorization`` header value:
-        empty when shared, else its key's digest."""
+        none when shared, else its key's digest."""
         if self.mode == "shared":
-            return b""
-        return key_tenant(bearer_token(authorization))
+            return Tenant(self.key)
+        key = bearer_token(authorization)
+        return Tenant(self.key, key_digest(key) if key else b"")

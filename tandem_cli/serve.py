@@ -73,7 +73,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
     """``--config`` YAML plus the flags that were given (flags win)."""
     flags = {path: getattr(args, dest) for dest, path in SERVE_FLAGS.items()}
     config = ServeConfig.load(args.config, flags)
-    check_keys(api_keys(config), admin_keys(config), CacheDomains(config.security.cache_domain))
+    check_keys(api_keys(config), admin_keys(config), cache_domains(config))
     return config
 
 
@@ -99,6 +99,12 @@ def admin_keys(config: ServeConfig) -> ApiKeys:
     security = config.security
     keys = [k.get_secret_value() for k in security.admin_keys]
     return ApiKeys.load(keys, security.admin_keys_file, env_name=ADMIN_KEYS_ENV)
+
+
+def cache_domains(config: ServeConfig) -> CacheDomains:
+    """The prefix-cache domains, their salts keyed by the cluster secret."""
+    security = config.security
+    return CacheDomains.of(security.cache_domain, security.cluster_security())
 
 
 def http_settings(config: ServeConfig, *, local: bool = False) -> HttpSettings | None:
@@ -146,7 +152,7 @@ def server_for(config: ServeConfig, backend: Backend, *, local: bool = False) ->
         tls_key=config.security.tls_key,
         api_keys=api_keys(config),
         admin_keys=admin_keys(config),
-        cache_domains=CacheDomains(config.security.cache_domain),
+        cache_domains=cache_domains(config),
         max_pool_workers=config.pools.max_workers,
         http=http_settings(config, local=local),
         limits=config.limits.request_limits(),

@@ -180,18 +180,31 @@ class RouterInThread:
 
 class FakePools(FakeBackend):
     """A FakeBackend with pools (``ManagedPools``): ``scale`` records each call and
-    sets the sizes, or raises ``scale_error`` when one is given."""
+    sets the sizes, or raises ``scale_error`` when one is given. With
+    ``placing`` (an asyncio.Event) a scale waits for it before it answers, as
+    one that waits for Ray to place workers; ``scaling`` is set once it waits."""
 
-    def __init__(self, *, scale_error: Exception | None = None, **kwargs) -> None:
+    def __init__(
+        self,
+        *,
+        scale_error: Exception | None = None,
+        placing: asyncio.Event | None = None,
+        **kwargs,
+    ) -> None:
         super().__init__(**kwargs)
         self.sizes = (1, 1)
         self.scale_calls: list[tuple[int | None, int | None, float]] = []
         self.scale_error = scale_error
+        self.placing = placing
+        self.scaling = asyncio.Event()
 
     async def scale(
         self, prefill: int | None, decode: int | None, drain_timeout_s: float
     ) -> tuple[int, int]:
         self.scale_calls.append((prefill, decode, drain_timeout_s))
+        self.scaling.set()
+        if self.placing is not None:
+            await self.placing.wait()
         if self.scale_error is not None:
             raise self.scale_error
         old_prefill, old_decode = self.sizes

@@ -16,10 +16,10 @@ from protos.tandem.v1 import admin_pb2, admin_pb2_grpc, generate_pb2_grpc
 from router.auth import ADMIN_KEYS_ENV, ApiKeys, client_metadata
 from router.backend import PlacementTimeout
 from router.client import build_request
-from router.config import PoolsSection, SecuritySection, ServeConfig
-from router.service import RouterServer
+from router.config import PoolsSection, ServeConfig
+from router.service import RouterServer, check_keys
 from tandem_cli.main import main
-from tandem_cli.serve import admin_keys
+from tandem_cli.serve import admin_keys, api_keys, cache_domains
 from tests.fakes import FakePools, RouterInThread
 
 pytestmark = pytest.mark.unit
@@ -108,11 +108,17 @@ def test_without_admin_keys_every_control_call_is_refused_and_says_how_to_config
 def test_a_key_may_not_have_both_roles(monkeypatch):
     with pytest.raises(ValueError, match="both an API key and an admin key"):
         RouterServer(FakePools(), api_keys=ApiKeys(["k"]), admin_keys=ApiKeys(["k"]))
-    with pytest.raises(ValueError, match="in both api_keys and admin_keys"):
-        SecuritySection(api_keys=["k"], admin_keys=["k"])
     monkeypatch.setenv(ADMIN_KEYS_ENV, "env-admin, ")
-    keys = admin_keys(ServeConfig(security={"admin_keys": ["cfg-admin"]}))
+    config = ServeConfig(security={"admin_keys": ["cfg-admin"], "api_keys": ["user"]})
+    keys = admin_keys(config)
     assert len(keys) == 2 and keys.check("env-admin") and keys.check("cfg-admin")
+    check_keys(api_keys(config), keys, cache_domains(config))
+    # One check sees every source: a user key in the config that is an admin key
+    # from the environment is refused, as one in both config lists is.
+    for security in ({"api_keys": ["env-admin"]}, {"api_keys": ["k"], "admin_keys": ["k"]}):
+        config = ServeConfig(security=security)
+        with pytest.raises(ValueError, match="both an API key and an admin key"):
+            check_keys(api_keys(config), admin_keys(config), cache_domains(config))
 
 
 @pytest.mark.parametrize(
@@ -146,12 +152,20 @@ def test_scale_refuses_out_of_bounds_fields_before_the_backend(request_fields, n
 def test_a_scale_ray_cannot_place_is_deadline_exceeded_and_serving_goes_on():
     async def body():
         error = PlacementTimeout("1 new decode workers were not placed and started")
-        backend = FakePools(delay_s=0, scale_error=error)
+        placing = asyncio.Event()
+        backend = FakePools(delay_s=0, scale_error=error, placing=placing)
         async with serving(backend, admin_keys=ApiKeys([ADMIN])) as channel:
             admin = admin_pb2_grpc.AdminStub(channel)
-            code, details = await status_of(
-                admin.Scale(admin_pb2.ScaleRequest(decode=2), metadata=client_metadata(ADMIN))
+            scale = asyncio.ensure_future(
+                status_of(
+                    admin.Scale(admin_pb2.ScaleRequest(decode=2), metadata=client_metadata(ADMIN))
+                )
             )
+            await backend.scaling.wait()  # the scale waits for placement ...
+            assert await generate(channel, None) == grpc.StatusCode.OK  # ... requests go on
+            assert not scale.done()
+            placing.set()  # placement gives up
+            code, details = await scale
             assert code == grpc.StatusCode.DEADLINE_EXCEEDED
             assert "not placed" in details
             assert await generate(channel, None) == grpc.StatusCode.OK
@@ -160,11 +174,11 @@ def test_a_scale_ray_cannot_place_is_deadline_exceeded_and_serving_goes_on():
 
 
 def test_pool_sizes_in_the_config_are_bounded_too():
-    with pytest.raises(ValueError, match="decode must be at most max_workers"):
+    with pytest.raises(ValueError, match=r"decode: 65 workers is above pools.max_workers \(64\)"):
         PoolsSection(decode=65)
     assert PoolsSection(decode=3, max_workers=3).decode == 3
     assert PoolsSection().placement_timeout_s > 0
-    with pytest.raises(ValueError, match="at most max_workers"):
+    with pytest.raises(ValueError, match=r"decode: 3 workers is above pools.max_workers \(2\)"):
         PoolsSection(max_workers=2).resized(None, 3)
 
 

@@ -134,7 +134,7 @@ def test_reprs_hold_no_key():
     assert "k" * 8 not in repr(minter) + repr(checker)
 
 
-def test_a_used_grant_is_remembered_until_it_expires_then_forgotten():
+def test_a_used_grant_is_refused_until_it_expires_then_its_id_is_new():
     minter, checker, clock = _pair(ttl_s=30.0)
     first = minter.mint(PUSH, D, "req#1", push_digest(b""))
     checker.use(first, PUSH, "req#1", push_digest(b""))
@@ -143,3 +143,14 @@ def test_a_used_grant_is_remembered_until_it_expires_then_forgotten():
         checker.use(first, PUSH, "req#1", push_digest(b""))
     clock.now += 2.0  # the first expired; a new grant for the id is new
     checker.use(minter.mint(PUSH, D, "req#1", push_digest(b"")), PUSH, "req#1", push_digest(b""))
+
+
+def test_expired_used_grants_are_forgotten_so_memory_stays_bounded():
+    minter, checker, clock = _pair(ttl_s=30.0)
+    for i in range(100):
+        checker.use(minter.mint(PUSH, D, f"req#{i}", push_digest(b"")), PUSH, f"req#{i}",
+                    push_digest(b""))  # fmt: skip
+    assert len(checker) == 100
+    clock.now += 31.0  # all of them expired
+    checker.use(minter.mint(PUSH, D, "late", push_digest(b"")), PUSH, "late", push_digest(b""))
+    assert len(checker) == 1

@@ -387,6 +387,45 @@ def test_a_refused_push_reserves_nothing():
     run(go())
 
 
+class NotYet(Handler):
+    """Refuses every push until ``ready`` (a router whose stream is not open yet)."""
+
+    ready = False
+
+    def check(self, request_id: str, decode_start: bytes) -> None:
+        if not self.ready:
+            raise TransferError(grpc.StatusCode.FAILED_PRECONDITION, "no stream yet")
+
+
+def test_a_push_refused_by_the_handler_can_be_retried_with_its_grant_once():
+    """The grant is used only once the push is admitted: a refused header does
+    not burn it, and once a push with it is taken, a replay is ALREADY_EXISTS."""
+
+    async def go():
+        handler = NotYet()
+        pair = Pair(SMALL)
+        pair.server = InProcKVServer(pair.hub, "dst", pair.dst, SMALL, handler=handler)
+        await pair.server.start()
+        blocks = pair.blocks(3)
+        with pytest.raises(TransferError) as err:
+            await pair.client.push(pair.server.address, pair.src, blocks)
+        assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert pair.dst.num_free == pair.free[1]
+        handler.ready = True
+        await pair.client.push(pair.server.address, pair.src, blocks)  # the same grant
+        [push] = handler.pushes
+        pair.dst.release(push.blocks.holder)
+        with pytest.raises(TransferError) as err:
+            await pair.client.push(pair.server.address, pair.src, blocks)
+        assert err.value.code == grpc.StatusCode.ALREADY_EXISTS and "used" in err.value.message
+        assert len(handler.pushes) == 1
+        pair.src.release(SENDER)
+        await pair.server.stop()
+        assert pair.settled()
+
+    run(go())
+
+
 def test_pull_pins_only_while_streaming_and_returns_the_held_prefix():
     async def go():
         keeper, puller = make_store(seed=3), make_store(seed=4)

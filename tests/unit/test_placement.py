@@ -175,3 +175,61 @@ def test_a_replacement_that_cannot_be_placed_is_tried_again():
     assert subscribed == []  # nothing placed yet
     assert asyncio.run(backend.replace_dead_workers()) == []
     assert len(pool.workers) == 2 and subscribed == [pool.workers[1].name]
+
+
+def test_a_dead_worker_leaves_routing_while_a_scale_waits_for_placement():
+    """The scale lock is held while Ray places a scale's workers; a worker that
+    dies meanwhile is taken out of routing at once, and replaced once the scale
+    is done."""
+    from router.ray_backend import RayBackend
+
+    backend = RayBackend(ServeConfig())
+    pool = backend.decode
+    lost = WorkerHandle("d1", "decode", None)
+    pool.workers = [WorkerHandle("d0", "decode", None), lost]
+    forgotten, subscribed = [], []
+
+    async def body():
+        placing, waiting = asyncio.Event(), asyncio.Event()
+        made = iter(range(2, 100))
+
+        async def scale_to(n, timeout_s=None):  # as WorkerPool's: counts, then starts
+            new = [
+                WorkerHandle(f"d{next(made)}", "decode", None) for _ in range(n - len(pool.workers))
+            ]
+            if not waiting.is_set():  # the scale's placement: Ray takes its time
+                waiting.set()
+                await placing.wait()
+            pool.workers += new
+            return new
+
+        async def find_dead(timeout_s):
+            return [w for w in pool.workers if w is lost]
+
+        async def no_prefill_deaths(timeout_s):
+            return []
+
+        async def worker_down(worker):
+            forgotten.append(worker.name)
+
+        async def subscribe(worker):
+            subscribed.append(worker.name)
+
+        pool.find_dead, pool.scale_to = find_dead, scale_to
+        backend.prefill.find_dead = no_prefill_deaths
+        backend._worker_down, backend.streams.subscribe = worker_down, subscribe
+
+        scale = asyncio.ensure_future(backend.scale(None, 3, 0.0))
+        await waiting.wait()
+        # Not blocked by the scale's lock (the bound only keeps a regression from hanging).
+        dropped = await asyncio.wait_for(backend.replace_dead_workers(), 60)
+        assert dropped == ["d1"] and forgotten == ["d1"]
+        assert [w.name for w in pool.workers] == ["d0"] and not scale.done()
+        placing.set()
+        await scale
+        assert len(pool.workers) == 2  # the scale's one new worker; d1 is still missing
+        assert await backend.replace_dead_workers() == []
+        assert len(pool.workers) == 3 and lost not in pool.workers
+        assert len(subscribed) == 2
+
+    asyncio.run(body())

@@ -18,15 +18,18 @@ def test_without_a_configured_secret_the_router_generates_one_for_all_its_worker
     first, again = config.transfer_config().security, config.transfer_config().security
     assert len(first.secret) == 32 and first.secret == again.secret
     assert ServeConfig().transfer_config().security.secret != first.secret  # per start
-    for text in (repr(config), str(config), config.model_dump_json()):
+    # What holds the generated secret never shows it.
+    for text in (repr(config.transfer_config()), repr(config.security.cluster_security())):
         assert first.secret.hex() not in text and repr(first.secret) not in text
-    assert repr(first.secret) not in repr(config.transfer_config())
 
 
-def test_a_configured_secret_is_used_as_given(monkeypatch):
+def test_a_configured_secret_is_used_as_given_and_never_shown(monkeypatch):
     monkeypatch.setenv("TANDEM_CLUSTER_SECRET", "from the environment")
     config = ServeConfig.load(None)
     assert config.transfer_config().security.secret == b"from the environment"
+    shown = (repr(config), str(config), config.model_dump_json(), str(config.model_dump()))
+    shown += (repr(config.transfer_config()),)
+    assert all("from the environment" not in text for text in shown)
 
 
 def test_the_redis_password_comes_from_the_environment_and_stays_hidden(monkeypatch):
