@@ -147,7 +147,10 @@ class DataSender:
             self._sock = sock
         try:
             tune(sock)
-            handshake.connect(sock, self.security, HANDSHAKE_TAG, self.token, HANDSHAKE_TIMEOUT_S)
+            audience = handshake.tcp_audience(self.host, self.port)
+            handshake.connect(
+                sock, self.security, HANDSHAKE_TAG, self.token, audience, HANDSHAKE_TIMEOUT_S
+            )
             for span, views in self.sender.chunks():
                 nbytes = sum(v.nbytes for v in views)
                 frame = encode_frame(span, nbytes, checksum(views))
@@ -296,6 +299,8 @@ class DataServer:
         # dropped SYN is retried after 1, 3, 7... s.
         self._listener = listen(host, ports)
         self.port: int = self._listener.getsockname()[1]
+        # The address clients dial: the KV server's host and this port.
+        self.audience = handshake.tcp_audience(host, self.port)
         self._expected: dict[bytes, IncomingData] = {}
         self._lock = threading.Lock()
         self._stopped = False
@@ -334,11 +339,17 @@ class DataServer:
         try:
             tune(sock)
             sock.settimeout(HANDSHAKE_TIMEOUT_S)
-            if self._ssl is not None:
-                sock = self._ssl.wrap_socket(sock, server_side=True)
             try:
+                if self._ssl is not None:
+                    handshake.first_bytes(sock)
+                    sock = self._ssl.wrap_socket(sock, server_side=True)
                 token = handshake.accept(
-                    sock, self.security, HANDSHAKE_TAG, TOKEN_BYTES, HANDSHAKE_TIMEOUT_S
+                    sock,
+                    self.security,
+                    HANDSHAKE_TAG,
+                    self.audience,
+                    TOKEN_BYTES,
+                    HANDSHAKE_TIMEOUT_S,
                 )
             finally:
                 admission.done()

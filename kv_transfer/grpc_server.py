@@ -95,9 +95,8 @@ class GrpcKVServer(KVTransferServer):
 
     async def start(self) -> None:
         config = self.service.config
-        server = grpc.aio.server(
-            options=grpc_options(config), interceptors=config.security.interceptors()
-        )
+        auth = config.security.interceptor()  # bound to the address below
+        server = grpc.aio.server(options=grpc_options(config), interceptors=[auth])
         handler = grpc.method_handlers_generic_handler(
             SERVICE,
             {
@@ -115,9 +114,10 @@ class GrpcKVServer(KVTransferServer):
         )
         server.add_generic_rpc_handlers((handler,))
         port = self._add_port(server, config)
+        self.address = f"{self._host}:{port}"
+        auth.bind(self.address)  # calls signed for another server are refused
         await server.start()
         self._server = server
-        self.address = f"{self._host}:{port}"
         self.service.identity = self.address  # what the router's grants name
         if config.data_channel and (config.security.tls is None or config.tls_data_channel):
             self._data = DataServer(

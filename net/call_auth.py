@@ -2,16 +2,22 @@
 
 A client signs each call in its metadata (``AUTH_KEY``):
 
-    v1.<timestamp ms>.<nonce, hex>.<HMAC-SHA256(secret, DOMAIN, method, timestamp, nonce), hex>
+    v2.<timestamp ms>.<nonce, hex>.<HMAC-SHA256(secret, DOMAIN, audience, method,
+                                                timestamp, nonce), hex>
 
-The server (``CallVerifier``, run by net/security.py's SecretInterceptor
-before a request is deserialized) recomputes the MAC and compares in
-constant time, refuses a timestamp outside ``SKEW_S`` of its own clock, and
-refuses a nonce it has seen. The MAC covers the method's full path, so a
-signature made for one method is no use on another; a sniffer who records a
-call cannot replay it (the nonce is remembered while the timestamp is in the
-window, and a timestamp past the window is refused), and learns nothing of
-the secret (it is never on the wire).
+The audience is the address of the server called, as the client dials it
+(``ClusterSecurity.channel`` signs with the address it opens the channel to);
+the server checks it against its own advertised address (the one workers
+publish and grants name), set once it is bound. The server (``CallVerifier``,
+run by net/security.py's SecretInterceptor before a request is deserialized)
+recomputes the MAC and compares in constant time, refuses a timestamp outside
+``SKEW_S`` of its own clock, and refuses a nonce it has seen. The MAC covers
+the method's full path, so a signature made for one method is no use on
+another, and the audience, so a signature made for one server is no use on
+another (each server's replay cache knows only its own calls); a sniffer who
+records a call cannot replay it (the nonce is remembered while the timestamp
+is in the window, and a timestamp past the window is refused), and learns
+nothing of the secret (it is never on the wire).
 
 The replay cache is bounded (``MAX_NONCES``): when full, it forgets its
 oldest nonces and from then on refuses any call stamped no later than the
@@ -35,7 +41,7 @@ from collections.abc import Callable, Sequence
 import grpc
 
 AUTH_KEY = "tandem-call-auth"
-VERSION = "v1"
+VERSION = "v2"
 DOMAIN = b"tandem-grpc-call"
 NONCE_BYTES = 16
 SKEW_S = 60.0
@@ -46,8 +52,10 @@ MAX_NONCES = 1 << 16
 Clock = Callable[[], float]
 
 
-def _mac(secret: bytes, method: str, stamp: str, nonce: str) -> str:
-    message = b"\0".join((DOMAIN, method.encode(), stamp.encode(), nonce.encode()))
+def _mac(secret: bytes, audience: str, method: str, stamp: str, nonce: str) -> str:
+    # No part holds a NUL (addresses, method paths, digits, hex): unambiguous.
+    parts = (DOMAIN, audience.encode(), method.encode(), stamp.encode(), nonce.encode())
+    message = b"\0".join(parts)
     return hmac.new(secret, message, hashlib.sha256).hexdigest()
 
 
@@ -56,20 +64,22 @@ def _method_name(method: str | bytes) -> str:
 
 
 class CallSigner:
-    """The client side: the metadata entry that signs one call."""
+    """The client side: the metadata entry that signs one call to the server
+    at ``audience`` (the address dialled)."""
 
-    def __init__(self, secret: bytes, clock: Clock = time.time) -> None:
+    def __init__(self, secret: bytes, audience: str, clock: Clock = time.time) -> None:
         self._secret = secret
+        self.audience = audience
         self._clock = clock
 
     def __repr__(self) -> str:
-        return "CallSigner()"
+        return f"CallSigner(audience={self.audience!r})"
 
     def sign(self, method: str | bytes) -> tuple[str, str]:
         """(AUTH_KEY, value) for a call of ``method`` ("/pkg.Service/Method")."""
         stamp = str(int(self._clock() * 1000))
         nonce = secrets.token_hex(NONCE_BYTES)
-        mac = _mac(self._secret, _method_name(method), stamp, nonce)
+        mac = _mac(self._secret, self.audience, _method_name(method), stamp, nonce)
         return AUTH_KEY, f"{VERSION}.{stamp}.{nonce}.{mac}"
 
     def interceptors(self) -> list[grpc.aio.ClientInterceptor]:
@@ -120,16 +130,20 @@ class _SignStreamStream(grpc.aio.StreamStreamClientInterceptor):
 
 
 class CallVerifier:
-    """The server side: checks a call's signature, remembers its nonce."""
+    """The server side: checks a call's signature, remembers its nonce.
+    ``audience`` is this server's advertised address; until it is known
+    (``bind``) every call is refused."""
 
     def __init__(
         self,
         secret: bytes,
+        audience: str | None = None,
         clock: Clock = time.time,
         skew_s: float = SKEW_S,
         max_nonces: int = MAX_NONCES,
     ) -> None:
         self._secret = secret
+        self.audience = audience
         self._clock = clock
         self._skew_ms = int(skew_s * 1000)
         self._max_nonces = max_nonces
@@ -139,7 +153,13 @@ class CallVerifier:
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
-        return "CallVerifier()"
+        return f"CallVerifier(audience={self.audience!r})"
+
+    def bind(self, audience: str) -> None:
+        """This server's own address, as it advertises it (once it is bound)."""
+        if not audience:
+            raise ValueError("a server's audience is its non-empty address")
+        self.audience = audience
 
     def check(
         self, method: str | bytes, metadata: Sequence[tuple[str, str | bytes]] | None
@@ -148,15 +168,17 @@ class CallVerifier:
         value = next((v for k, v in metadata or () if k == AUTH_KEY), None)
         if value is None:
             return f"no {AUTH_KEY} metadata"
+        if self.audience is None:
+            return "the server does not know its own address yet"
         if isinstance(value, bytes):
             value = value.decode("ascii", "replace")
         parts = value.split(".")
         if len(parts) != 4 or parts[0] != VERSION or not parts[1].isdigit():
             return f"malformed {AUTH_KEY} metadata"
         _, stamp, nonce, mac = parts
-        expected = _mac(self._secret, _method_name(method), stamp, nonce)
+        expected = _mac(self._secret, self.audience, _method_name(method), stamp, nonce)
         if not hmac.compare_digest(mac.encode(), expected.encode()):
-            return "the call's MAC does not prove the cluster secret"
+            return "the call's MAC does not prove the cluster secret for this server's address"
         stamp_ms = int(stamp)
         now_ms = int(self._clock() * 1000)
         if abs(now_ms - stamp_ms) > self._skew_ms:

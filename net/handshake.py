@@ -7,10 +7,18 @@ connection, after the TLS handshake.
     client -> server   ANSWER  MAGIC, u8 tag length, tag,
                                u16 identity length, identity,
                                HMAC-SHA256(cluster secret,
-                                           tag field + nonce + identity field)
+                                           tag field + nonce + identity field
+                                           + audience field)
 
-Integers are little-endian; a "field" is its length followed by its bytes,
-as on the wire, so no two (tag, identity) pairs give the same MAC input.
+Integers are little-endian; a "field" is its length followed by its bytes
+(the audience's length is a u16 too), so no two (tag, identity, audience)
+triples give the same MAC input. The audience is the server's address, never
+sent: the client puts in the address it dialled, the server the address it
+advertises (``tcp_audience`` for TCP, the ``unix-abstract:`` name for a
+local socket). An answer a relay obtained for one server (by squatting a
+freed port or socket name, and forwarding the real server's HELLO to a
+client that dialled it) is refused by any other server, whose address
+differs.
 The tag names what the connection is for (``tandem-kv-data``,
 ``tandem-output-stream``): an answer made for one kind of server is no use
 at another. The identity names whom or what it is for (a push's one-time
@@ -26,9 +34,12 @@ without a word; the client learns it from the connection ending. Nothing
 answers a good ANSWER either: the connection's protocol goes on.
 
 Both sides bound the handshake by a deadline (``TIMEOUT_S``), so a peer that
-connects and goes silent, or sends a byte at a time, holds a server's thread
-for that long at most. The key is never empty: a ClusterSecurity always
-holds a secret (security.py), so a peer that does not know it is refused.
+sends a byte at a time holds a server's thread for that long at most; the
+first bytes of the ANSWER must come within ``ANSWER_START_S`` of the HELLO
+(an honest client answers in milliseconds), so a peer that connects and
+goes silent holds a listener's handshake slot (net/sockets.py) that long.
+The key is never empty: a ClusterSecurity always holds a secret
+(security.py), so a peer that does not know it is refused.
 """
 
 from __future__ import annotations
@@ -49,6 +60,9 @@ MAC_BYTES = 32  # HMAC-SHA256
 MAX_TAG_BYTES = 255
 MAX_IDENTITY_BYTES = 1024
 TIMEOUT_S = 10.0
+ANSWER_START_S = 2.0
+"""Time a server waits for the first bytes of the ANSWER after its HELLO."""
+MAX_AUDIENCE_BYTES = 0xFFFF
 
 _HEAD = struct.Struct("<4sB")  # magic, tag length
 _ID_LENGTH = struct.Struct("<H")
@@ -72,46 +86,82 @@ def parse_hello(data: bytes) -> bytes:
     return bytes(data[len(MAGIC) :])
 
 
-def answer(security: ClusterSecurity, tag: bytes, nonce: bytes, identity: bytes) -> bytes:
-    """The client's ANSWER to ``nonce``; ValueError if a field is too long."""
-    _check_sizes(tag, identity)
+def tcp_audience(host: str, port: int) -> bytes:
+    """The audience of a TCP server at ``host`` (brackets of a v6 host
+    dropped) and ``port``: what both sides put in the MAC."""
+    return f"{host.strip('[]')}:{port}".encode()
+
+
+def answer(
+    security: ClusterSecurity, tag: bytes, nonce: bytes, identity: bytes, audience: bytes
+) -> bytes:
+    """The client's ANSWER to ``nonce`` from the server at ``audience``;
+    ValueError if a field is too long."""
+    _check_sizes(tag, identity, audience)
     tag_field = bytes([len(tag)]) + tag
     id_field = _ID_LENGTH.pack(len(identity)) + identity
-    return MAGIC + tag_field + id_field + _mac(security, tag_field, nonce, id_field)
+    return MAGIC + tag_field + id_field + _mac(security, tag_field, nonce, id_field, audience)
 
 
-def _check_sizes(tag: bytes, identity: bytes) -> None:
+def _check_sizes(tag: bytes, identity: bytes, audience: bytes) -> None:
+    if not audience or len(audience) > MAX_AUDIENCE_BYTES:
+        raise ValueError(f"an audience is 1 to {MAX_AUDIENCE_BYTES} bytes, not {len(audience)}")
     if not tag or len(tag) > MAX_TAG_BYTES:
         raise ValueError(f"a tag is 1 to {MAX_TAG_BYTES} bytes, not {len(tag)}")
     if len(identity) > MAX_IDENTITY_BYTES:
         raise ValueError(f"identity of {len(identity)} bytes; the limit is {MAX_IDENTITY_BYTES}")
 
 
-def _mac(security: ClusterSecurity, tag_field: bytes, nonce: bytes, id_field: bytes) -> bytes:
-    return hmac.new(security.secret, tag_field + nonce + id_field, hashlib.sha256).digest()
+def _mac(
+    security: ClusterSecurity, tag_field: bytes, nonce: bytes, id_field: bytes, audience: bytes
+) -> bytes:
+    message = tag_field + nonce + id_field + _ID_LENGTH.pack(len(audience)) + audience
+    return hmac.new(security.secret, message, hashlib.sha256).digest()
 
 
 # ---- blocking sockets ----
+
+
+def first_bytes(sock: socket.socket, timeout_s: float = ANSWER_START_S) -> None:
+    """Wait, at most ``timeout_s``, until the peer of a freshly accepted
+    ``sock`` has sent something, without reading it: what a TLS server runs
+    before its TLS handshake, so a silent peer is dropped as early there as
+    before an ANSWER. TimeoutError past it, HandshakeRefused if it closes."""
+    previous = sock.gettimeout()
+    try:
+        sock.settimeout(timeout_s)
+        if not sock.recv(1, socket.MSG_PEEK):
+            raise HandshakeRefused("the connection closed before its handshake")
+    finally:
+        sock.settimeout(previous)
 
 
 def accept(
     sock: socket.socket,
     security: ClusterSecurity,
     tag: bytes,
+    audience: bytes,
     max_identity_bytes: int = MAX_IDENTITY_BYTES,
     timeout_s: float = TIMEOUT_S,
+    answer_start_s: float = ANSWER_START_S,
 ) -> bytes:
-    """Server side: send a HELLO, read and check the ANSWER; the identity it
-    proves. HandshakeRefused when it proves nothing (the caller closes the
-    connection), TimeoutError past ``timeout_s``, OSError if the socket fails."""
+    """Server side, for the server at ``audience`` (its advertised address):
+    send a HELLO, read and check the ANSWER; the identity it proves.
+    HandshakeRefused when it proves nothing (the caller closes the
+    connection), TimeoutError past ``timeout_s``, or when the ANSWER has not
+    begun ``answer_start_s`` after the HELLO; OSError if the socket fails."""
     if not tag or len(tag) > MAX_TAG_BYTES:
         raise ValueError(f"a tag is 1 to {MAX_TAG_BYTES} bytes")
+    if not audience or len(audience) > MAX_AUDIENCE_BYTES:
+        raise ValueError(f"an audience is 1 to {MAX_AUDIENCE_BYTES} bytes")
     deadline = time.monotonic() + timeout_s
     previous = sock.gettimeout()
     try:
         nonce = secrets.token_bytes(NONCE_BYTES)
         _send(sock, hello(nonce), deadline)
-        magic, tag_bytes = _HEAD.unpack(_recv(sock, _HEAD.size, deadline))
+        start_by = min(deadline, time.monotonic() + answer_start_s)
+        first = _recv(sock, 1, start_by)  # a silent peer is dropped early
+        magic, tag_bytes = _HEAD.unpack(first + _recv(sock, _HEAD.size - 1, deadline))
         if magic != MAGIC:
             raise HandshakeRefused("not a tandem handshake")
         if tag_bytes != len(tag):
@@ -124,7 +174,8 @@ def accept(
             raise HandshakeRefused(f"identity of {id_bytes} bytes")
         tail = _recv(sock, id_bytes + MAC_BYTES, deadline)
         identity, mac = tail[:id_bytes], tail[id_bytes:]
-        expected = _mac(security, bytes([tag_bytes]) + tag, nonce, rest[tag_bytes:] + identity)
+        id_field = rest[tag_bytes:] + identity
+        expected = _mac(security, bytes([tag_bytes]) + tag, nonce, id_field, audience)
         if not hmac.compare_digest(mac, expected):
             raise HandshakeRefused("the answer does not prove the cluster secret")
         return identity
@@ -137,16 +188,18 @@ def connect(
     security: ClusterSecurity,
     tag: bytes,
     identity: bytes,
+    audience: bytes,
     timeout_s: float = TIMEOUT_S,
 ) -> None:
-    """Client side: read the server's HELLO and send the ANSWER. The server
-    says nothing back: a refusal shows as the connection ending."""
-    _check_sizes(tag, identity)
+    """Client side, to the server at ``audience`` (the address dialled): read
+    the server's HELLO and send the ANSWER. The server says nothing back: a
+    refusal shows as the connection ending."""
+    _check_sizes(tag, identity, audience)
     deadline = time.monotonic() + timeout_s
     previous = sock.gettimeout()
     try:
         nonce = parse_hello(_recv(sock, HELLO_BYTES, deadline))
-        _send(sock, answer(security, tag, nonce, identity), deadline)
+        _send(sock, answer(security, tag, nonce, identity, audience), deadline)
     finally:
         sock.settimeout(previous)
 
@@ -184,9 +237,12 @@ class ClientHandshake:
     """The client side for code that is handed bytes as they arrive: feed it
     until it returns the ANSWER to write. The caller bounds the wait."""
 
-    def __init__(self, security: ClusterSecurity, tag: bytes, identity: bytes) -> None:
-        _check_sizes(tag, identity)
+    def __init__(
+        self, security: ClusterSecurity, tag: bytes, identity: bytes, audience: bytes
+    ) -> None:
+        _check_sizes(tag, identity, audience)
         self.security, self.tag, self.identity = security, tag, identity
+        self.audience = audience
         self._hello = bytearray()
         self.done = False
 
@@ -201,4 +257,4 @@ class ClientHandshake:
             return None, b""
         self.done = True
         nonce = parse_hello(bytes(self._hello))
-        return answer(self.security, self.tag, nonce, self.identity), data[need:]
+        return answer(self.security, self.tag, nonce, self.identity, self.audience), data[need:]

@@ -4,10 +4,11 @@ Two locks:
 
 - A cluster secret, always set (``ClusterSecurity`` refuses an empty one;
   ``ClusterSecurity.generate`` makes a random one). Every internal gRPC call
-  proves it without sending it (call_auth.py: a MAC over the method, a
-  timestamp and a nonce, checked by ``SecretInterceptor`` before a request
-  is deserialized), and every raw connection (KV data, output streams)
-  proves it in its handshake (an HMAC of the server's nonce, handshake.py).
+  proves it without sending it (call_auth.py: a MAC over the server's
+  address, the method, a timestamp and a nonce, checked by
+  ``SecretInterceptor`` before a request is deserialized), and every raw
+  connection (KV data, output streams) proves it in its handshake (an HMAC
+  of the server's nonce and address, handshake.py).
   Servers compare in constant time and answer UNAUTHENTICATED, or close the
   connection, without reading anything else.
 - TLS from PEM files, optional: the server presents ``cert``/``key``; with
@@ -80,13 +81,16 @@ class ClusterSecurity:
 
     # ---- the secret on gRPC calls ----
 
-    def call_signer(self) -> CallSigner:
-        """What a client uses to sign each internal call (call_auth.py)."""
-        return CallSigner(self.secret)
+    def call_signer(self, audience: str) -> CallSigner:
+        """What a client uses to sign each internal call to the server at
+        ``audience``, the address it dials (call_auth.py)."""
+        return CallSigner(self.secret, audience)
 
-    def interceptors(self) -> list[grpc.aio.ServerInterceptor]:
-        """The server side: every call must carry a valid, fresh MAC."""
-        return [SecretInterceptor(CallVerifier(self.secret))]
+    def interceptor(self, audience: str | None = None) -> SecretInterceptor:
+        """The server side: every call must carry a valid, fresh MAC made for
+        ``audience``, this server's advertised address (``bind`` it once the
+        port is known; until then every call is refused)."""
+        return SecretInterceptor(CallVerifier(self.secret, audience))
 
     # ---- gRPC ----
 
@@ -103,8 +107,10 @@ class ClusterSecurity:
     def channel(
         self, address: str, options: Sequence[tuple[str, int | str]] = ()
     ) -> grpc.aio.Channel:
-        """A client channel to an internal server; it signs every call."""
-        interceptors = self.call_signer().interceptors()
+        """A client channel to the internal server at ``address``; it signs
+        every call for that address, so ``address`` must be the one the server
+        advertises (a worker's ``kv_address``, a server's ``.address``)."""
+        interceptors = self.call_signer(address).interceptors()
         if self.tls is None:
             return grpc.aio.insecure_channel(
                 address, options=list(options), interceptors=interceptors
@@ -160,6 +166,10 @@ class SecretInterceptor(grpc.aio.ServerInterceptor):
 
     def __init__(self, verifier: CallVerifier) -> None:
         self._verifier = verifier
+
+    def bind(self, audience: str) -> None:
+        """The server's own address, as it advertises it."""
+        self._verifier.bind(audience)
 
     async def intercept_service(
         self,

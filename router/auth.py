@@ -47,8 +47,22 @@ NO_ADMIN_KEYS_HINT = (
 )
 
 
-def read_keys_file(path: str | Path) -> list[str]:
-    """One key per line; blank lines and lines starting with ``#`` are skipped."""
+def check_private_file(path: str | Path, setting: str) -> None:
+    """ValueError naming ``setting`` when the file at ``path`` grants its group
+    or others any access (it holds keys or a token: mode 0600 or 0400)."""
+    mode = os.stat(path).st_mode & 0o777
+    if mode & 0o077:
+        raise ValueError(
+            f"{setting} {path} is readable by group or others (mode {mode:04o}): "
+            f"it holds secrets; chmod 600 it"
+        )
+
+
+def read_keys_file(path: str | Path, setting: str = "security.api_keys_file") -> list[str]:
+    """One key per line; blank lines and lines starting with ``#`` are skipped.
+    ValueError when group or others have access to the file (``setting``
+    names it in the message)."""
+    check_private_file(path, setting)
     lines = Path(path).read_text().splitlines()
     return [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
 
@@ -81,12 +95,14 @@ class ApiKeys:
         keys_file: str | Path | None = None,
         environ: dict[str, str] | None = None,
         env_name: str = KEYS_ENV,
+        file_setting: str = "security.api_keys_file",
     ) -> ApiKeys:
-        """Keys from the config, the keys file and the ``env_name`` variable
-        (``TANDEM_API_KEYS``; ``TANDEM_ADMIN_KEYS`` for admin keys), together."""
+        """Keys from the config, the keys file (``file_setting`` names it in
+        errors) and the ``env_name`` variable (``TANDEM_API_KEYS``;
+        ``TANDEM_ADMIN_KEYS`` for admin keys), together."""
         all_keys = list(keys)
         if keys_file is not None:
-            all_keys += read_keys_file(keys_file)
+            all_keys += read_keys_file(keys_file, file_setting)
         return cls(all_keys + keys_from_env(environ, env_name))
 
     @property

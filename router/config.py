@@ -394,13 +394,14 @@ class SecuritySection(Section):
     api_keys_file and $TANDEM_API_KEYS); none anywhere: no authentication."""
     api_keys_file: str | None = None
     """File of accepted API keys, one per line (# starts a comment): keys kept out of
-    the config file."""
+    the config file. Only its owner may read it (mode 0600): start fails otherwise."""
     admin_keys: list[SecretStr] = Field(default_factory=list)
     """Keys the Admin service (Scale, Status) accepts, with admin_keys_file and
     $TANDEM_ADMIN_KEYS; none anywhere: every control call is refused. No key may be
     an API key too."""
     admin_keys_file: str | None = None
-    """File of admin keys, one per line (# starts a comment)."""
+    """File of admin keys, one per line (# starts a comment); mode 0600, as
+    api_keys_file."""
     cache_domain: Literal["shared", "per_api_key"] = "shared"
     """Prefix-cache domains: shared: requests share cached blocks unless their
     cache_salt differs; per_api_key: each API key is a domain of its own (needs API

@@ -65,11 +65,14 @@ class _OutputStream(asyncio.Protocol):
         transfer: TransferConfig,
         on_batch: Callable[[worker_pb2.StepBatch], None],
         on_end: Callable[[_OutputStream, str], None],
+        audience: str,
     ) -> None:
+        """``audience``: the address dialled (the worker's ``outputs`` or
+        ``outputs_local``), which the handshake's MAC names."""
         self.worker = worker
         self.router_id = router_id
         self.handshake = handshake.ClientHandshake(
-            transfer.security, wire.HANDSHAKE_TAG, router_id.encode()
+            transfer.security, wire.HANDSHAKE_TAG, router_id.encode(), audience.encode()
         )
         self.on_batch = on_batch
         self.on_end = on_end
@@ -185,7 +188,7 @@ class WorkerStreams:
         if local and self.transfer.local_streams and here and info.host_id == here:
             try:
                 await self._open(
-                    worker, lambda s: loop.create_unix_connection(s, local_path(local))
+                    worker, lambda s: loop.create_unix_connection(s, local_path(local)), local
                 )
                 return
             except ConnectionError as exc:
@@ -198,15 +201,20 @@ class WorkerStreams:
         await self._open(
             worker,
             lambda s: loop.create_connection(s, host, port, ssl=ctx, server_hostname=server_name),
+            address,
         )
 
     async def _open(
         self,
         worker: WorkerHandle,
         connect: Callable[[Callable[[], _OutputStream]], Awaitable[object]],
+        audience: str,
     ) -> None:
-        """A new stream of ``worker`` over what ``connect(protocol_factory)`` opens."""
-        stream = _OutputStream(worker, self.router_id, self.transfer, self._dispatch, self._ended)
+        """A new stream of ``worker`` over what ``connect(protocol_factory)``
+        opens, to the server at ``audience``."""
+        stream = _OutputStream(
+            worker, self.router_id, self.transfer, self._dispatch, self._ended, audience
+        )
         self._streams[worker.name] = stream
         try:
             async with asyncio.timeout(SUBSCRIBE_TIMEOUT_S):

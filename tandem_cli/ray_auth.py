@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import os
 import secrets
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
+
+from router.auth import check_private_file
 
 MODE_ENV = "RAY_AUTH_MODE"
 TOKEN_ENV = "RAY_AUTH_TOKEN"
@@ -25,7 +27,8 @@ def enable(local: bool, environ: MutableMapping[str, str] = os.environ) -> None:
     """Turn token authentication on in ``environ`` (this process's, by
     default: Ray reads it); ``local``: a cluster this process starts, which
     gets a fresh token unless one is configured. ValueError when the
-    environment turns it off."""
+    environment turns it off, or names a token file (``RAY_AUTH_TOKEN_PATH``)
+    that group or others can read."""
     mode = environ.get(MODE_ENV)
     if mode is not None and mode.lower() != "token":
         raise ValueError(
@@ -33,10 +36,19 @@ def enable(local: bool, environ: MutableMapping[str, str] = os.environ) -> None:
             f"(unset {MODE_ENV} or set it to token)"
         )
     environ[MODE_ENV] = "token"
+    check_token_file(environ)
     if local and not (environ.get(TOKEN_ENV) or environ.get(TOKEN_PATH_ENV)):
         environ[TOKEN_ENV] = secrets.token_hex(32)
     if environ is os.environ:
         _reload_ray_config()
+
+
+def check_token_file(environ: Mapping[str, str] = os.environ) -> None:
+    """ValueError when ``RAY_AUTH_TOKEN_PATH`` names a file that group or
+    others can read (a missing one is left to Ray, whose error says so)."""
+    path = environ.get(TOKEN_PATH_ENV)
+    if path and os.path.exists(path):
+        check_private_file(path, TOKEN_PATH_ENV)
 
 
 def _reload_ray_config() -> None:

@@ -73,6 +73,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
     """``--config`` YAML plus the flags that were given (flags win)."""
     flags = {path: getattr(args, dest) for dest, path in SERVE_FLAGS.items()}
     config = ServeConfig.load(args.config, flags)
+    ray_auth.check_token_file()
     check_keys(api_keys(config), admin_keys(config), cache_domains(config))
     return config
 
@@ -98,7 +99,12 @@ def admin_keys(config: ServeConfig) -> ApiKeys:
     """The config's admin keys, its admin keys file's and $TANDEM_ADMIN_KEYS, together."""
     security = config.security
     keys = [k.get_secret_value() for k in security.admin_keys]
-    return ApiKeys.load(keys, security.admin_keys_file, env_name=ADMIN_KEYS_ENV)
+    return ApiKeys.load(
+        keys,
+        security.admin_keys_file,
+        env_name=ADMIN_KEYS_ENV,
+        file_setting="security.admin_keys_file",
+    )
 
 
 def cache_domains(config: ServeConfig) -> CacheDomains:

@@ -307,11 +307,15 @@ class OutputServer:
         try:
             tune(sock)
             sock.settimeout(HANDSHAKE_TIMEOUT_S)
-            if tls and self._ssl is not None:
-                sock = self._ssl.wrap_socket(sock, server_side=True)
             try:
+                if tls and self._ssl is not None:
+                    handshake.first_bytes(sock)
+                    sock = self._ssl.wrap_socket(sock, server_side=True)
+                # The audience: the address this listener advertises (for the
+                # local socket, its name), which the router dialled.
+                audience = (self.address if tls else self.local_address).encode()
                 identity = handshake.accept(
-                    sock, self.security, wire.HANDSHAKE_TAG, timeout_s=HANDSHAKE_TIMEOUT_S
+                    sock, self.security, wire.HANDSHAKE_TAG, audience, timeout_s=HANDSHAKE_TIMEOUT_S
                 )
             finally:
                 admission.done()

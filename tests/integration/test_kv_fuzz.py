@@ -301,7 +301,8 @@ async def _push_frames(h: KVServerHarness, n: int, frames: list[bytes]) -> grpc.
 
         def send() -> None:
             with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
-                handshake.connect(conn, CONFIG.security, datachannel.HANDSHAKE_TAG, token)
+                audience = handshake.tcp_audience("127.0.0.1", port)
+                handshake.connect(conn, CONFIG.security, datachannel.HANDSHAKE_TAG, token, audience)
                 for frame in frames:
                     conn.sendall(frame)
 

@@ -127,7 +127,8 @@ def test_a_data_connection_without_the_secrets_mac_is_dropped():
             assert harness.store.num_free == harness.initial_free - 2
             with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
                 guess = ClusterSecurity(b"guess")
-                handshake.connect(conn, guess, datachannel.HANDSHAKE_TAG, token)
+                audience = handshake.tcp_audience("127.0.0.1", port)
+                handshake.connect(conn, guess, datachannel.HANDSHAKE_TAG, token, audience)
                 assert _dropped(conn)  # before any frame
             call.cancel()
 

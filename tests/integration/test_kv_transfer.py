@@ -230,7 +230,9 @@ def test_data_connection_is_offered_and_an_abandoned_one_frees_the_blocks():
             assert store.num_free == 12 and [h.kind for h in store.holders()] == ["lease"]
             with socket.create_connection(("127.0.0.1", port), timeout=10) as stray:
                 # The right secret and tag, but a token no push expects.
-                handshake.connect(stray, config.security, datachannel.HANDSHAKE_TAG, bytes(16))
+                audience = handshake.tcp_audience("127.0.0.1", port)
+                tag = datachannel.HANDSHAKE_TAG
+                handshake.connect(stray, config.security, tag, bytes(16), audience)
                 assert stray.recv(1) == b""  # dropped
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await call  # the lease expires: blocks freed, call ended

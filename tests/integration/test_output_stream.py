@@ -219,21 +219,29 @@ def test_a_handshake_without_the_secret_is_refused():
     run_with_pair(body, reader_security=ClusterSecurity(b"wrong"))
 
 
-@pytest.mark.parametrize("sends", ["garbage", "a forged answer", "a KV data answer"])
+@pytest.mark.parametrize(
+    "sends", ["garbage", "a forged answer", "a KV data answer", "an answer for another server"]
+)
 def test_a_raw_client_without_a_valid_answer_is_dropped(sends):
     pair = Pair(ClusterSecurity(SECRET))
     try:
         host, port = pair.server.address.rsplit(":", 1)
         with socket.create_connection((host, int(port)), timeout=10) as sock:
             nonce = handshake.parse_hello(sock.recv(handshake.HELLO_BYTES, socket.MSG_WAITALL))
+            here, security = pair.server.address.encode(), ClusterSecurity(SECRET)
+            tag = wire.HANDSHAKE_TAG
             if sends == "garbage":
                 sock.sendall(handshake.MAGIC + b"\0" * 64)
             elif sends == "a forged answer":
                 guess = ClusterSecurity(b"guess")
-                sock.sendall(handshake.answer(guess, wire.HANDSHAKE_TAG, nonce, b"router-a"))
-            else:  # the right secret, for another purpose
-                security = ClusterSecurity(SECRET)
-                sock.sendall(handshake.answer(security, b"tandem-kv-data", nonce, b"router-a"))
+                sock.sendall(handshake.answer(guess, tag, nonce, b"router-a", here))
+            elif sends == "a KV data answer":  # the right secret, for another purpose
+                sock.sendall(
+                    handshake.answer(security, b"tandem-kv-data", nonce, b"router-a", here)
+                )
+            else:  # relayed: the client dialled another worker's stream
+                elsewhere = f"{host}:{int(port) + 1}".encode()
+                sock.sendall(handshake.answer(security, tag, nonce, b"router-a", elsewhere))
             # Closed without a frame (reset when our bytes went unread).
             with contextlib.suppress(ConnectionResetError):
                 assert sock.recv(1) == b""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 
 import pytest
 
@@ -27,6 +28,7 @@ pytestmark = pytest.mark.unit
 def test_keys_come_from_config_file_and_env_together(tmp_path):
     path = tmp_path / "keys"
     path.write_text("# team a\nkey-file-1\n\n  key-file-2  \n")
+    path.chmod(0o600)
     assert read_keys_file(path) == ["key-file-1", "key-file-2"]
     env = {"TANDEM_API_KEYS": " env-1, ,env-2"}
     assert keys_from_env(env) == ["env-1", "env-2"]
@@ -109,3 +111,23 @@ def test_the_default_model_ships_a_chat_template():
     assert template.origin == "tokenizer"
     text = template.render([ChatMessage(role="user", content="hi")])
     assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o640, 0o604, 0o620, 0o660], ids=oct)
+def test_a_keys_file_group_or_others_can_reach_is_refused_naming_the_setting(tmp_path, mode):
+    path = tmp_path / "keys"
+    path.write_text("key-1\n")
+    path.chmod(mode)
+    wanted = re.escape(f"security.admin_keys_file {path} ") + f".*mode {mode:04o}"
+    with pytest.raises(ValueError, match=wanted):
+        ApiKeys.load([], path, {}, file_setting="security.admin_keys_file")
+    with pytest.raises(ValueError, match=re.escape("security.api_keys_file")):
+        read_keys_file(path)
+
+
+@pytest.mark.parametrize("mode", [0o600, 0o400], ids=oct)
+def test_a_keys_file_only_its_owner_can_read_is_accepted(tmp_path, mode):
+    path = tmp_path / "keys"
+    path.write_text("key-1\n")
+    path.chmod(mode)
+    assert read_keys_file(path) == ["key-1"]

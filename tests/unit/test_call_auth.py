@@ -1,6 +1,7 @@
 """Internal gRPC calls prove the cluster secret by a MAC, never by sending it
 (net/call_auth.py): who gets through a real grpc.aio server with the
-SecretInterceptor, asserted by status, and the bounded replay cache."""
+SecretInterceptor, asserted by status, the audience (the server's own
+address) and the bounded replay cache."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ SERVICE = "tandem.test.Echo"
 ECHO = f"/{SERVICE}/Echo"
 OTHER = f"/{SERVICE}/Other"
 UNAUTH = grpc.StatusCode.UNAUTHENTICATED
+HERE = "10.0.0.1:5000"  # an audience for the verifier-only tests
 
 
 class Echo:
@@ -34,7 +36,8 @@ class Echo:
         return request
 
     async def start(self) -> str:
-        self.server = grpc.aio.server(interceptors=ClusterSecurity(SECRET).interceptors())
+        auth = ClusterSecurity(SECRET).interceptor()
+        self.server = grpc.aio.server(interceptors=[auth])
         methods = {
             name: grpc.unary_unary_rpc_method_handler(self._echo) for name in ("Echo", "Other")
         }
@@ -42,8 +45,10 @@ class Echo:
             (grpc.method_handlers_generic_handler(SERVICE, methods),)
         )
         port = self.server.add_insecure_port("127.0.0.1:0")
+        address = f"127.0.0.1:{port}"
+        auth.bind(address)
         await self.server.start()
-        return f"127.0.0.1:{port}"
+        return address
 
 
 async def _call(channel: grpc.aio.Channel, method: str = ECHO, metadata=None) -> grpc.StatusCode:
@@ -79,7 +84,7 @@ def test_the_right_secret_passes_and_the_secret_is_not_on_the_wire():
             return await _call(channel), await _call(channel, OTHER)
 
     assert _run(body) == ((grpc.StatusCode.OK, grpc.StatusCode.OK), 2)
-    key, value = CallSigner(SECRET).sign(ECHO)
+    key, value = CallSigner(SECRET, HERE).sign(ECHO)
     assert key == AUTH_KEY
     assert SECRET.hex() not in value and SECRET.decode() not in value
 
@@ -102,9 +107,8 @@ def test_a_call_without_metadata_is_refused():
 
 @pytest.mark.parametrize("offset_s", [-120.0, 120.0])
 def test_a_timestamp_outside_the_skew_window_is_refused(offset_s):
-    signer = CallSigner(SECRET, clock=lambda: time.time() + offset_s)
-
     async def body(address):
+        signer = CallSigner(SECRET, address, clock=lambda: time.time() + offset_s)
         async with _signed_channel(address, signer) as channel:
             return await _call(channel)
 
@@ -112,9 +116,8 @@ def test_a_timestamp_outside_the_skew_window_is_refused(offset_s):
 
 
 def test_a_replayed_call_is_refused():
-    recorded = (CallSigner(SECRET).sign(ECHO),)
-
     async def body(address):
+        recorded = (CallSigner(SECRET, address).sign(ECHO),)
         async with grpc.aio.insecure_channel(address) as channel:
             return await _call(channel, metadata=recorded), await _call(channel, metadata=recorded)
 
@@ -122,18 +125,41 @@ def test_a_replayed_call_is_refused():
 
 
 def test_a_signature_for_one_method_is_refused_on_another():
-    recorded = (CallSigner(SECRET).sign(ECHO),)
-
     async def body(address):
+        recorded = (CallSigner(SECRET, address).sign(ECHO),)
         async with grpc.aio.insecure_channel(address) as channel:
             return await _call(channel, OTHER, metadata=recorded)
 
     assert _run(body) == (UNAUTH, 0)
 
 
-@pytest.mark.parametrize("value", ["", "v1", "v1.x.y.z", "v2.1.2.3", "v1.1.2.3.4"])
+def test_a_signature_for_one_server_is_refused_by_another_with_the_same_secret():
+    """A sniffer who replays a call's MAC at another worker gets nothing: the
+    MAC names the address dialled, the server checks its own."""
+
+    async def body(address):
+        elsewhere = CallSigner(SECRET, "127.0.0.1:1").sign(ECHO)  # made for another server
+        own = CallSigner(SECRET, address).sign(ECHO)
+        async with grpc.aio.insecure_channel(address) as channel:
+            return await _call(channel, metadata=(elsewhere,)), await _call(
+                channel, metadata=(own,)
+            )
+
+    assert _run(body) == ((UNAUTH, grpc.StatusCode.OK), 1)
+    other, mine = CallVerifier(SECRET, "10.0.0.2:5000"), CallVerifier(SECRET, HERE)
+    signed = (CallSigner(SECRET, HERE).sign(ECHO),)
+    assert "address" in other.check(ECHO, signed)
+    assert mine.check(ECHO, signed) is None
+
+
+def test_a_server_that_does_not_know_its_address_refuses_every_call():
+    signed = (CallSigner(SECRET, HERE).sign(ECHO),)
+    assert "address" in CallVerifier(SECRET).check(ECHO, signed)
+
+
+@pytest.mark.parametrize("value", ["", "v2", "v2.x.y.z", "v1.1.2.3", "v2.1.2.3.4"])
 def test_malformed_metadata_is_refused(value):
-    assert CallVerifier(SECRET).check(ECHO, ((AUTH_KEY, value),)) is not None
+    assert CallVerifier(SECRET, HERE).check(ECHO, ((AUTH_KEY, value),)) is not None
 
 
 class Clock:
@@ -146,8 +172,8 @@ class Clock:
 
 def test_a_full_replay_cache_forgets_its_oldest_and_refuses_what_it_forgot():
     clock = Clock()
-    signer = CallSigner(SECRET, clock)
-    verifier = CallVerifier(SECRET, clock, skew_s=60, max_nonces=2)
+    signer = CallSigner(SECRET, HERE, clock)
+    verifier = CallVerifier(SECRET, HERE, clock, skew_s=60, max_nonces=2)
     calls = []
     for _ in range(3):
         calls.append((signer.sign(ECHO),))
@@ -161,8 +187,8 @@ def test_a_full_replay_cache_forgets_its_oldest_and_refuses_what_it_forgot():
 
 def test_nonces_past_the_window_are_forgotten_and_their_calls_refused_as_stale():
     clock = Clock()
-    signer = CallSigner(SECRET, clock)
-    verifier = CallVerifier(SECRET, clock, skew_s=60, max_nonces=4)
+    signer = CallSigner(SECRET, HERE, clock)
+    verifier = CallVerifier(SECRET, HERE, clock, skew_s=60, max_nonces=4)
     first = (signer.sign(ECHO),)
     assert verifier.check(ECHO, first) is None
     clock.now += 61

@@ -239,3 +239,34 @@ def test_serve_runs_until_sigterm_then_drains(capsys):
         assert "SIGTERM, draining" in capsys.readouterr().err
 
     asyncio.run(body())
+
+
+def _secret_file(tmp_path, name: str, mode: int):
+    path = tmp_path / name
+    path.write_text("a secret\n")
+    path.chmod(mode)
+    return path
+
+
+@pytest.mark.parametrize("setting", ["api_keys_file", "admin_keys_file"])
+def test_serve_refuses_a_keys_file_others_can_read(tmp_path, capsys, no_run, setting):
+    keys = _secret_file(tmp_path, "keys", 0o644)
+    cfg = tmp_path / "tandem.yaml"
+    cfg.write_text(f"security:\n  {setting}: {keys}\n")
+    assert main(["serve", "--config", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert f"security.{setting} {keys} is readable by group or others (mode 0644)" in err
+    assert no_run == []
+
+
+def test_serve_refuses_a_ray_token_file_others_can_read(tmp_path, capsys, no_run, monkeypatch):
+    token = _secret_file(tmp_path, "ray_auth_token", 0o644)
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(token))
+    assert main(["serve"]) == 2
+    assert "RAY_AUTH_TOKEN_PATH" in capsys.readouterr().err and no_run == []
+    with pytest.raises(ValueError, match=r"RAY_AUTH_TOKEN_PATH .*\(mode 0644\)"):
+        ray_auth.enable(local=False, environ={"RAY_AUTH_TOKEN_PATH": str(token)})
+    token.chmod(0o600)
+    environ = {"RAY_AUTH_TOKEN_PATH": str(token)}
+    ray_auth.enable(local=False, environ=environ)
+    assert environ["RAY_AUTH_MODE"] == "token"

@@ -30,6 +30,7 @@ def test_http_flags_and_keys_only_from_config_or_env(tmp_path, monkeypatch):
 
     keys_file = tmp_path / "keys"
     keys_file.write_text("from-file\n")
+    keys_file.chmod(0o600)
     monkeypatch.setenv("TANDEM_API_KEYS", "from-env")
     config = ServeConfig(security={"api_keys": ["from-yaml"], "api_keys_file": str(keys_file)})
     assert "from-yaml" not in repr(config) and "from-yaml" not in str(config.model_dump())

@@ -1,6 +1,7 @@
 """The handshake of raw internal connections (net/handshake.py), over
 socketpairs: who gets in, who is refused, and that the server reads exactly
-the answer's bytes, never past its bounds."""
+the answer's bytes, never past its bounds, that an answer is bound to the
+server's address, and that a silent peer is dropped early."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import contextlib
 import socket
 import struct
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -20,24 +22,32 @@ pytestmark = pytest.mark.unit
 SECRET = ClusterSecurity(b"the cluster secret")
 TAG = b"tandem-test"
 AFTER = b"the connection's own protocol"
+HERE = b"10.0.0.1:5000"  # the server's address: the audience of every answer
 
 
 class Server:
     """``handshake.accept`` on one end of a socketpair, in a thread."""
 
-    def __init__(self, security=SECRET, tag=TAG, max_identity=64, timeout_s=10.0) -> None:
+    def __init__(
+        self,
+        security=SECRET,
+        tag=TAG,
+        max_identity=64,
+        timeout_s=10.0,
+        audience=HERE,
+        answer_start_s=handshake.ANSWER_START_S,
+    ) -> None:
         self.client, self.sock = socket.socketpair()
         self.client.settimeout(10)
         self.result: bytes | None = None
         self.error: BaseException | None = None
-        self._thread = threading.Thread(
-            target=self._run, args=(security, tag, max_identity, timeout_s), daemon=True
-        )
+        args = (security, tag, audience, max_identity, timeout_s, answer_start_s)
+        self._thread = threading.Thread(target=self._run, args=args, daemon=True)
         self._thread.start()
 
-    def _run(self, security, tag, max_identity, timeout_s) -> None:
+    def _run(self, *args) -> None:
         try:
-            self.result = handshake.accept(self.sock, security, tag, max_identity, timeout_s)
+            self.result = handshake.accept(self.sock, *args)
         except BaseException as exc:
             self.error = exc
 
@@ -63,8 +73,8 @@ class Server:
         return isinstance(self.error, handshake.HandshakeRefused) and why in str(self.error)
 
 
-def _connect(server: Server, security=SECRET, tag=TAG, identity=b"router-a") -> None:
-    handshake.connect(server.client, security, tag, identity)
+def _connect(server: Server, security=SECRET, tag=TAG, identity=b"router-a", audience=HERE) -> None:
+    handshake.connect(server.client, security, tag, identity, audience)
     server.client.sendall(AFTER)
 
 
@@ -107,7 +117,7 @@ def test_an_answer_for_another_purpose_is_refused(tag):
 def test_an_answer_replayed_to_another_nonce_is_refused():
     first = Server()
     nonce = first.nonce()
-    recorded = handshake.answer(SECRET, TAG, nonce, b"router-a")
+    recorded = handshake.answer(SECRET, TAG, nonce, b"router-a", HERE)
     first.client.sendall(recorded)
     first.finish()
     assert first.result == b"router-a"
@@ -133,7 +143,7 @@ def test_an_identity_over_the_bound_is_refused_before_it_is_read():
     server = Server(max_identity=16)
     nonce = server.nonce()
     identity = b"x" * 17
-    server.client.sendall(handshake.answer(SECRET, TAG, nonce, identity) + AFTER)
+    server.client.sendall(handshake.answer(SECRET, TAG, nonce, identity, HERE) + AFTER)
     left = server.finish()
     assert server.result is None and server.refused("identity of 17 bytes")
     assert left == identity + left[17 : 17 + handshake.MAC_BYTES] + AFTER
@@ -152,17 +162,19 @@ def test_a_huge_identity_length_is_refused_without_waiting_for_its_bytes():
 
 def test_a_client_cannot_make_an_answer_over_the_limits():
     with pytest.raises(ValueError):
-        handshake.answer(SECRET, TAG, bytes(16), b"x" * (handshake.MAX_IDENTITY_BYTES + 1))
+        handshake.answer(SECRET, TAG, bytes(16), b"x" * (handshake.MAX_IDENTITY_BYTES + 1), HERE)
     with pytest.raises(ValueError):
-        handshake.answer(SECRET, b"t" * 256, bytes(16), b"id")
+        handshake.answer(SECRET, b"t" * 256, bytes(16), b"id", HERE)
     with pytest.raises(ValueError):
-        handshake.ClientHandshake(SECRET, b"", b"id")
+        handshake.ClientHandshake(SECRET, b"", b"id", HERE)
+    with pytest.raises(ValueError):
+        handshake.answer(SECRET, TAG, bytes(16), b"id", b"")  # no audience
 
 
 @pytest.mark.parametrize("cut", [0, 3, 5, 10, 20, -1])
 def test_a_truncated_answer_is_refused(cut):
     server = Server()
-    whole = handshake.answer(SECRET, TAG, server.nonce(), b"router-a")
+    whole = handshake.answer(SECRET, TAG, server.nonce(), b"router-a", HERE)
     server.client.sendall(whole[:cut])
     server.client.shutdown(socket.SHUT_WR)
     assert server.finish() == b""
@@ -186,16 +198,62 @@ def test_a_silent_client_times_out():
     assert isinstance(server.error, TimeoutError)
 
 
+def test_a_client_that_does_not_begin_its_answer_is_dropped_before_the_whole_bound():
+    """The whole handshake may take an hour here, but the first bytes of the
+    answer must come within answer_start_s: a silent stranger holds a slot
+    that long, not the whole bound (finish() waits 30 s at most)."""
+    server = Server(timeout_s=3600.0, answer_start_s=0.2)
+    server.nonce()
+    server.finish()
+    assert isinstance(server.error, TimeoutError)
+
+
+def test_an_answer_begun_in_time_may_take_the_whole_bound_to_finish():
+    server = Server(timeout_s=30.0, answer_start_s=0.05)
+    whole = handshake.answer(SECRET, TAG, server.nonce(), b"router-a", HERE)
+    server.client.sendall(whole[:1])
+    time.sleep(0.3)  # past answer_start_s: only the start of the answer is due by then
+    server.client.sendall(whole[1:] + AFTER)
+    assert server.finish() == AFTER
+    assert server.error is None and server.result == b"router-a"
+
+
+@pytest.mark.parametrize("dialled", [b"10.0.0.2:5000", b"10.0.0.1:5001", b"unix-abstract:x"])
+def test_an_answer_relayed_to_another_server_is_refused(dialled):
+    """A relay squats an address the client dials (a freed port or socket
+    name), forwards the real server's HELLO to the client and its ANSWER back:
+    the answer names the address the client dialled, the server its own."""
+    server = Server(audience=HERE)
+    _connect(server, audience=dialled)
+    assert server.finish() == AFTER
+    assert server.result is None and server.refused("cluster secret")
+
+
+def test_the_audiences_of_both_ends_agree():
+    assert handshake.tcp_audience("[::1]", 7) == handshake.tcp_audience("::1", 7) == b"::1:7"
+    assert handshake.tcp_audience("10.0.0.1", 5000) == HERE
+
+
+def test_a_tls_server_drops_a_peer_that_sends_nothing_before_its_tls_handshake():
+    a, b = socket.socketpair()
+    with a, b:
+        with pytest.raises(TimeoutError):
+            handshake.first_bytes(b, timeout_s=0.2)
+        a.sendall(b"\x16")  # a ClientHello's first byte: left for the TLS handshake
+        handshake.first_bytes(b, timeout_s=10)
+        assert b.recv(1) == b"\x16"
+
+
 def test_a_silent_server_times_out_the_client():
     a, b = socket.socketpair()
     with a, b, pytest.raises(TimeoutError):
-        handshake.connect(a, SECRET, TAG, b"router-a", timeout_s=0.2)
+        handshake.connect(a, SECRET, TAG, b"router-a", HERE, timeout_s=0.2)
 
 
 def test_the_event_driven_client_answers_byte_by_byte():
     server = Server()
     hello = server.client.recv(handshake.HELLO_BYTES, socket.MSG_WAITALL)
-    client = handshake.ClientHandshake(SECRET, TAG, b"router-a")
+    client = handshake.ClientHandshake(SECRET, TAG, b"router-a", HERE)
     for i in range(len(hello) - 1):
         assert client.feed(hello[i : i + 1]) == (None, b"")
     reply, rest = client.feed(hello[-1:] + b"first frame")
@@ -204,7 +262,7 @@ def test_the_event_driven_client_answers_byte_by_byte():
     assert server.finish() == AFTER
     assert server.result == b"router-a"
     with pytest.raises(handshake.HandshakeRefused):
-        handshake.ClientHandshake(SECRET, TAG, b"r").feed(b"XXXX" + bytes(16))
+        handshake.ClientHandshake(SECRET, TAG, b"r", HERE).feed(b"XXXX" + bytes(16))
 
 
 def test_a_listener_bounds_the_handshakes_in_progress_and_frees_a_slot_when_one_ends():
@@ -218,7 +276,7 @@ def test_a_listener_bounds_the_handshakes_in_progress_and_frees_a_slot_when_one_
     def serve(sock, admission):
         with sock:
             with contextlib.suppress(OSError):
-                handshake.accept(sock, SECRET, TAG, timeout_s=30)
+                handshake.accept(sock, SECRET, TAG, HERE, timeout_s=30, answer_start_s=30)
             admission.done()
 
     accepting = threading.Thread(

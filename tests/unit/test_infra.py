@@ -151,6 +151,47 @@ def test_every_kuberay_ray_container_has_token_auth_from_the_secret():
                 assert _from_secret(entry), f"{container['name']}: {name} written inline"
 
 
+RAY_TLS_ENVS = ("RAY_TLS_SERVER_CERT", "RAY_TLS_SERVER_KEY", "RAY_TLS_CA_CERT")
+
+
+def test_ray_up_runs_ray_on_tls_with_the_files_it_mounts_and_a_private_token_recipe():
+    """Ray's traffic carries the actors' arguments (the cluster secret among
+    them): every node starts Ray with TLS, its files from the secrets folder."""
+    text = (INFRA / "ray" / "cluster.yaml").read_text()
+    cluster = yaml.safe_load(text)
+    secrets_dir = next(k for k in cluster["file_mounts"] if k.endswith("secrets"))
+    options = cluster["docker"]["run_options"]
+    assert "--env RAY_USE_TLS=1" in options
+    starts = cluster["head_start_ray_commands"] + cluster["worker_start_ray_commands"]
+    for command in [c for c in starts if "ray start" in c]:
+        assert "RAY_USE_TLS=1" in command
+        for name in RAY_TLS_ENVS:
+            (path,) = [w.split("=", 1)[1] for w in command.split() if w.startswith(name + "=")]
+            assert path.startswith(secrets_dir + "/"), (name, path)
+            assert f"--env {name}={path}" in options  # the router's process sees it too
+    # The recipes make the secret files unreadable to others from the start.
+    recipes = [line for line in text.splitlines() if "token_hex" in line or "openssl" in line]
+    assert recipes and all("umask 077" in line for line in recipes)
+
+
+def test_every_kuberay_ray_container_runs_ray_on_tls_with_certs_from_a_secret():
+    (ray_cluster,) = _by_kind("RayCluster")
+    specs = [ray_cluster["spec"]["headGroupSpec"], *ray_cluster["spec"]["workerGroupSpecs"]]
+    for spec in specs:
+        pod = spec["template"]["spec"]
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        for container in pod["containers"]:
+            env = _env(container)
+            assert env["RAY_USE_TLS"]["value"] == "1", container["name"]
+            mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+            for name in RAY_TLS_ENVS:
+                path = env[name]["value"]
+                (mount,) = [m for p, m in mounts.items() if path.startswith(p.rstrip("/") + "/")]
+                secret = volumes[mount["name"]]["secret"]
+                assert secret["secretName"] and mount["readOnly"], (container["name"], name)
+                assert secret["defaultMode"] & 0o077 == 0  # the key readable by its owner only
+
+
 def test_the_router_gets_its_secrets_and_a_liveness_probe():
     (ray_cluster,) = _by_kind("RayCluster")
     head = ray_cluster["spec"]["headGroupSpec"]["template"]["spec"]["containers"]

@@ -559,7 +559,8 @@ class DataPair:
         sender = threading.Thread(target=send)
         sender.start()
         tag, size = datachannel.HANDSHAKE_TAG, datachannel.TOKEN_BYTES
-        assert handshake.accept(b, PAIR_SECURITY, tag, size) == b"t" * 16
+        audience = handshake.tcp_audience("", 0)  # the DataSender's host and port
+        assert handshake.accept(b, PAIR_SECURITY, tag, audience, size) == b"t" * 16
         self.incoming.serve(b)
         sender.join()
 
