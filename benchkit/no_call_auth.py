@@ -6,7 +6,7 @@ config can build one; no product code imports this module."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -14,12 +14,27 @@ import grpc
 from net.security import ClusterSecurity
 
 
+class _Unchecked(grpc.aio.ServerInterceptor):
+    """Lets every call through; ``bind`` as SecretInterceptor's, for the server."""
+
+    def bind(self, audience: str) -> None:
+        del audience
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], object],
+        handler_call_details: grpc.HandlerCallDetails,
+    ):
+        return await continuation(handler_call_details)
+
+
 @dataclass(frozen=True)
 class NoCallAuth(ClusterSecurity):
     """ClusterSecurity without the per-call MAC (plaintext only)."""
 
-    def interceptors(self) -> list[grpc.aio.ServerInterceptor]:
-        return []
+    def interceptor(self, audience: str | None = None) -> _Unchecked:  # type: ignore[override]
+        del audience
+        return _Unchecked()
 
     def channel(
         self, address: str, options: Sequence[tuple[str, int | str]] = ()
