@@ -29,16 +29,16 @@ from benchkit.attack_outcome import Outcome
 from engine.kv_layout import KVLayout
 
 ROOT = Path(__file__).resolve().parents[1]
-REFUSED_KV = frozenset({"UNAUTHENTICATED", "PERMISSION_DENIED"})
-"""A KV call without the cluster secret or a router's grant."""
+REFUSED_KV = frozenset({"UNAUTHENTICATED"})
+"""A KV call without the cluster secret: refused before its grant is read."""
 DROPPED = frozenset({"dropped"})
 """A raw endpoint (output stream) ends the connection in the handshake."""
 NO_GRANT = frozenset({"PERMISSION_DENIED"})
 """A KV call with the cluster secret's MAC but no router grant (net/grants.py)."""
 FAULTED = frozenset({"INTERNAL"})
 """A request whose logits turn NaN on every try: failed after two (docs/failures.md)."""
-CONTAINED = frozenset({"OK", "INVALID_ARGUMENT", "INTERNAL", "ABORTED", "DATA_LOSS"})
-"""A request answered, or failed alone: the honest streams show the rest went on."""
+CONTAINED = frozenset({"OK", "INVALID_ARGUMENT"})
+"""A request at the edges of the bounds: answered, or refused naming its field."""
 
 SYSTEM_PROMPT = "You are a careful assistant. Answer in one short sentence and cite a source. " * 3
 """A popular prefix honest users send: the attacker pulls its blocks."""
