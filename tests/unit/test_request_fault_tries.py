@@ -79,6 +79,14 @@ async def _resume(t: Try):
     return t.result()
 
 
+async def _refused(setup) -> RequestError:
+    """The RequestError the client gets, once the router has settled."""
+    with pytest.raises(RequestError) as err:
+        await collect(setup)
+    await settle(setup)
+    return err.value
+
+
 def test_a_request_failed_on_one_worker_resumes_on_another():
     setup = make_backend([_stream_then_fail, _resume])
     health = Health(setup)
@@ -104,13 +112,7 @@ def test_a_request_failed_on_two_workers_fails_with_internal():
     setup = make_backend([fail_at_once, fail_at_once])
     Health(setup)
 
-    async def main():
-        with pytest.raises(RequestError) as err:
-            await collect(setup)
-        await settle(setup)
-        return err.value
-
-    err = run(main())
+    err = run(_refused(setup))
     first, second = setup.cluster.tries
     assert err.code == grpc.StatusCode.INTERNAL
     assert "failed in 2 tries" in str(err) and NAN in str(err)
@@ -136,13 +138,7 @@ def test_a_prefill_call_that_failed_the_request_counts_as_a_fault():
     setup = make_backend([prefill_fails, decode_fails])
     health = Health(setup)
 
-    async def main():
-        with pytest.raises(RequestError) as err:
-            await collect(setup)
-        await settle(setup)
-        return err.value
-
-    err = run(main())
+    err = run(_refused(setup))
     first, second = setup.cluster.tries
     assert err.code == grpc.StatusCode.INTERNAL
     assert "bad block" in str(err)
