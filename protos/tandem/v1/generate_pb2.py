@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fprotos/tandem/v1/generate.proto\x12\ttandem.v1\"\x15\n\x13GetModelInfoRequest\"o\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x15\n\rhas_tokenizer\x18\x04 \x01(\x08\x12\x12\n\nblock_size\x18\x05 \x01(\r\"\xd3\x04\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x17\n\nrequest_id\x18\x03 \x01(\tH\x00\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x04 \x01(\rH\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x07 \x01(\x05H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x08 \x01(\x02H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\t \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\n \x01(\x02H\x07\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x02H\x08\x88\x01\x01\x12\x11\n\x04seed\x18\x0c \x01(\x04H\t\x88\x01\x01\x12\x0c\n\x04stop\x18\r \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0e \x03(\x05\x12\x12\n\nignore_eos\x18\x0f \x01(\x08\x12\x15\n\x08logprobs\x18\x10 \x01(\rH\n\x88\x01\x01\x12\x17\n\ncache_salt\x18\x11 \x01(\tH\x0b\x88\x01\x01\x42\r\n\x0b_request_idB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x14\n\x12_frequency_penaltyB\x13\n\x11_presence_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobsB\r\n\x0b_cache_salt\"t\n\x10GenerateResponse\x12)\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x18.tandem.v1.GenerateChunkH\x00\x12)\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x18.tandem.v1.GenerateFinalH\x00\x42\n\n\x08response\"[\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12)\n\x08logprobs\x18\x03 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\"^\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12+\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x15.tandem.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\x80\x01\n\rGenerateFinal\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\x1f\n\x05usage\x18\x03 \x01(\x0b\x32\x10.tandem.v1.Usage\x12#\n\x07timings\x18\x04 \x01(\x0b\x32\x12.tandem.v1.Timings\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\"]\n\x07Timings\x12\x0e\n\x06ttft_s\x18\x01 \x01(\x01\x12\x13\n\x0bmean_tpot_s\x18\x02 \x01(\x01\x12\x16\n\x0eprefill_worker\x18\x03 \x01(\t\x12\x15\n\rdecode_worker\x18\x04 \x01(\t2\x95\x01\n\x06Tandem\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12\x44\n\x0cGetModelInfo\x12\x1e.tandem.v1.GetModelInfoRequest\x1a\x14.tandem.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fprotos/tandem/v1/generate.proto\x12\ttandem.v1\"\x15\n\x13GetModelInfoRequest\"o\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x15\n\rhas_tokenizer\x18\x04 \x01(\x08\x12\x12\n\nblock_size\x18\x05 \x01(\r\"\x91\x05\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x17\n\nrequest_id\x18\x03 \x01(\tH\x00\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x04 \x01(\rH\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x07 \x01(\x05H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x08 \x01(\x02H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\t \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\n \x01(\x02H\x07\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x02H\x08\x88\x01\x01\x12\x11\n\x04seed\x18\x0c \x01(\x04H\t\x88\x01\x01\x12\x0c\n\x04stop\x18\r \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0e \x03(\x05\x12\x12\n\nignore_eos\x18\x0f \x01(\x08\x12\x15\n\x08logprobs\x18\x10 \x01(\rH\n\x88\x01\x01\x12\x17\n\ncache_salt\x18\x11 \x01(\tH\x0b\x88\x01\x01\x12\x18\n\x10resume_token_ids\x18\x12 \x03(\x05\x12\x15\n\x08priority\x18\x13 \x01(\x05H\x0c\x88\x01\x01\x42\r\n\x0b_request_idB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x14\n\x12_frequency_penaltyB\x13\n\x11_presence_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobsB\r\n\x0b_cache_saltB\x0b\n\t_priority\"t\n\x10GenerateResponse\x12)\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x18.tandem.v1.GenerateChunkH\x00\x12)\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x18.tandem.v1.GenerateFinalH\x00\x42\n\n\x08response\"[\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12)\n\x08logprobs\x18\x03 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\"^\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12+\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x15.tandem.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\x80\x01\n\rGenerateFinal\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\x1f\n\x05usage\x18\x03 \x01(\x0b\x32\x10.tandem.v1.Usage\x12#\n\x07timings\x18\x04 \x01(\x0b\x32\x12.tandem.v1.Timings\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\"]\n\x07Timings\x12\x0e\n\x06ttft_s\x18\x01 \x01(\x01\x12\x13\n\x0bmean_tpot_s\x18\x02 \x01(\x01\x12\x16\n\x0eprefill_worker\x18\x03 \x01(\t\x12\x15\n\rdecode_worker\x18\x04 \x01(\t2\x95\x01\n\x06Tandem\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12\x44\n\x0cGetModelInfo\x12\x1e.tandem.v1.GetModelInfoRequest\x1a\x14.tandem.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,21 +36,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_MODELINFO']._serialized_start=69
   _globals['_MODELINFO']._serialized_end=180
   _globals['_GENERATEREQUEST']._serialized_start=183
-  _globals['_GENERATEREQUEST']._serialized_end=778
-  _globals['_GENERATERESPONSE']._serialized_start=780
-  _globals['_GENERATERESPONSE']._serialized_end=896
-  _globals['_GENERATECHUNK']._serialized_start=898
-  _globals['_GENERATECHUNK']._serialized_end=989
-  _globals['_TOKENLOGPROB']._serialized_start=991
-  _globals['_TOKENLOGPROB']._serialized_end=1085
-  _globals['_TOPLOGPROB']._serialized_start=1087
-  _globals['_TOPLOGPROB']._serialized_end=1134
-  _globals['_GENERATEFINAL']._serialized_start=1137
-  _globals['_GENERATEFINAL']._serialized_end=1265
-  _globals['_USAGE']._serialized_start=1267
-  _globals['_USAGE']._serialized_end=1347
-  _globals['_TIMINGS']._serialized_start=1349
-  _globals['_TIMINGS']._serialized_end=1442
-  _globals['_TANDEM']._serialized_start=1445
-  _globals['_TANDEM']._serialized_end=1594
+  _globals['_GENERATEREQUEST']._serialized_end=840
+  _globals['_GENERATERESPONSE']._serialized_start=842
+  _globals['_GENERATERESPONSE']._serialized_end=958
+  _globals['_GENERATECHUNK']._serialized_start=960
+  _globals['_GENERATECHUNK']._serialized_end=1051
+  _globals['_TOKENLOGPROB']._serialized_start=1053
+  _globals['_TOKENLOGPROB']._serialized_end=1147
+  _globals['_TOPLOGPROB']._serialized_start=1149
+  _globals['_TOPLOGPROB']._serialized_end=1196
+  _globals['_GENERATEFINAL']._serialized_start=1199
+  _globals['_GENERATEFINAL']._serialized_end=1327
+  _globals['_USAGE']._serialized_start=1329
+  _globals['_USAGE']._serialized_end=1409
+  _globals['_TIMINGS']._serialized_start=1411
+  _globals['_TIMINGS']._serialized_end=1504
+  _globals['_TANDEM']._serialized_start=1507
+  _globals['_TANDEM']._serialized_end=1656
 # @@protoc_insertion_point(module_scope)
