@@ -43,6 +43,9 @@ class WorkerInfo:
     host_id: str | None = None
     """Who can reach ``outputs_local`` (net/local_socket.py ``host_identity``):
     a router uses the socket only when its own identity is this one."""
+    eos_token_ids: tuple[int, ...] = ()
+    """The engine's end-of-sequence tokens (the model's and its tokenizer's):
+    the router checks a client's resumed tokens against them (router/resume.py)."""
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,12 @@ class GenerateInput:
     cache_salt: bytes = b""
     """The request's prefix-cache domain (router/tenancy.py), mixed into every
     block hash; empty: the default domain."""
+    resume_token_ids: list[int] = field(default_factory=list)
+    """Tokens a client already received from a router it lost (router/resume.py):
+    generation goes on after them, and they count as completion tokens."""
+    resumed_finish: str | None = None
+    """The finish reason ``resume_token_ids`` already reached: the request ends
+    at once, with no new token. None: it goes on."""
 
 
 @dataclass
@@ -92,6 +98,7 @@ class Backend(Protocol):
     max_model_len: int  # known once started
     vocab_size: int  # known once started
     block_size: int  # tokens per KV-cache block
+    eos_token_ids: frozenset[int]  # the model's end tokens, known once started
 
     def generate(self, inp: GenerateInput) -> AsyncIterator[TokenDelta | GenerateResult]:
         """Yields deltas, then one GenerateResult. Closing the iterator early

@@ -33,6 +33,7 @@ from .backend import Backend, GenerateInput, GenerateResult, TokenDelta
 from .limits import RequestLimits
 from .messages import RequestError
 from .metrics import RouterMetrics
+from .resume import finished_at_once
 from .tenancy import CacheDomains
 
 STARTING = "the server is starting"
@@ -166,7 +167,10 @@ class Call:
         """The backend's deltas, then its result, with latencies recorded."""
         assert self.inp is not None, "claim() first"
         metrics = self.lifecycle.metrics
-        items = self.lifecycle.backend.generate(self.inp)
+        if self.inp.resumed_finish is not None:  # its resumed tokens ended it
+            items = finished_at_once(self.inp)
+        else:
+            items = self.lifecycle.backend.generate(self.inp)
         last = self.start
         try:
             async for item in items:

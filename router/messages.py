@@ -15,6 +15,7 @@ from protos.tandem.v1 import generate_pb2 as pb
 
 from .backend import Backend, GenerateInput, GenerateResult, TokenDelta
 from .limits import RequestLimits, prompt_byte_limit
+from .resume import resume_token_ids
 from .tenancy import CacheDomains, Tenant, check_client_salt
 
 DEFAULT_MAX_TOKENS = 16  # vLLM's default when a request leaves max_tokens unset
@@ -164,15 +165,37 @@ async def to_generate_input(
     limits: RequestLimits | None = None,
 ) -> GenerateInput:
     """Validate and tokenize a request received at ``received_s`` (perf_counter;
-    None: now) from ``tenant`` (None: none, under a random salt key). Raises
-    RequestError (INVALID_ARGUMENT)."""
+    None: now) from ``tenant`` (None: none, under a random salt key), with the
+    tokens of a resumed stream checked. Raises RequestError (INVALID_ARGUMENT)."""
     rid = request_id_of(request)
     params = sampling_params(request, backend, limits)
     salt = cache_salt_of(request, tenant or CacheDomains().tenant(None))
     ids = await prompt_token_ids(request, backend)
-    if received_s is None:
-        return GenerateInput(request_id=rid, prompt_token_ids=ids, params=params, cache_salt=salt)
-    return GenerateInput(rid, ids, params, received_s, salt)
+    resumed, finish = resumed_tokens(request, ids, params, backend)
+    timing = {} if received_s is None else {"received_s": received_s}
+    return GenerateInput(
+        rid, ids, params, cache_salt=salt, resume_token_ids=resumed, resumed_finish=finish,
+        **timing,
+    )  # fmt: skip
+
+
+def resumed_tokens(
+    request: pb.GenerateRequest, prompt: list[int], params: SamplingParams, backend: Backend
+) -> tuple[list[int], str | None]:
+    """The checked ``resume_token_ids`` (router/resume.py) and the finish reason
+    they already reach (None: none)."""
+    try:
+        return resume_token_ids(
+            request,
+            prompt,
+            params,
+            vocab_size=backend.vocab_size,
+            max_model_len=backend.max_model_len,
+            eos_token_ids=backend.eos_token_ids,
+            tokenizer=backend.tokenizer,
+        )
+    except ValueError as e:
+        raise invalid_argument(str(e)) from None
 
 
 def chunk_message(delta: TokenDelta) -> pb.GenerateResponse:

@@ -1,5 +1,6 @@
 """What the router measures and remembers of one request across its tries:
-the tokens streamed so far (a failover resumes after them), timings, counts."""
+the tokens streamed so far (a failover resumes after them; a client's resume
+starts with those it received), timings, counts."""
 
 from __future__ import annotations
 
@@ -16,8 +17,10 @@ class Progress:
         self.workers = ("", "")
         self.start = inp.received_s
         self.first_time = self.last_time = 0.0
-        self.token_ids: list[int] = []  # streamed to the client, in order
-        self.num_output = 0
+        # Streamed to the client, in order: by an earlier router first (a
+        # client's resume, router/resume.py), then by this one.
+        self.token_ids: list[int] = list(inp.resume_token_ids)
+        self.num_output = len(self.token_ids)
         self.cached: int | None = None  # prompt tokens found cached, by the first try
         self.transfer: tuple[int, float] | None = None  # (bytes, seconds) of the last KV push
 

@@ -86,6 +86,7 @@ class RayBackend:
         self.tokenizer = None
         self.max_model_len = 0  # these two once the workers are up
         self.vocab_size = 0
+        self.eos_token_ids: frozenset[int] = frozenset()
         self.retry = RetryPolicy(config.tuning.max_attempts)
         self.failover = FailoverStats()
         transfer = config.transfer_config()
@@ -120,6 +121,7 @@ class RayBackend:
         self.tokenizer = await asyncio.to_thread(self._load_tokenizer, info.model_dir)
         self.max_model_len = min(w.info.max_model_len for w in workers)
         self.vocab_size = info.vocab_size
+        self.eos_token_ids = frozenset(info.eos_token_ids)
         self.index = self._make_index(info.model_fingerprint)
         self.routing = PrefixRouter(
             self.index,

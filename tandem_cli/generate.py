@@ -12,11 +12,12 @@ from protos.tandem.v1 import generate_pb2 as pb
 from router.client import TandemClient
 from tandem_cli.tls_ca import read_tls_ca
 
-# Every GenerateRequest field but the prompt is a flag of the same name.
+# Every GenerateRequest field but the prompt is a flag of the same name (the
+# client sets resume_token_ids itself when it moves a stream to another router).
 SAMPLING_ARGS = tuple(
     f.name
     for f in pb.GenerateRequest.DESCRIPTOR.fields
-    if f.name not in ("prompt", "prompt_token_ids")
+    if f.name not in ("prompt", "prompt_token_ids", "resume_token_ids")
 )
 
 
@@ -25,11 +26,15 @@ def command(args: argparse.Namespace) -> int:
         print("tandem generate: give a prompt or --prompt-token-ids (not both)", file=sys.stderr)
         return 2
     prompt = args.prompt if args.prompt is not None else args.prompt_token_ids
-    sampling = {name: getattr(args, name) for name in SAMPLING_ARGS}
+    targets = [t.strip() for t in args.target.split(",") if t.strip()]
+    if not targets:
+        print("tandem generate: --target needs a router address", file=sys.stderr)
+        return 2
+    sampling = {name: getattr(args, name, None) for name in SAMPLING_ARGS}
     ca = read_tls_ca(args.tls_ca)
     wrote: list[str] = []
     try:
-        final = asyncio.run(_stream(args.target, args.timeout, ca, prompt, sampling, wrote))
+        final = asyncio.run(_stream(targets, args.timeout, ca, prompt, sampling, wrote))
     except grpc.aio.AioRpcError as e:
         if wrote:  # end the partial output's line
             print(flush=True)
@@ -42,7 +47,7 @@ def command(args: argparse.Namespace) -> int:
 
 
 async def _stream(
-    target: str,
+    targets: list[str],
     timeout_s: float | None,
     ca: bytes | None,
     prompt: str | list[int],
@@ -51,7 +56,7 @@ async def _stream(
 ) -> pb.GenerateFinal:
     out = sys.stdout
     logprobs: list[pb.TokenLogprob] = []
-    async with TandemClient(target, timeout_s, root_certificates=ca) as client:
+    async with TandemClient(targets, timeout_s, root_certificates=ca) as client:
         async for response in client.generate(prompt, **sampling):
             if response.HasField("chunk"):
                 out.write(response.chunk.text)

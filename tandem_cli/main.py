@@ -21,7 +21,13 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
         metavar="ID,ID,...",
         help="send token ids instead of text",
     )
-    p.add_argument("--target", default=DEFAULT_TARGET, help="router address (%(default)s)")
+    p.add_argument(
+        "--target",
+        default=DEFAULT_TARGET,
+        metavar="ADDR[,ADDR...]",
+        help="router address (%(default)s), or several: a stream whose router is lost "
+        "goes on at the next one",
+    )
     p.add_argument("--timeout", type=float, metavar="S", help="deadline for the whole request")
     p.add_argument("--request-id")
     p.add_argument("--max-tokens", type=int)

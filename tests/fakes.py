@@ -19,7 +19,7 @@ class FakeTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(text.encode())
 
-    def decode(self, token_ids: list[int]) -> str:
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
         return bytes(token_ids).decode(errors="replace")
 
 
@@ -32,7 +32,10 @@ class FakeBackend:
     is set; ``start_gate`` holds ``start()``. ``fail_after`` raises after
     that many deltas; ``fail_every`` n makes every n-th request (the n-th,
     2n-th, ...) raise before its first delta. Requests whose stream is closed before it finished
-    land in ``aborted``, the others in ``finished``.
+    land in ``aborted``, the others in ``finished``. A resumed request
+    (``resume_token_ids``) goes on from token ``len(resume_token_ids)``, as
+    the same request uninterrupted would have; ``eos_token_ids`` end nothing
+    here (the router checks resumed tokens against them).
     """
 
     def __init__(
@@ -51,12 +54,14 @@ class FakeBackend:
         fail_after: int | None = None,
         fail_every: int | None = None,
         end_without_result: bool = False,
+        eos_token_ids: tuple[int, ...] = (),
     ) -> None:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.block_size = block_size
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.words = words
         self.delay_s = delay_s
         self.gate = gate
@@ -108,7 +113,7 @@ class FakeBackend:
                 await self.gate.wait()
             if scripted_failure:
                 raise RuntimeError(f"scripted failure (fail_every={self.fail_every})")
-            for i in range(params.max_tokens):
+            for i in range(len(inp.resume_token_ids), params.max_tokens):
                 if i == self.pause_after:
                     await self.resume.wait()
                 if self.fail_after is not None and i >= self.fail_after:

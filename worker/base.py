@@ -152,6 +152,7 @@ class EngineWorker:
             outputs=self.outputs.address if self.outputs is not None else None,
             outputs_local=local or None,
             host_id=host_identity() if local else None,  # who can reach outputs_local
+            eos_token_ids=tuple(sorted(engine.eos_token_ids)),
         )
 
     def stats(self) -> WorkerStats:
