@@ -3,8 +3,9 @@
 Field names and defaults follow OpenAI's API; tandem's extensions (the same
 names as the gRPC ``GenerateRequest``) are ``top_k``, ``min_p``,
 ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``,
-``return_token_ids`` (adds each chunk's ``token_ids`` to its choice) and
-``cache_salt`` (vLLM's prefix-cache domain).
+``return_token_ids`` (adds each chunk's ``token_ids`` to its choice),
+``cache_salt`` (vLLM's prefix-cache domain) and ``resume_token_ids`` (go on
+after the tokens a broken stream delivered: router/resume.py).
 Unknown fields are ignored, as OpenAI clients often send a few extra.
 """
 
@@ -53,6 +54,9 @@ class SamplingFields(BaseModel):
     return_token_ids: bool = False
     cache_salt: str | None = None
     """Prefix-cache domain (vLLM's name and type); checked with the gRPC field's rules."""
+    resume_token_ids: list[TokenId] | None = None
+    """The token ids a broken stream of this request delivered: the router
+    generates after them (checked with the gRPC field's rules)."""
 
     @property
     def include_usage(self) -> bool:

@@ -9,6 +9,7 @@ import contextlib
 from collections.abc import AsyncIterator
 
 import grpc
+import openai
 import pytest
 
 from protos.tandem.v1 import generate_pb2 as pb
@@ -205,5 +206,36 @@ def test_resumed_tokens_that_do_not_end_it_go_on(sampling):
         assert done.usage.completion_tokens == 4
         [inp] = backend.inputs
         assert inp.resume_token_ids == resumed and inp.resumed_finish is None
+
+    asyncio.run(body())
+
+
+# ---- the HTTP front's extension ----------------------------------------------
+
+
+def test_http_completions_resume_after_the_tokens_given():
+    from tests.http_helpers import MODEL, sdk, serving
+
+    async def body():
+        backend = _resume_backend()
+        async with serving(backend) as server:
+            client = sdk(server)
+            done = await client.completions.create(
+                model=MODEL,
+                prompt=[1, 2, 3],
+                max_tokens=4,
+                extra_body={"resume_token_ids": [0, 1], "return_token_ids": True},
+            )
+            with pytest.raises(openai.BadRequestError) as info:
+                await client.completions.create(
+                    model=MODEL,
+                    prompt=[1, 2],
+                    max_tokens=1,
+                    extra_body={"resume_token_ids": [1, 2]},
+                )
+        assert done.choices[0].text == " gamma delta"  # tokens 2 and 3
+        assert done.usage.completion_tokens == 4
+        assert backend.inputs[0].resume_token_ids == [0, 1]
+        assert "resume_token_ids has 2 tokens, more than max_tokens (1)" in str(info.value)
 
     asyncio.run(body())
