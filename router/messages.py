@@ -6,6 +6,7 @@ Every refusal is a ``RequestError`` whose message names the offending field.
 from __future__ import annotations
 
 import asyncio
+import functools
 import uuid
 
 import grpc
@@ -21,6 +22,7 @@ from .tenancy import CacheDomains, Tenant, check_client_salt
 DEFAULT_MAX_TOKENS = 16  # vLLM's default when a request leaves max_tokens unset
 MAX_REQUEST_ID_CHARS = 256
 _TOKENIZE_IN_THREAD_CHARS = 16_384  # longer prompts are tokenized off the event loop
+_DETOKENIZE_IN_THREAD_TOKENS = 1024  # more resumed tokens with stop strings: off the loop too
 SAMPLING_FIELDS = (  # proto fields with explicit presence, same names as SamplingParams
     "max_tokens",
     "temperature",
@@ -171,7 +173,7 @@ async def to_generate_input(
     params = sampling_params(request, backend, limits)
     salt = cache_salt_of(request, tenant or CacheDomains().tenant(None))
     ids = await prompt_token_ids(request, backend)
-    resumed, finish = resumed_tokens(request, ids, params, backend)
+    resumed, finish = await resumed_tokens(request, ids, params, backend)
     timing = {} if received_s is None else {"received_s": received_s}
     return GenerateInput(
         rid, ids, params, cache_salt=salt, resume_token_ids=resumed, resumed_finish=finish,
@@ -179,21 +181,26 @@ async def to_generate_input(
     )  # fmt: skip
 
 
-def resumed_tokens(
+async def resumed_tokens(
     request: pb.GenerateRequest, prompt: list[int], params: SamplingParams, backend: Backend
 ) -> tuple[list[int], str | None]:
     """The checked ``resume_token_ids`` (router/resume.py) and the finish reason
-    they already reach (None: none)."""
+    they already reach (None: none); many of them under stop strings are
+    detokenized off the event loop."""
+    check = functools.partial(
+        resume_token_ids,
+        request,
+        prompt,
+        params,
+        vocab_size=backend.vocab_size,
+        max_model_len=backend.max_model_len,
+        eos_token_ids=backend.eos_token_ids,
+        tokenizer=backend.tokenizer,
+    )
     try:
-        return resume_token_ids(
-            request,
-            prompt,
-            params,
-            vocab_size=backend.vocab_size,
-            max_model_len=backend.max_model_len,
-            eos_token_ids=backend.eos_token_ids,
-            tokenizer=backend.tokenizer,
-        )
+        if params.stop and len(request.resume_token_ids) > _DETOKENIZE_IN_THREAD_TOKENS:
+            return await asyncio.to_thread(check)
+        return check()
     except ValueError as e:
         raise invalid_argument(str(e)) from None
 

@@ -239,3 +239,17 @@ def test_http_completions_resume_after_the_tokens_given():
         assert "resume_token_ids has 2 tokens, more than max_tokens (1)" in str(info.value)
 
     asyncio.run(body())
+
+
+def test_tandem_generate_takes_several_targets(capsys):
+    from tandem_cli.main import main
+    from tests.fakes import RouterInThread
+
+    backend = FakeBackend(tokenizer=FakeTokenizer())
+    with RouterInThread(backend) as router:
+        argv = ["generate", "hi", "--target", f"{UNREACHABLE},{router.address}"]
+        code = main([*argv, "--max-tokens", "3", "--timeout", "30"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert out == " alpha beta gamma\n"
+    assert main(["generate", "hi", "--target", " , "]) == 2
