@@ -253,3 +253,36 @@ def test_tandem_generate_takes_several_targets(capsys):
     assert code == 0, err
     assert out == " alpha beta gamma\n"
     assert main(["generate", "hi", "--target", " , "]) == 2
+
+
+@pytest.mark.parametrize(
+    ("code", "resumed", "lost"),
+    [
+        (grpc.StatusCode.UNAVAILABLE, False, True),  # a dead router, a drain's cut
+        (grpc.StatusCode.CANCELLED, False, True),  # cancelled by the other side
+        (grpc.StatusCode.ALREADY_EXISTS, True, True),  # the broken call still ending there
+        (grpc.StatusCode.ALREADY_EXISTS, False, False),  # the caller's id is taken
+        (grpc.StatusCode.INVALID_ARGUMENT, True, False),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, False, False),
+        (grpc.StatusCode.DEADLINE_EXCEEDED, True, False),
+        (grpc.StatusCode.INTERNAL, False, False),
+    ],
+)
+def test_which_failures_move_a_request_to_the_next_router(code, resumed, lost):
+    from router.client_failover import router_lost
+
+    assert router_lost(grpc.aio.AioRpcError(code, details="x"), resumed) is lost
+
+
+def test_leaving_the_loop_early_is_not_a_lost_router():
+    async def body():
+        first, second = FakeBackend(pause_after=2), FakeBackend()
+        async with routers(first, second) as servers:
+            client = TandemClient([s.address for s in servers])
+            async with client:
+                async for _ in client.generate([1, 2], max_tokens=MAX_TOKENS):
+                    break
+                await first.wait_for(lambda b: b.aborted, WAIT_S)
+        assert second.inputs == []
+
+    asyncio.run(body())
