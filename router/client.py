@@ -141,7 +141,9 @@ class TandemClient:
         max_attempts: int | None = None,
     ) -> None:
         """``target``: a router's ``host:port``, or several (routers of one
-        deployment), tried in turn. ``timeout_s`` bounds a request over all its
+        deployment): new requests start at each in turn (round robin), and a
+        request whose router is lost moves to the next. ``timeout_s`` bounds a
+        request over all its
         tries. ``api_key``: sent as ``authorization: Bearer``, else
         $TANDEM_API_KEY. ``root_certificates`` (PEM): talk TLS to routers
         serving it, trusting that CA. ``options``: extra gRPC channel options.
