@@ -28,6 +28,9 @@ class GenerateInput:
     cache_salt: bytes = b""
     """The request's prefix-cache domain (router/tenancy.py), mixed into every
     block hash; empty: the default domain."""
+    priority: int = 0
+    """Its place in the router's admission queue (router/admission.py): higher
+    first, first come first served within a priority."""
 
 
 @dataclass

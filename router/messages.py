@@ -170,9 +170,12 @@ async def to_generate_input(
     params = sampling_params(request, backend, limits)
     salt = cache_salt_of(request, tenant or CacheDomains().tenant(None))
     ids = await prompt_token_ids(request, backend)
+    priority = request.priority if request.HasField("priority") else 0
     if received_s is None:
-        return GenerateInput(request_id=rid, prompt_token_ids=ids, params=params, cache_salt=salt)
-    return GenerateInput(rid, ids, params, received_s, salt)
+        return GenerateInput(
+            request_id=rid, prompt_token_ids=ids, params=params, cache_salt=salt, priority=priority
+        )
+    return GenerateInput(rid, ids, params, received_s, salt, priority)
 
 
 def chunk_message(delta: TokenDelta) -> pb.GenerateResponse:

@@ -58,6 +58,8 @@ def _sampling(body: SamplingFields, request_id: str) -> pb.GenerateRequest:
         _extend(request, "stop_token_ids", body.stop_token_ids)
     if body.cache_salt is not None:
         request.cache_salt = body.cache_salt
+    if body.priority is not None:
+        request.priority = body.priority
     return request
 
 

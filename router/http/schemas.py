@@ -4,7 +4,8 @@ Field names and defaults follow OpenAI's API; tandem's extensions (the same
 names as the gRPC ``GenerateRequest``) are ``top_k``, ``min_p``,
 ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``,
 ``return_token_ids`` (adds each chunk's ``token_ids`` to its choice) and
-``cache_salt`` (vLLM's prefix-cache domain).
+``cache_salt`` (vLLM's prefix-cache domain) and ``priority`` (the admission
+queue's order, higher first).
 Unknown fields are ignored, as OpenAI clients often send a few extra.
 """
 
@@ -53,6 +54,9 @@ class SamplingFields(BaseModel):
     return_token_ids: bool = False
     cache_salt: str | None = None
     """Prefix-cache domain (vLLM's name and type); checked with the gRPC field's rules."""
+    priority: int | None = Field(None, ge=-INT32_MAX - 1, le=INT32_MAX, strict=True)
+    """Order in the router's admission queue while no decode worker has room: higher
+    first, first come first served within a priority; None: 0."""
 
     @property
     def include_usage(self) -> bool:
