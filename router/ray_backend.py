@@ -482,7 +482,7 @@ class RayBackend:
             raise RequestError(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"the request needs {blocks_for(len(tokens) + 1, bs)} KV blocks; the largest "
-                f"decode worker holds {largest} (engine.num_kv_blocks)",
+                f"decode worker holds {largest} (engine.kv_cache_memory_mb)",
             )
         longest = longest_blocks(
             len(inp.prompt_token_ids), inp.params.max_tokens, self.max_model_len, bs
