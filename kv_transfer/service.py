@@ -11,7 +11,8 @@ ended; without a handler it waits, leased, for ``claim``.
 A push whose blocks do not fit now (the pool is full, or a decode worker's
 reserve for its running sequences says no: ``NoRoom``) waits for room,
 its lease renewed, for at most ``lease_s``, and is tried again whenever
-``notify_room`` says blocks were freed; only then RESOURCE_EXHAUSTED.
+``notify_room`` says blocks were freed; only then RESOURCE_EXHAUSTED (at
+once for more blocks than the whole pool).
 
 Every transfer needs the router's grant for it (net/grants.py), made out to
 this server's address (``identity``) and checked before any block is
@@ -247,6 +248,12 @@ class IncomingPush:
                 return self.receiver.on_message(msg)
             except NoRoom as exc:
                 left = deadline - time.monotonic()
+                total = service.store.pool.num_blocks
+                if exc.blocks > total:  # it could never fit
+                    self._forget()
+                    raise TransferError(
+                        exc.code, f"{exc.message}: the whole pool holds {total}"
+                    ) from None
                 if left <= 0 or self.expired:
                     self._forget()
                     raise TransferError(
