@@ -80,6 +80,8 @@ class KVTransferService:
         self._refused: dict[str, float] = {}  # discarded request id -> until when
         self._reaper: asyncio.Task[None] | None = None
         self._room = asyncio.Event()  # set (and replaced) when blocks were freed
+        self.wait_for_room = True
+        """False: a push that does not fit is refused at once (benchkit's baseline)."""
         self.num_room_waits = 0  # pushes that waited for room (stats)
 
     def notify_room(self) -> None:
@@ -254,7 +256,7 @@ class IncomingPush:
                     raise TransferError(
                         exc.code, f"{exc.message}: the whole pool holds {total}"
                     ) from None
-                if left <= 0 or self.expired:
+                if left <= 0 or self.expired or not service.wait_for_room:
                     self._forget()
                     raise TransferError(
                         exc.code, f"{exc.message} after waiting {bound_s:g} s (transfer.lease_s)"
