@@ -11,7 +11,9 @@ default model: about four of these requests at a time), so each burst
 fills the pool and it drains during the gap. Every request is greedy,
 with a fresh prompt (no prefix-cache hits). Prints each path's TTFT p50
 and p99 (client-side, to the first token) and its failed requests by
-status, the ratio of the p99s (retry / queueing), then one JSON line.
+status, its tries retried, the decode workers' preemptions and the end to
+end p99; the ratio of the TTFT p99s (retry / queueing); then one JSON line.
+Failed requests have no TTFT: a path that fails requests looks faster.
 """
 
 from __future__ import annotations
@@ -46,19 +48,22 @@ CONFIG = ServeConfig(
 GREEDY = {"temperature": 0, "max_tokens": 16, "ignore_eos": True}
 
 
-async def _one(client: TandemClient, prompt: list[int]) -> tuple[float | None, str]:
+Result = tuple[float | None, float | None, str]  # (TTFT, end to end, status)
+
+
+async def _one(client: TandemClient, prompt: list[int]) -> Result:
     start = time.perf_counter()
     ttft = None
     try:
         async for response in client.generate(prompt, **GREEDY):
             if ttft is None and response.HasField("chunk"):
                 ttft = time.perf_counter() - start
-        return ttft, "OK"
+        return ttft, time.perf_counter() - start, "OK"
     except grpc.aio.AioRpcError as exc:
-        return None, exc.code().name
+        return None, None, exc.code().name
 
 
-async def _load(address: str, args, seed: int) -> list[tuple[float | None, str]]:
+async def _load(address: str, args, seed: int) -> list[Result]:
     results = []
     async with TandemClient(address) as client:
         for b in range(args.bursts):
@@ -73,16 +78,23 @@ async def _load(address: str, args, seed: int) -> list[tuple[float | None, str]]
 
 def _measure(name: str, deployment: Deployment, args, seed: int) -> dict:
     try:
+        before = deployment.worker_stats()
         results = asyncio.run(_load(deployment.address, args, seed))
+        after = deployment.worker_stats()
+        retries = deployment.backend.failover.retries
     finally:
         deployment.stop()
-    ttfts = [t for t, code in results if t is not None]
-    failed = collections.Counter(code for _, code in results if code != "OK")
+    ttfts = [t for t, _, _ in results if t is not None]
+    e2e = [e for _, e, _ in results if e is not None]
+    failed = collections.Counter(code for _, _, code in results if code != "OK")
     row = {
         "requests": len(results),
         "failed": dict(failed),
+        "retries": retries,
+        "preemptions": sum(s.num_preemptions - before[n].num_preemptions for n, s in after.items()),
         "ttft_p50_s": round(percentile(ttfts, 50), 4) if ttfts else None,
         "ttft_p99_s": round(percentile(ttfts, 99), 4) if ttfts else None,
+        "e2e_p99_s": round(percentile(e2e, 99), 4) if e2e else None,
     }
     print(f"{name:9s} {row}")
     return row
