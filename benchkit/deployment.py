@@ -22,17 +22,21 @@ from tandem_cli.serve import server_for
 
 class Deployment:
     def __init__(
-        self, config: ServeConfig, actor_classes: Mapping[str, type] | None = None
+        self,
+        config: ServeConfig,
+        actor_classes: Mapping[str, type] | None = None,
+        backend_cls: type[RayBackend] = RayBackend,
     ) -> None:
         """``actor_classes``: Ray actor classes to run instead of a pool's own, by
         pool: "prefill" (a PrefillActor subclass) or "decode" (a DecodeActor
         subclass, for colocated workers too); router/pool_manager.py
-        ``WorkerPool.actor_cls``. The chaos tests inject transfer faults so."""
+        ``WorkerPool.actor_cls``. The chaos tests inject transfer faults so.
+        ``backend_cls``: a RayBackend subclass (a benchmark's baseline)."""
         self.config = config
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._thread.start()
-        self.backend = RayBackend(config)
+        self.backend = backend_cls(config)
         for pool, cls in (actor_classes or {}).items():
             if pool not in ("prefill", "decode"):
                 raise ValueError(f"no {pool!r} pool (prefill, decode)")

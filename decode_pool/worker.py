@@ -9,6 +9,11 @@ first frame of its router's output stream: every token of a request reaches
 the router by that one stream (worker/output_channel.py), with this
 worker's cache events. ``start_full`` prefills
 here instead (colocated mode, or a short tail after a cached prefix).
+
+Pushes and new requests take blocks through the worker's reserve
+(decode_pool/reserve.py), so none of them can make a running sequence
+short; a push that does not fit waits for room. The room left is reported
+to every router on the output streams whenever it changes.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from collections.abc import Callable
 import grpc
 
 from block_index import IndexSettings
+from decode_pool.reserve import PushReserve
 from engine.config import EngineConfig
 from engine.detokenizer import stop_matcher
 from engine.llm_engine import LLMEngine
@@ -31,7 +37,8 @@ from kv_transfer import CommittedPush, GrpcKVServer, TransferConfig, TransferErr
 from protocol.decode_start import BadStart, DecodeStart
 from protocol.outputs import RequestOutput
 from protocol.requests import DecodeRequest
-from protocol.workers import WorkerInfo
+from protocol.workers import WorkerInfo, WorkerStats
+from protos.tandem.v1 import worker_pb2
 from worker.base import EngineWorker
 from worker.logfmt import log_event
 
@@ -55,6 +62,10 @@ class DecodeWorker(EngineWorker):
         # request id -> when to forget it: aborted requests, so that a call for
         # one that arrives late (the router gave up on a hung try) is refused.
         self._aborted: dict[str, float] = {}
+        self.reserve = PushReserve(self.engine, self.transfer.lease_s)
+        self.pool_store.admit = self.reserve.admit
+        self.loop.after_pass = self._report_room
+        self._room: int | None = None  # as last reported (engine thread)
 
     async def start(self) -> None:
         self.open_outputs(self.host, self.transfer)
@@ -87,6 +98,8 @@ class DecodeWorker(EngineWorker):
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"router {start.router_id} has no open output stream here",
             )
+        with self.loop.lock:
+            self.reserve.expect(request_id, start)
 
     def committed(self, push: CommittedPush) -> None:
         """Start a pushed request: its first token is the first frame of its
@@ -112,6 +125,7 @@ class DecodeWorker(EngineWorker):
 
         def begin(engine) -> None:
             out = first
+            self.reserve.started(rid)  # the scheduler counts it from here
             try:
                 if first.finished:
                     engine.block_pool.release_held([push.blocks])
@@ -131,6 +145,26 @@ class DecodeWorker(EngineWorker):
             self.publish_outputs([out])  # with the cache events of the commit
 
         self._on_engine(begin)
+
+    def stats(self) -> WorkerStats:
+        return dataclasses.replace(
+            super().stats(), num_push_preemptions=self.reserve.num_push_preemptions
+        )
+
+    def _report_room(self) -> None:
+        """After each pass of the engine loop: the KV room to the routers when
+        it changed, and a wake-up for pushes waiting for room when it grew."""
+        with self.loop.lock:
+            room = self.reserve.room()
+            total = self.engine.block_pool.num_blocks
+        if room == self._room or self.outputs is None:
+            return
+        grew = self._room is None or room > self._room
+        self._room = room
+        self.publish_outputs([], worker_pb2.KVRoom(free_blocks=room, total_blocks=total))
+        if grew and self._aio is not None:
+            with contextlib.suppress(RuntimeError):  # the event loop is closed
+                self._aio.call_soon_threadsafe(self.kv_server.service.notify_room)
 
     def _on_engine(self, fn: Callable[[LLMEngine], object]) -> None:
         """Run ``fn`` on the engine thread; its failure is logged, not lost."""

@@ -34,8 +34,12 @@ class EngineLoop:
         on_outputs: Callable[[list[RequestOutput]], None],
         name: str = "engine",
         on_cache_events: Callable[[list[bytes], list[bytes]], None] | None = None,
+        after_pass: Callable[[], None] | None = None,
     ) -> None:
+        """``after_pass``: called on the engine thread after every pass of the
+        loop (a step, or the calls run while idle), outside ``lock``."""
         self.engine = engine
+        self.after_pass = after_pass
         self.lock = threading.RLock()
         self._on_outputs = on_outputs
         self._on_cache_events = on_cache_events
@@ -88,6 +92,8 @@ class EngineLoop:
                 self._on_cache_events(stored, removed)
             if outputs:
                 self._on_outputs(outputs)
+            if self.after_pass is not None:
+                self.after_pass()
             if not busy:
                 self._wake.wait(timeout=0.1)
                 self._wake.clear()

@@ -14,11 +14,19 @@ continuous batching are the same loop:
    cache).
 2. If nothing was preempted, waiting sequences are admitted in order,
    reusing the longest cached prefix, while budget and blocks last.
+
+With the growth reserve on (``reserve_growth``, a decode worker's engine),
+a sequence is admitted only if the blocks left after it cover what every
+running sequence still needs to reach its longest possible length (its
+max_tokens, within max_model_len) plus what ``external_reserve`` names
+(pushes in flight): ``room()`` is what is left beyond that. Admissions then
+never cause a preemption: every running sequence can grow to its end.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.block_pool import BlockPool
@@ -50,6 +58,37 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.reserve_growth = False  # see the module docstring; enable_growth_reserve()
+        self.max_model_len = 0
+        self.external_reserve: Callable[[], int] = lambda: 0
+        self.on_preempt: Callable[[Sequence], None] | None = None  # the worker's counters
+
+    def enable_growth_reserve(self, max_model_len: int, external: Callable[[], int]) -> None:
+        """Admit only what leaves every running sequence room to finish;
+        ``external()``: blocks promised elsewhere (called under the pool's lock)."""
+        self.reserve_growth = True
+        self.max_model_len = max_model_len
+        self.external_reserve = external
+
+    def final_blocks(self, num_tokens: int, max_tokens: int, prefill_only: bool = False) -> int:
+        """Blocks a request of ``num_tokens`` prompt tokens holds at its longest
+        (the last token sampled is never computed), at most the whole pool."""
+        longest = num_tokens if prefill_only else num_tokens + max_tokens - 1
+        if self.max_model_len:
+            longest = min(longest, self.max_model_len)
+        return min(-(-longest // self.block_size), self.pool.num_blocks)
+
+    def seq_final_blocks(self, seq: Sequence) -> int:
+        return self.final_blocks(len(seq.prompt_token_ids), seq.params.max_tokens, seq.prefill_only)
+
+    def growth_reserve(self) -> int:
+        """Blocks the running sequences still need to reach their longest."""
+        return sum(max(0, self.seq_final_blocks(s) - len(s.block_table)) for s in self.running)
+
+    def room(self) -> int:
+        """Blocks a new request may take without leaving a running sequence
+        short (negative: the promises exceed what is free)."""
+        return self.pool.num_free - self.growth_reserve() - self.external_reserve()
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
@@ -130,6 +169,9 @@ class Scheduler:
         seq.block_table = list(matched)
         seq.block_hashes = hashes[: len(matched)]
         seq.num_computed = len(matched) * self.block_size
+        if self.reserve_growth and self.seq_final_blocks(seq) - len(matched) > self.room():
+            self.free_blocks(seq)
+            return 0
         n = min(seq.num_tokens - seq.num_computed, budget)
         blocks = self.pool.allocate(seq.holder, self._blocks_needed(seq, n))
         if blocks is None:
@@ -146,3 +188,5 @@ class Scheduler:
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+        if self.on_preempt is not None:
+            self.on_preempt(seq)

@@ -47,6 +47,18 @@ class TransferError(Exception):
         return (type(self), (self.code, self.message))
 
 
+class NoRoom(TransferError):
+    """A header's blocks do not fit now. The receiver holds nothing and stays
+    pending: the same header may be applied again once blocks are freed."""
+
+    def __init__(self, blocks: int) -> None:
+        super().__init__(grpc.StatusCode.RESOURCE_EXHAUSTED, f"no room for {blocks} blocks")
+        self.blocks = blocks
+
+    def __reduce__(self):
+        return (type(self), (self.blocks,))
+
+
 @dataclass(frozen=True)
 class TransferConfig:
     """Knobs shared by the servers and clients of every mover."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -54,6 +54,9 @@ class PoolBlockStore:
         self._half_block_bytes = self.layout.block_bytes_per_layer // 2  # K or V of one block
         self._device = cache.layers[0].device
         self._copies = _CopyStream(self._device)
+        self.admit: Callable[[Holder, int], bool] | None = None
+        """When set (a decode worker's reserve), ``reserve`` takes blocks only
+        if ``admit(holder, n)``, called under ``lock``."""
 
     @property
     def num_free(self) -> int:
@@ -68,6 +71,8 @@ class PoolBlockStore:
 
     def reserve(self, holder: Holder, n: int) -> list[int] | None:
         with self.lock:
+            if self.admit is not None and not self.admit(holder, n):
+                return None
             return self.pool.allocate(holder, n)
 
     def write(self, block_ids: Sequence[int], layer_start: int, data: memoryview) -> None:

@@ -32,7 +32,7 @@ from engine.block_pool import Held, Holder
 from protos.tandem.v1 import kv_transfer_pb2 as pb
 
 from .chain import cache_salt_for, pulled_hashes, push_hashes
-from .interface import BlockSink, TransferError, TransferState
+from .interface import BlockSink, NoRoom, TransferError, TransferState
 from .lease import lease_holder
 from .wire import COMMIT, Chunk, Malformed, Message, layout_from_proto
 
@@ -86,6 +86,8 @@ class KVReceiver:
             elif msg is COMMIT:
                 self.commit()
                 return True
+        except NoRoom:
+            raise  # nothing held, still pending: the header may come again
         except TransferError as e:
             self.fail()
             raise e
@@ -118,9 +120,7 @@ class KVReceiver:
         blocks = self.sink.reserve(holder, n - len(prefix))
         if blocks is None:
             self.sink.release(holder, prefix)
-            raise TransferError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED, f"no room for {n - len(prefix)} blocks"
-            )
+            raise NoRoom(n - len(prefix))
         self.holder, self.block_ids = holder, prefix + blocks
         self.held_blocks = len(prefix)
         self.request_id = header.request_id

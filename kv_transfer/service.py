@@ -8,6 +8,12 @@ client gone quiet) the lease expires, the blocks are released and
 ``PushHandler`` (a decode worker starts the request) once its call has
 ended; without a handler it waits, leased, for ``claim``.
 
+A push whose blocks do not fit now (the pool is full, or a decode worker's
+reserve for its running sequences says no: ``NoRoom``) waits for room,
+its lease renewed, for at most ``lease_s``, and is tried again whenever
+``notify_room`` says blocks were freed; only then RESOURCE_EXHAUSTED (at
+once for more blocks than the whole pool).
+
 Every transfer needs the router's grant for it (net/grants.py), made out to
 this server's address (``identity``) and checked before any block is
 reserved, pinned or looked up: PERMISSION_DENIED otherwise.
@@ -39,6 +45,7 @@ from protos.tandem.v1 import kv_transfer_pb2 as pb
 
 from .interface import (
     CommittedPush,
+    NoRoom,
     PushHandler,
     TransferConfig,
     TransferError,
@@ -72,6 +79,20 @@ class KVTransferService:
         self._open_pushes: dict[str, IncomingPush] = {}
         self._refused: dict[str, float] = {}  # discarded request id -> until when
         self._reaper: asyncio.Task[None] | None = None
+        self._room = asyncio.Event()  # set (and replaced) when blocks were freed
+        self.wait_for_room = True
+        """False: a push that does not fit is refused at once (benchkit's baseline)."""
+        self.num_room_waits = 0  # pushes that waited for room (stats)
+
+    def notify_room(self) -> None:
+        """Blocks were freed: pushes waiting for room try again (event loop)."""
+        self._room.set()
+        self._room = asyncio.Event()
+
+    async def wait_room(self, timeout_s: float) -> None:
+        """Until ``notify_room`` or ``timeout_s``."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._room.wait(), timeout_s)
 
     def open_push(self, cancel: Callable[[], None]) -> IncomingPush:
         return IncomingPush(self, cancel)
@@ -183,6 +204,10 @@ def _grant_errors() -> Iterator[None]:
         raise TransferError(grpc.StatusCode.PERMISSION_DENIED, str(exc)) from None
 
 
+ROOM_POLL_S = 0.05
+"""A push waiting for room tries again this often even unnotified."""
+
+
 class IncomingPush:
     def __init__(self, service: KVTransferService, cancel: Callable[[], None]) -> None:
         self._service = service
@@ -209,7 +234,38 @@ class IncomingPush:
         """``on_message`` with chunk copies overlapped in ``executor``."""
         self._lease.renew()
         self._admit(msg)
+        if isinstance(msg, pb.TransferHeader):
+            return self._after(await self._header(msg))
         return self._after(await self.receiver.on_message_async(msg, executor))
+
+    async def _header(self, msg: pb.TransferHeader) -> bool:
+        """Apply the header, waiting (bounded by ``lease_s``) while its blocks
+        do not fit; RESOURCE_EXHAUSTED past the bound."""
+        service = self._service
+        bound_s = service.config.lease_s
+        deadline = time.monotonic() + bound_s
+        waited = False
+        while True:
+            try:
+                return self.receiver.on_message(msg)
+            except NoRoom as exc:
+                left = deadline - time.monotonic()
+                total = service.store.pool.num_blocks
+                if exc.blocks > total:  # it could never fit
+                    self._forget()
+                    raise TransferError(
+                        exc.code, f"{exc.message}: the whole pool holds {total}"
+                    ) from None
+                if left <= 0 or self.expired or not service.wait_for_room:
+                    self._forget()
+                    raise TransferError(
+                        exc.code, f"{exc.message} after waiting {bound_s:g} s (transfer.lease_s)"
+                    ) from None
+                if not waited:
+                    waited = True
+                    service.num_room_waits += 1
+                await service.wait_room(min(left, ROOM_POLL_S))
+                self._lease.renew()
 
     def renew(self) -> None:
         """Progress made elsewhere (a data connection's chunk); thread-safe."""

@@ -74,6 +74,9 @@ class WorkerStats:
     """Engine steps run."""
     num_preemptions: int
     """Sequences preempted for blocks (recomputed later)."""
+    num_push_preemptions: int = 0
+    """Of those, preemptions while a KV push held reserved blocks here (an upper
+    bound on those a push caused; a decode worker's reserve keeps it at 0)."""
     spec_proposed_tokens: int = 0
     """Speculative decoding: proposed tokens the target verified (0 without speculation)."""
     spec_accepted_tokens: int = 0

@@ -34,6 +34,9 @@ class GenerateInput:
     resumed_finish: str | None = None
     """The finish reason ``resume_token_ids`` already reached: the request ends
     at once, with no new token. None: it goes on."""
+    priority: int = 0
+    """Its place in the router's admission queue (router/admission.py): higher
+    first, first come first served within a priority."""
 
 
 @dataclass

@@ -253,6 +253,9 @@ class LimitsSection(Section):
     max_queued_requests: int = Field(1024, ge=1)
     """Requests in flight beyond this get RESOURCE_EXHAUSTED (HTTP 429) at once, so that
     an overload is refused rather than queued past every deadline."""
+    max_waiting_requests: int = Field(1024, ge=0)
+    """Requests that may wait for KV room while no decode worker has it (in priority
+    order, each within its deadline); past it RESOURCE_EXHAUSTED (HTTP 429) at once."""
     request_timeout_s: float = Field(600.0, gt=0)
     """Upper bound on one request when the client sets no deadline."""
     max_message_mb: int = Field(64, ge=1)

@@ -175,9 +175,10 @@ async def to_generate_input(
     ids = await prompt_token_ids(request, backend)
     resumed, finish = await resumed_tokens(request, ids, params, backend)
     timing = {} if received_s is None else {"received_s": received_s}
+    priority = request.priority if request.HasField("priority") else 0
     return GenerateInput(
         rid, ids, params, cache_salt=salt, resume_token_ids=resumed, resumed_finish=finish,
-        **timing,
+        priority=priority, **timing,
     )  # fmt: skip
 
 

@@ -12,7 +12,7 @@ worker's own prefix cache decides what is reused, so the cost is a miss.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from block_index import BlockIndex
@@ -60,12 +60,19 @@ class PrefixRouter:
         decode: Sequence[WorkerHandle],
         colocated: bool,
         cache_salt: bytes = b"",
-    ) -> RoutePlan:
+        fits: Callable[[WorkerHandle, int], bool] | None = None,
+    ) -> RoutePlan | None:
         """``cache_salt``: the request's prefix-cache domain; its blocks'
-        hashes use it, so only that domain's cached blocks count."""
+        hashes use it, so only that domain's cached blocks count. ``fits(worker,
+        cached prefix blocks)``: whether the request fits on a decode worker
+        (router/admission.py); None when it fits on none."""
         use_index = self.enabled and self.index.healthy
         hashes = hash_blocks(prompt, self.block_size, self.root, cache_salt) if use_index else []
         cached = self.index.lookup(hashes) if use_index else {}
+        if fits is not None:
+            decode = [w for w in decode if fits(w, cached.get(w.name, 0))]
+            if not decode:
+                return None
         d = self._best(decode, cached)
         d_blocks = cached.get(d.name, 0)
         uncached = len(prompt) - d_blocks * self.block_size

@@ -25,7 +25,7 @@ import contextlib
 import logging
 import secrets
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 
@@ -35,6 +35,7 @@ from net.grants import PULL, PUSH, GrantMinter, pull_digest, push_digest
 from protocol.requests import DecodeRequest, PrefillRequest, PrefillResult
 from protos.tandem.v1 import worker_pb2
 from router import health
+from router.admission import Admitted, Admitter, Room, blocks_for, longest_blocks
 from router.backend import (
     GenerateInput,
     GenerateResult,
@@ -90,7 +91,10 @@ class RayBackend:
         self.retry = RetryPolicy(config.tuning.max_attempts)
         self.failover = FailoverStats()
         transfer = config.transfer_config()
-        self.streams = WorkerStreams(self.router_id, self._apply_events, self._suspect, transfer)
+        self.admission = Admitter(config.limits.max_waiting_requests)
+        self.streams = WorkerStreams(
+            self.router_id, self._apply_events, self._suspect, transfer, self._on_room
+        )
         self.grants = GrantMinter(transfer.security)  # the workers' KV pushes and pulls
         self.recovery = WorkerRecovery(
             [self.prefill, self.decode],
@@ -296,8 +300,13 @@ class RayBackend:
         """A worker's output stream broke (the streams exist before recovery)."""
         self.recovery.suspect(worker, why)
 
+    def _on_room(self, worker: WorkerHandle, room: worker_pb2.KVRoom) -> None:
+        """A decode worker reported its KV room: waiting requests may fit now."""
+        self.admission.report(worker.name, Room(room.free_blocks, room.total_blocks))
+
     async def _worker_down(self, worker: WorkerHandle) -> None:
-        """A worker left routing: forget its blocks and its output stream."""
+        """A worker left routing: forget its blocks, its room and its output stream."""
+        self.admission.rooms.forget(worker.name)
         if self.index is not None:
             self.index.drop_worker(worker.name)
         await self.streams.unsubscribe(worker)
@@ -370,7 +379,8 @@ class RayBackend:
         rid = f"{inp.request_id}#{uuid.uuid4().hex[:12]}"
         assert self.routing is not None, "backend not started"
         streamed = list(progress.token_ids)
-        plan = self._plan(inp.prompt_token_ids + streamed, inp.cache_salt, avoid)
+        admitted = await self._admit(inp, inp.prompt_token_ids + streamed, avoid)
+        plan = admitted.route
         d, p = plan.decode, plan.prefill
         progress.attempt(p.name if p is not None else d.name, d.name)
         log_event(
@@ -403,6 +413,8 @@ class RayBackend:
                 # only the transfer figures, not the try.
                 waiting = prefill if not streaming else None
                 delta = await self._next_delta(queue, d, plan.prefill, waiting)
+                if not streaming:  # its request runs there: the worker's reports count it
+                    self.admission.settle(admitted)
                 streaming = True
                 if delta is not LOST:
                     delta = merge_queued(delta, queue)
@@ -432,6 +444,8 @@ class RayBackend:
                 _drop(prefill)
             self.streams.unregister(rid)
             d.in_flight -= 1
+            if not streaming:
+                self.admission.settle(admitted)
             if not ok:
                 await asyncio.shield(self._abort(rid, p if prefilling else None, d))
 
@@ -458,13 +472,57 @@ class RayBackend:
             if not waiter.done():
                 _drop(waiter)
 
-    def _plan(self, tokens: list[int], salt: bytes, avoid: set[WorkerHandle]) -> RoutePlan:
-        """Route among workers in routing, preferring those no failed try used."""
+    async def _admit(
+        self, inp: GenerateInput, tokens: list[int], avoid: set[WorkerHandle]
+    ) -> Admitted[RoutePlan]:
+        """A route to a decode worker with KV room for the request, once one
+        has it (router/admission.py); INVALID_ARGUMENT if none ever could."""
+        bs = self.block_size
+        totals = [self.admission.rooms.total(w.name) for w in self.decode.workers]
+        largest = max((t for t in totals if t is not None), default=None)
+        if largest is not None and blocks_for(len(tokens) + 1, bs) > largest:
+            raise RequestError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"the request needs {blocks_for(len(tokens) + 1, bs)} KV blocks; the largest "
+                f"decode worker holds {largest} (engine.kv_cache_memory_mb)",
+            )
+        longest = longest_blocks(
+            len(inp.prompt_token_ids), inp.params.max_tokens, self.max_model_len, bs
+        )
+        rooms = self.admission.rooms
+
+        def need(w: WorkerHandle, cached: int) -> int:
+            return max(0, min(longest, rooms.total(w.name) or longest) - cached)
+
+        def fits(w: WorkerHandle, cached: int) -> bool:
+            free = rooms.free(w.name)
+            return free is None or need(w, cached) <= free
+
+        def route() -> Admitted[RoutePlan] | None:
+            plan = self._plan(tokens, inp.cache_salt, avoid, fits)
+            if plan is None:
+                return None
+            d = plan.decode
+            blocks = need(d, plan.decode_cached_blocks) if rooms.free(d.name) is not None else 0
+            rooms.promise(d.name, blocks)
+            return Admitted(plan, d.name, blocks)
+
+        return await self.admission.admit(route, inp.priority)
+
+    def _plan(
+        self,
+        tokens: list[int],
+        salt: bytes,
+        avoid: set[WorkerHandle],
+        fits: Callable[[WorkerHandle, int], bool] | None = None,
+    ) -> RoutePlan | None:
+        """Route among workers in routing, preferring those no failed try used;
+        None: the request ``fits`` on no decode worker now."""
         pools = [self.prefill.workers, self.decode.workers]
         if (not self.colocated and not pools[0]) or not pools[1]:
             raise NoWorkerAvailable("no worker of a pool is in routing")
         prefill, decode = ([w for w in ws if w not in avoid] or ws for ws in pools)
-        return self.routing.plan(tokens, prefill, decode, self.colocated, salt)
+        return self.routing.plan(tokens, prefill, decode, self.colocated, salt, fits)
 
     async def _prefill(
         self, rid: str, inp: GenerateInput, plan: RoutePlan, streamed: list[int]

@@ -66,6 +66,7 @@ class _OutputStream(asyncio.Protocol):
         on_batch: Callable[[worker_pb2.StepBatch], None],
         on_end: Callable[[_OutputStream, str], None],
         audience: str,
+        on_room: Callable[[WorkerHandle, worker_pb2.KVRoom], None] | None = None,
     ) -> None:
         """``audience``: the address dialled (the worker's ``outputs`` or
         ``outputs_local``), which the handshake's MAC names."""
@@ -76,6 +77,7 @@ class _OutputStream(asyncio.Protocol):
         )
         self.on_batch = on_batch
         self.on_end = on_end
+        self.on_room = on_room
         self.frames = wire.FrameReader(transfer.max_message_bytes)
         self.opened: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.transport: asyncio.Transport | None = None
@@ -106,6 +108,8 @@ class _OutputStream(asyncio.Protocol):
                     self.on_batch(batch)
                 if batch.events_seq:
                     self._shown(batch.events_seq)
+                if self.on_room is not None and batch.HasField("room"):
+                    self.on_room(self.worker, batch.room)
         except Exception as exc:  # a bad frame: the stream cannot be trusted any more
             self.end(f"bad output stream: {type(exc).__name__}: {exc}")
 
@@ -154,13 +158,16 @@ class WorkerStreams:
         on_events: Callable[[list[worker_pb2.CacheEvent]], None],
         on_broken: Callable[[WorkerHandle, str], None],
         transfer: TransferConfig,
+        on_room: Callable[[WorkerHandle, worker_pb2.KVRoom], None] | None = None,
     ) -> None:
         """``transfer``: the cluster's credentials and message limits, which the
-        workers' output streams demand."""
+        workers' output streams demand; ``on_room``: a decode worker's KV room
+        reports (router/admission.py)."""
         self.router_id = router_id
         self.transfer = transfer
         self.on_events = on_events
         self.on_broken = on_broken
+        self.on_room = on_room
         self._queues: dict[str, tuple[DeltaQueue, WorkerHandle]] = {}  # request id ->
         self._streams: dict[str, _OutputStream] = {}  # decode worker name -> its stream
 
@@ -213,7 +220,13 @@ class WorkerStreams:
         """A new stream of ``worker`` over what ``connect(protocol_factory)``
         opens, to the server at ``audience``."""
         stream = _OutputStream(
-            worker, self.router_id, self.transfer, self._dispatch, self._ended, audience
+            worker,
+            self.router_id,
+            self.transfer,
+            self._dispatch,
+            self._ended,
+            audience,
+            self.on_room,
         )
         self._streams[worker.name] = stream
         try:

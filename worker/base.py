@@ -23,6 +23,7 @@ from kv_transfer.quantized import QuantizedBlockStore
 from net.local_socket import host_identity
 from protocol.outputs import RequestOutput
 from protocol.workers import WorkerHealth, WorkerInfo, WorkerStats
+from protos.tandem.v1 import worker_pb2
 from worker.output_channel import OutputServer
 
 log = logging.getLogger(__name__)
@@ -57,9 +58,12 @@ class EngineWorker:
         self.loop = EngineLoop(
             self.engine, self._on_outputs, f"{name}-engine", self._on_cache_events
         )
-        self.store = PoolBlockStore(self.engine.block_pool, self.engine.kv_cache, self.loop.lock)
+        self.pool_store = PoolBlockStore(
+            self.engine.block_pool, self.engine.kv_cache, self.loop.lock
+        )
+        self.store = self.pool_store
         if config.kv_transfer_dtype != "auto":  # quantized KV on the wire
-            self.store = QuantizedBlockStore(self.store, config.kv_transfer_dtype)
+            self.store = QuantizedBlockStore(self.pool_store, config.kv_transfer_dtype)
         self.outputs: OutputServer | None = None  # bound by open_outputs()
         self._aio: asyncio.AbstractEventLoop | None = None
         self._listeners: dict[str, Callable[[RequestOutput], None]] = {}
@@ -175,14 +179,17 @@ class EngineWorker:
         """Cache events not yet sent to the routers (in-process index only)."""
         return self.publisher.drain() if isinstance(self.publisher, BufferedEvents) else []
 
-    def publish_outputs(self, outputs: list[RequestOutput]) -> None:
+    def publish_outputs(
+        self, outputs: list[RequestOutput], room: worker_pb2.KVRoom | None = None
+    ) -> None:
         """On the engine thread: ``outputs`` to the routers that own their
         requests, and the cache events not sent yet to every router (none
-        with the index in Redis), on the output streams."""
+        with the index in Redis), on the output streams; ``room``: the KV
+        room a decode worker reports."""
         if self.outputs is None:
             return
         try:
-            self.outputs.publish(outputs, self.drain_events())
+            self.outputs.publish(outputs, self.drain_events(), room)
         except Exception:  # the engine thread must go on
             log.exception("publishing a step's outputs failed")
 

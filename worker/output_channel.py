@@ -199,6 +199,7 @@ class OutputServer:
         self._routers: dict[str, RouterConnection] = {}
         self._owner: dict[str, str] = {}  # request id -> router id
         self._events_seq = 0  # batches of cache events published so far
+        self._room: worker_pb2.KVRoom | None = None  # the last KV room published
         self._stopped = False
         self._threads = [
             threading.Thread(
@@ -240,12 +241,23 @@ class OutputServer:
         with self._lock:
             return self._events_seq
 
-    def publish(self, outputs: list[RequestOutput], events: list[KVEvent]) -> None:
+    def publish(
+        self,
+        outputs: list[RequestOutput],
+        events: list[KVEvent],
+        room: worker_pb2.KVRoom | None = None,
+    ) -> None:
         """Send one step's outputs, each to the router that owns its request,
-        and the cache events to every router. Call from one thread at a time
-        (the engine thread)."""
+        and the cache events to every router; ``room``, the worker's KV room,
+        to every router when it differs from the last one sent (and on every
+        stream's opening frame). Call from one thread at a time (the engine
+        thread)."""
         owned: dict[str, list[RequestOutput]] = {}
         with self._lock:
+            if room == self._room:
+                room = None
+            elif room is not None:
+                self._room = room
             if events:
                 self._events_seq += 1
             seq = self._events_seq if events else 0
@@ -263,12 +275,13 @@ class OutputServer:
         ]
         for router_id, conn in routers.items():
             mine = owned.get(router_id)
-            if not mine and not pb_events:
+            if not mine and not pb_events and room is None:
                 continue
             batch = worker_pb2.StepBatch(
                 deltas=[wire.to_delta(o) for o in mine or ()],
                 cache_events=pb_events,
                 events_seq=seq,
+                room=room,
             )
             for frame in wire.frames(batch, self.max_frame_bytes):
                 conn.send(frame)
@@ -340,7 +353,7 @@ class OutputServer:
                 # this lock; it counts the event batches published before,
                 # which this stream never carries.
                 self._routers[router_id] = conn
-                conn.send(wire.open_frame(self._events_seq))
+                conn.send(wire.open_frame(self._events_seq, self._room))
         if taken:
             log.warning("refused a second stream for router %s: its stream is live", router_id)
             sock.close()

@@ -34,10 +34,11 @@ class ProtocolError(Exception):
     """The peer broke the output stream's protocol."""
 
 
-def open_frame(events_seq: int) -> bytes:
+def open_frame(events_seq: int, room: worker_pb2.KVRoom | None = None) -> bytes:
     """The frame that opens a stream: the count of cache-event batches the
-    worker had published before it (the router saw none of those)."""
-    payload = worker_pb2.StepBatch(events_seq=events_seq).SerializeToString()
+    worker had published before it (the router saw none of those), and the
+    worker's KV room when it reports one (a decode worker)."""
+    payload = worker_pb2.StepBatch(events_seq=events_seq, room=room).SerializeToString()
     return LENGTH.pack(len(payload)) + payload
 
 
@@ -67,19 +68,21 @@ def frames(batch: worker_pb2.StepBatch, max_bytes: int) -> Iterator[bytes]:
     """``batch`` as frames of at most ``max_bytes`` payload each (split between
     deltas and cache events when it is bigger: they are independent). The
     batch's ``events_seq`` goes on the last frame: a router that reads it
-    has read every event of the batch."""
+    has read every event of the batch; its ``room`` too."""
     payload = batch.SerializeToString()
     if len(payload) <= max_bytes or len(batch.deltas) + len(batch.cache_events) <= 1:
         yield LENGTH.pack(len(payload)) + payload
         return
     items = [*batch.deltas, *batch.cache_events]
     half = len(items) // 2
-    for part, seq in ((items[:half], 0), (items[half:], batch.events_seq)):
+    room = batch.room if batch.HasField("room") else None
+    for part, seq, last in ((items[:half], 0, False), (items[half:], batch.events_seq, True)):
         yield from frames(
             worker_pb2.StepBatch(
                 deltas=[i for i in part if isinstance(i, worker_pb2.RequestDelta)],
                 cache_events=[i for i in part if isinstance(i, worker_pb2.CacheEvent)],
                 events_seq=seq,
+                room=room if last else None,
             ),
             max_bytes,
         )

@@ -60,6 +60,8 @@ def _sampling(body: SamplingFields, request_id: str) -> pb.GenerateRequest:
         request.cache_salt = body.cache_salt
     if body.resume_token_ids:
         _extend(request, "resume_token_ids", body.resume_token_ids)
+    if body.priority is not None:
+        request.priority = body.priority
     return request
 
 

@@ -4,8 +4,9 @@ Field names and defaults follow OpenAI's API; tandem's extensions (the same
 names as the gRPC ``GenerateRequest``) are ``top_k``, ``min_p``,
 ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``,
 ``return_token_ids`` (adds each chunk's ``token_ids`` to its choice),
-``cache_salt`` (vLLM's prefix-cache domain) and ``resume_token_ids`` (go on
-after the tokens a broken stream delivered: router/resume.py).
+``cache_salt`` (vLLM's prefix-cache domain), ``resume_token_ids`` (go on
+after the tokens a broken stream delivered: router/resume.py) and
+``priority`` (the admission queue's order, higher first).
 Unknown fields are ignored, as OpenAI clients often send a few extra.
 """
 
@@ -57,6 +58,9 @@ class SamplingFields(BaseModel):
     resume_token_ids: list[TokenId] | None = None
     """The token ids a broken stream of this request delivered: the router
     generates after them (checked with the gRPC field's rules)."""
+    priority: int | None = Field(None, ge=-INT32_MAX - 1, le=INT32_MAX, strict=True)
+    """Order in the router's admission queue while no decode worker has room: higher
+    first, first come first served within a priority; None: 0."""
 
     @property
     def include_usage(self) -> bool:

@@ -49,7 +49,7 @@ class Outputs:
     def disown(self, request_id: str) -> None:
         self._owner.pop(request_id, None)
 
-    def publish(self, outputs, events) -> None:
+    def publish(self, outputs, events, room=None) -> None:
         for out in outputs:
             if out.request_id in self._owner:
                 self.frames.setdefault(out.request_id, []).append(out)

@@ -143,3 +143,33 @@ def test_metrics_count_requests_of_both_fronts():
         assert s[("tandem_requests_in_flight", ())] == 0
 
     asyncio.run(body())
+
+
+def test_priority_reaches_the_backend_from_both_fronts_and_is_validated():
+    async def body():
+        backend = FakeBackend(tokenizer=FakeTokenizer())
+        async with serving(backend) as server:
+            client = sdk(server)
+            await client.completions.create(
+                model=MODEL, prompt=[1, 2], max_tokens=1, extra_body={"priority": 7}
+            )
+            await client.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": "y"}],
+                max_tokens=1,
+                extra_body={"priority": -3},
+            )
+            await client.completions.create(model=MODEL, prompt=[1, 2], max_tokens=1)
+            for bad in ("high", 1.5, 2**31):
+                with pytest.raises(openai.BadRequestError) as err:
+                    await client.completions.create(
+                        model=MODEL, prompt=[1], max_tokens=1, extra_body={"priority": bad}
+                    )
+                assert "priority" in str(err.value)
+            async with grpc.aio.insecure_channel(server.address) as channel:
+                stub = generate_pb2_grpc.TandemStub(channel)
+                async for _ in stub.Generate(build_request([1, 2], max_tokens=1, priority=4)):
+                    pass
+        assert [i.priority for i in backend.inputs] == [7, -3, 0, 4]
+
+    asyncio.run(body())

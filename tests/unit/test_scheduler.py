@@ -114,3 +114,46 @@ def test_an_admission_that_does_not_fit_releases_its_matched_prefix():
     sched.remove(a)
     assert pool.holders() == [] and pool.num_free == 2
     pool.verify()
+
+
+def _finished(seq: Sequence) -> bool:
+    return len(seq.output_token_ids) >= seq.params.max_tokens
+
+
+def test_growth_reserve_admits_only_what_leaves_every_running_sequence_room():
+    # 8 blocks of 2 tokens; each request: 3 prompt tokens + 4 outputs, so 3
+    # blocks at its longest (the last output is never computed).
+    _, sched = _setup(8, caching=False)
+    external = [0]
+    sched.enable_growth_reserve(max_model_len=0, external=lambda: external[0])
+    seqs = [Sequence(r, [1, 2, 3], SamplingParams(max_tokens=4), i) for i, r in enumerate("abc")]
+    assert sched.seq_final_blocks(seqs[0]) == 3
+    for seq in seqs:
+        sched.add(seq)
+    tokens = {"a": 10, "b": 20, "c": 30}
+    _step(sched, tokens)
+    assert sched.running == seqs[:2]  # c would leave a or b short: 2 * 3 + 3 > 8
+    assert sched.growth_reserve() == 2  # a and b hold 2 blocks each, need 3
+    assert sched.room() == 8 - 4 - 2
+    external[0] = 1  # a push in flight promised one more
+    assert sched.room() == 1
+    while not all(_finished(s) for s in seqs[:2]):
+        _step(sched, tokens)
+        assert sched.running == seqs[:2]  # c still waits: room 1 < 3
+    assert sched.num_preemptions == 0
+    for seq in seqs[:2]:
+        _finish(sched, seq)
+    external[0] = 0
+    _step(sched, tokens)
+    assert sched.running == [seqs[2]]
+
+
+def test_without_the_reserve_the_same_load_preempts():
+    _, sched = _setup(8, caching=False)
+    seqs = [Sequence(r, [1, 2, 3], SamplingParams(max_tokens=4), i) for i, r in enumerate("abc")]
+    for seq in seqs:
+        sched.add(seq)
+    tokens = {"a": 10, "b": 20, "c": 30}
+    for _ in range(4):
+        _step(sched, tokens)
+    assert sched.num_preemptions > 0  # what the reserve above prevents

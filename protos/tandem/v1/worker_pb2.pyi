@@ -8,14 +8,24 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class StepBatch(_message.Message):
-    __slots__ = ("deltas", "cache_events", "events_seq")
+    __slots__ = ("deltas", "cache_events", "events_seq", "room")
     DELTAS_FIELD_NUMBER: _ClassVar[int]
     CACHE_EVENTS_FIELD_NUMBER: _ClassVar[int]
     EVENTS_SEQ_FIELD_NUMBER: _ClassVar[int]
+    ROOM_FIELD_NUMBER: _ClassVar[int]
     deltas: _containers.RepeatedCompositeFieldContainer[RequestDelta]
     cache_events: _containers.RepeatedCompositeFieldContainer[CacheEvent]
     events_seq: int
-    def __init__(self, deltas: _Optional[_Iterable[_Union[RequestDelta, _Mapping]]] = ..., cache_events: _Optional[_Iterable[_Union[CacheEvent, _Mapping]]] = ..., events_seq: _Optional[int] = ...) -> None: ...
+    room: KVRoom
+    def __init__(self, deltas: _Optional[_Iterable[_Union[RequestDelta, _Mapping]]] = ..., cache_events: _Optional[_Iterable[_Union[CacheEvent, _Mapping]]] = ..., events_seq: _Optional[int] = ..., room: _Optional[_Union[KVRoom, _Mapping]] = ...) -> None: ...
+
+class KVRoom(_message.Message):
+    __slots__ = ("free_blocks", "total_blocks")
+    FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    free_blocks: int
+    total_blocks: int
+    def __init__(self, free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ...) -> None: ...
 
 class CacheEvent(_message.Message):
     __slots__ = ("worker", "stored", "removed")

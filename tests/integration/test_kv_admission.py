@@ -1,0 +1,120 @@
+"""Requests wait for KV room instead of failing: a decode pool far too small
+for the load serves all of it, with outputs equal to the engine alone, no
+running sequence preempted (by a push or otherwise), and every block back
+at the end; the admission queue starts higher priorities first."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from benchkit.deployment import Deployment
+from engine import LLM
+from protocol.sampling import SamplingParams
+from router.client import TandemClient
+from router.config import ServeConfig
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
+
+MAX_TOKENS = 16
+TEXTS = [
+    "def fibonacci(n):",
+    "import os\nimport sys\n\nclass Handler:\n    def __init__(self, path):\n",
+    "x",
+    "The quick brown fox jumps over the lazy dog. " * 3,
+    "for i in range(10):\n    print(i)\n",
+]
+GREEDY = {"temperature": 0, "max_tokens": MAX_TOKENS, "ignore_eos": True}
+# 1 MiB of KV: 16 blocks of 16 tokens for the default model, room for about
+# four of these requests per decode worker at a time.
+TINY = ServeConfig(
+    engine={"kv_cache_memory_mb": 1},
+    limits={"max_queued_requests": 256},
+    transfer={"lease_s": 120},
+)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    llm = LLM(None, kv_cache_memory_bytes=32 << 20)
+    params = SamplingParams(**GREEDY)
+    return {t: out.token_ids for t, out in zip(TEXTS, llm.generate(TEXTS, params), strict=True)}
+
+
+def _deploy(**sections):
+    deployment = Deployment(TINY.updated(**sections))
+    yield deployment
+    try:
+        assert deployment.wait_no_leaks() == {}
+    finally:
+        deployment.stop()
+
+
+@pytest.fixture(scope="module")
+def disagg(ray_cluster):
+    yield from _deploy(pools={"prefill": 1, "decode": 2}, routing={"prefix_routing": False})
+
+
+@pytest.fixture(scope="module")
+def colocated(ray_cluster):
+    yield from _deploy(pools={"mode": "colocated", "decode": 1})
+
+
+def _decode_stats(deployment):
+    return {n: s for n, s in deployment.worker_stats().items() if not n.startswith("prefill")}
+
+
+def test_64_requests_on_a_full_pool_all_complete_without_preemption(disagg, reference):
+    before = _decode_stats(disagg)
+    assert all(s.total_blocks <= 16 for s in before.values())
+    prompts = [TEXTS[i % len(TEXTS)] for i in range(64)]
+
+    async def run():
+        async with TandemClient(disagg.address) as client:
+            return await asyncio.gather(*(client.complete(p, **GREEDY) for p in prompts))
+
+    outs = asyncio.run(run())  # any failure (UNAVAILABLE, RESOURCE_EXHAUSTED) raises here
+    assert [o.token_ids for o in outs] == [reference[p] for p in prompts]
+    assert disagg.backend.admission.num_queued > 0  # the pool was full: requests waited
+    after = _decode_stats(disagg)
+    for name, stats in after.items():
+        assert stats.num_preemptions == before[name].num_preemptions, name
+        assert stats.num_push_preemptions == 0, name
+    assert disagg.backend.failover.retries == 0
+    assert disagg.wait_no_leaks() == {}
+
+
+async def _until(what: str, ready, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        assert time.monotonic() < deadline, f"never: {what}"
+        await asyncio.sleep(0.02)
+
+
+def test_higher_priority_starts_before_earlier_lower_ones(colocated):
+    # Each request holds 10 of the 16 blocks at its longest: one at a time.
+    long = {"temperature": 0, "max_tokens": 140, "ignore_eos": True}
+    finished: list[str] = []
+
+    async def one(client, name, prompt, **sampling):
+        await client.complete(prompt, **sampling)
+        finished.append(name)
+
+    async def run():
+        worker = colocated.backend.decode.workers[0]
+        queue = colocated.backend.admission.queue
+        async with TandemClient(colocated.address) as client:
+            tasks = [asyncio.ensure_future(one(client, "filler", "x y z", **long))]
+            await _until("the filler runs", lambda: worker.in_flight == 1)
+            for i, (name, prio) in enumerate([("low1", 0), ("low2", 0), ("high", 7)]):
+                task = one(client, name, "a b c", priority=prio, **long)
+                tasks.append(asyncio.ensure_future(task))
+                await _until(f"{name} waits", lambda n=i + 1: len(queue) == n)
+            await asyncio.gather(*tasks)
+
+    asyncio.run(run())
+    assert finished == ["filler", "high", "low1", "low2"]
+    stats = _decode_stats(colocated)
+    assert all(s.num_preemptions == 0 for s in stats.values())
