@@ -16,6 +16,8 @@ from protocol.outputs import TokenLogprobs
 from protocol.sampling import SamplingParams
 from protocol.workers import WorkerStats
 
+from .backpressure import UnreadOutput
+
 
 @dataclass(frozen=True)
 class GenerateInput:
@@ -28,6 +30,9 @@ class GenerateInput:
     cache_salt: bytes = b""
     """The request's prefix-cache domain (router/tenancy.py), mixed into every
     block hash; empty: the default domain."""
+    unread: UnreadOutput = field(default_factory=UnreadOutput, compare=False)
+    """What the client has not accepted yet, and its bound (router/backpressure.py);
+    the front that writes to the client sets it, shared by the request's tries."""
 
 
 @dataclass

@@ -33,7 +33,6 @@ from block_index import BlockIndex, InMemoryIndex, KVEvent
 from engine.hashing import root_hash
 from net.grants import PULL, PUSH, GrantMinter, pull_digest, push_digest
 from protocol.requests import DecodeRequest, PrefillRequest, PrefillResult
-from protos.tandem.v1 import worker_pb2
 from router import health
 from router.backend import (
     GenerateInput,
@@ -61,7 +60,7 @@ from router.progress import Progress
 from router.tokenizer import RouterTokenizer
 from router.watchdog import Watchdog
 from router.worker_recovery import WorkerRecovery
-from router.worker_streams import LOST, DeltaQueue, WorkerStreams, merge_queued
+from router.worker_streams import CUT, LOST, DeltaQueue, Item, WorkerStreams, merge_queued
 from worker.cpu_binding import CoreLayout
 from worker.logfmt import log_event
 
@@ -110,6 +109,7 @@ class RayBackend:
         self.routing: PrefixRouter | None = None
         self._watcher: asyncio.Task | None = None
         self._missing: dict[str, int] = {}  # role -> dead workers not replaced yet
+        self._cut_aborts: set[asyncio.Task] = set()  # aborts of tries their clients fell behind
 
     async def start(self) -> None:
         if not self.colocated:
@@ -382,7 +382,7 @@ class RayBackend:
             resumed_tokens=len(streamed),
             decode_cached_blocks=plan.decode_cached_blocks,
         )
-        queue = self.streams.register(rid, d)
+        queue = self.streams.register(rid, d, inp.unread, lambda: self._cut(inp, rid, d))
         d.in_flight += 1
         ok = False
         prefill: asyncio.Future[PrefillResult] | None = None
@@ -396,12 +396,15 @@ class RayBackend:
             else:
                 prefill = asyncio.ensure_future(self._prefill(rid, inp, plan, streamed))
             while True:
+                queue.written()  # the client accepted what the last turn yielded
                 # Once the decode worker streams, the request is its own: a
                 # prefill call failing after its push (a lost reply) costs
                 # only the transfer figures, not the try.
                 waiting = prefill if not streaming else None
                 delta = await self._next_delta(queue, d, plan.prefill, waiting)
                 streaming = True
+                if delta is CUT:
+                    raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(inp.unread.cut))
                 if delta is not LOST:
                     delta = merge_queued(delta, queue)
                 if delta is LOST:
@@ -439,8 +442,8 @@ class RayBackend:
         d: WorkerHandle,
         p: WorkerHandle | None,
         prefill: asyncio.Future[PrefillResult] | None,
-    ) -> worker_pb2.RequestDelta | object:
-        """The request's next delta from the decode worker's stream (or LOST);
+    ) -> Item:
+        """The request's next delta from the decode worker's stream (or LOST, CUT);
         while the prefill call runs, raises as soon as it fails."""
         if prefill is None or prefill.done():
             if prefill is not None:
@@ -499,6 +502,23 @@ class RayBackend:
             await self._check_after_fault(p)
         await self.streams.caught_up(p, result.events_seq)
         return result
+
+    def _cut(self, inp: GenerateInput, rid: str, d: WorkerHandle) -> None:
+        """A try's client fell behind past the bound (router/backpressure.py): abort
+        it on its decode worker now, not when the handler next gets to run
+        (which waits for the client)."""
+        log_event(
+            log,
+            "request_cut",
+            request_id=inp.request_id,
+            attempt_id=rid,
+            decode_worker=d.name,
+            unread_bytes=inp.unread.bytes,
+            unread_tokens=inp.unread.tokens,
+        )
+        task = asyncio.ensure_future(self._abort(rid, None, d))
+        self._cut_aborts.add(task)
+        task.add_done_callback(self._cut_aborts.discard)
 
     async def _check_after_fault(self, worker: WorkerHandle) -> None:
         """A worker failed or dropped a request: one health check, and out of
