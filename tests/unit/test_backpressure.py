@@ -1,11 +1,13 @@
 """A request's unread output in the router: exact counts from a delta's
 arrival until the client accepted it, a slow reader's deltas folded into one
 chunk, the bound (the request is cut at once), and the write timeout behind
-the real gRPC server."""
+the real gRPC server and HTTP front."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import socket
 
 import grpc
 import pytest
@@ -15,7 +17,9 @@ from router.backpressure import SlowClient, UnreadOutput, UnreadTotals
 from router.client import build_request
 from router.limits import RequestLimits
 from router.worker_streams import CUT, LOST, DeltaQueue, merge_queued
-from tests.fakes import FakeBackend
+from tests.fakes import FakeBackend, FakeTokenizer
+from tests.http_helpers import MODEL
+from tests.http_helpers import serving as http_serving
 from tests.unit.test_router_service import serving, until
 
 pytestmark = pytest.mark.unit
@@ -160,6 +164,36 @@ def test_a_grpc_client_that_stops_reading_gets_resource_exhausted_and_the_reques
             text = server.metrics.render().decode()
             assert 'tandem_slow_client_requests_total{reason="timeout"} 1.0' in text
             await channel.close()
+        assert backend.finished == []
+
+    asyncio.run(body())
+
+
+def test_an_sse_client_that_stops_reading_is_closed_and_the_request_aborted():
+    async def body():
+        backend = FakeBackend(
+            tokenizer=FakeTokenizer(), max_model_len=1 << 20, words=("w" * 4000,), delay_s=0
+        )
+        limits = RequestLimits(slow_client_timeout_s=0.2)
+        async with http_serving(backend, limits=limits) as server:
+            assert server.http is not None
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect(("127.0.0.1", server.http.port))
+            payload = json.dumps(
+                {"model": MODEL, "prompt": "x", "max_tokens": 100_000, "stream": True}
+            )
+            sock.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                b"x-request-id: sse-slow\r\ncontent-length: %d\r\n\r\n%s"
+                % (len(payload), payload.encode())
+            )  # then it reads nothing
+            try:
+                await backend.wait_for(lambda b: "sse-slow" in b.aborted)
+                await until(lambda: server.lifecycle.stats.totals["RESOURCE_EXHAUSTED"] == 1)
+                assert server.metrics.unread.timed_out == 1
+            finally:
+                sock.close()
         assert backend.finished == []
 
     asyncio.run(body())
