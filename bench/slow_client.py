@@ -12,7 +12,7 @@ median over rounds of the streams' mean TPOT (the router's figure, from the
 final message), the ratio slow / alone, how many slow requests were cut,
 and the router's peak unread bytes. The last line is one JSON object.
 
-  python bench/slow_client.py [--rounds 5] [--streams 8] [--tokens 64] [--bound-kb 16]
+  python bench/slow_client.py [--rounds 5] [--streams 8] [--tokens 64] [--bound-kb 4]
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=64)
-    parser.add_argument("--bound-kb", type=int, default=16)
+    parser.add_argument("--bound-kb", type=int, default=4)
     parser.add_argument("--model", default=None, help="a model path or hub id; default: tiny")
     args = parser.parse_args()
 

@@ -16,6 +16,11 @@ for a fault tied to it (``RequestFault``) is tried again too, but fails
 with INTERNAL once it has failed so ``MAX_REQUEST_FAULTS`` times. A worker
 that failed or dropped a request is asked for its health then, and leaves
 routing if its steps keep failing.
+
+A client that reads too slowly is cut (router/backpressure.py): its try's
+queue passes ``limits.max_unread_output_kb``, the try is aborted on its
+decode worker at once, and the request ends with RESOURCE_EXHAUSTED; it is
+not tried again.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ from router.failover import RetryPolicy, WorkerLost
 from router.pool_manager import WorkerHandle
 from router.prefix_routing import PrefixRouter
 from router.ray_backend import RayBackend
-from router.worker_streams import LOST, DeltaQueue
+from router.worker_streams import DeltaQueue
 
 pytestmark = pytest.mark.unit
 
