@@ -16,6 +16,8 @@ from protocol.outputs import TokenLogprobs
 from protocol.sampling import SamplingParams
 from protocol.workers import WorkerStats
 
+from .backpressure import UnreadOutput
+
 
 @dataclass(frozen=True)
 class GenerateInput:
@@ -37,6 +39,9 @@ class GenerateInput:
     priority: int = 0
     """Its place in the router's admission queue (router/admission.py): higher
     first, first come first served within a priority."""
+    unread: UnreadOutput = field(default_factory=UnreadOutput, compare=False)
+    """What the client has not accepted yet, and its bound (router/backpressure.py);
+    the front that writes to the client sets it, shared by the request's tries."""
 
 
 @dataclass

@@ -272,6 +272,14 @@ class LimitsSection(Section):
     """Most stop strings one request may give (INVALID_ARGUMENT / 400 past it)."""
     max_stop_bytes: int = Field(4096, ge=1, le=MAX_STOP_TOTAL_CHARS)
     """Most UTF-8 bytes one request's stop strings may hold in all."""
+    max_unread_output_kb: int = Field(1024, ge=1, le=1 << 20)
+    """Most output (KiB: token ids, text, logprobs) the router holds for one request
+    whose client has not accepted it; past it the request is aborted and ends with
+    RESOURCE_EXHAUSTED (HTTP: an SSE error event). A client that keeps reading never
+    nears it: a slow one gets bigger chunks."""
+    slow_client_timeout_s: float = Field(60.0, gt=0)
+    """Longest one write to a client may wait for it to read; past it the request is
+    aborted and ends with RESOURCE_EXHAUSTED (HTTP: the connection is closed)."""
 
     def request_limits(self) -> RequestLimits:
         return RequestLimits(
@@ -279,6 +287,8 @@ class LimitsSection(Section):
             max_stop_bytes=self.max_stop_bytes,
             max_http_body_bytes=self.max_http_body_mb << 20,
             max_in_flight_per_key=self.max_in_flight_per_key,
+            max_unread_output_bytes=self.max_unread_output_kb << 10,
+            slow_client_timeout_s=self.slow_client_timeout_s,
         )
 
 

@@ -12,7 +12,9 @@
 
 ``stream()`` always closes the backend's iterator (which aborts the request
 on the workers) and turns backend failures into ``RequestError(INTERNAL)``.
-The deadline lives in the caller's task, so it also bounds the writes.
+The deadline lives in the caller's task, so it also bounds the writes;
+``call.unread`` bounds what a slow client makes the router hold
+(router/backpressure.py).
 """
 
 from __future__ import annotations
@@ -23,13 +25,14 @@ import logging
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import grpc
 
 from worker.logfmt import log_event
 
 from .backend import Backend, GenerateInput, GenerateResult, TokenDelta
+from .backpressure import UnreadOutput
 from .limits import RequestLimits
 from .messages import RequestError
 from .metrics import RouterMetrics
@@ -118,6 +121,14 @@ class Call:
         self._claimed = False
         self._finished = False
         self._key: bytes | None = None  # the API key's digest, counted while in flight
+        limits = lifecycle.limits
+        self.unread = UnreadOutput(
+            limits.max_unread_output_bytes,
+            limits.slow_client_timeout_s,
+            lifecycle.metrics.unread,
+        )
+        """What the client has not accepted yet (router/backpressure.py); the
+        backend counts it, the front's writes are bounded by it."""
 
     def admit(self, key: bytes | None = None) -> None:
         """Admit the call, counted against ``key`` (an API key's digest; None: no key)."""
@@ -147,7 +158,7 @@ class Call:
                 grpc.StatusCode.ALREADY_EXISTS, f"request_id {inp.request_id!r} is already running"
             )
         self.lifecycle.active.add(inp.request_id)
-        self.inp, self._claimed = inp, True
+        self.inp, self._claimed = replace(inp, unread=self.unread), True
 
     @contextlib.asynccontextmanager
     async def deadline(self, timeout_s: float) -> AsyncIterator[None]:

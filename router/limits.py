@@ -33,6 +33,8 @@ class RequestLimits:
     max_stop_bytes: int = 4096
     max_http_body_bytes: int = 16 << 20
     max_in_flight_per_key: int = 256
+    max_unread_output_bytes: int = 1 << 20
+    slow_client_timeout_s: float = 60.0
 
     def stop_error(self, stop: list[str]) -> str | None:
         """Why ``stop`` is refused (the message names the field), else None."""

@@ -16,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from .backend import GenerateResult, WorkerReport
+from .backpressure import UnreadTotals
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -95,6 +96,35 @@ class WorkerCollector(Collector):
         return (s.total_blocks - s.free_blocks) / s.total_blocks if s.total_blocks else 0.0
 
 
+class UnreadCollector(Collector):
+    """Output the router holds for clients that have not read it (router/backpressure.py)."""
+
+    def __init__(self, totals: UnreadTotals) -> None:
+        self.totals = totals
+
+    def collect(self) -> Iterator[Metric]:
+        t = self.totals
+        now = GaugeMetricFamily(
+            "tandem_unread_output_bytes", "Output bytes held for clients, not yet accepted"
+        )
+        now.add_metric([], t.bytes)
+        yield now
+        peak = GaugeMetricFamily(
+            "tandem_unread_output_peak_bytes",
+            "Most unread output bytes one request has held since the router started",
+        )
+        peak.add_metric([], t.peak_bytes)
+        yield peak
+        ended = CounterMetricFamily(
+            "tandem_slow_client_requests",
+            "Requests ended because their client read too slowly, by reason",
+            labels=["reason"],
+        )
+        ended.add_metric(["bound"], t.cut)
+        ended.add_metric(["timeout"], t.timed_out)
+        yield ended
+
+
 class RouterMetrics:
     def __init__(self) -> None:
         self._token_totals = (0, 0)  # (prompt, cached) tokens, for the hit rate
@@ -161,6 +191,8 @@ class RouterMetrics:
         )
         self.workers = WorkerCollector()
         r.register(self.workers)
+        self.unread = UnreadTotals()
+        r.register(UnreadCollector(self.unread))
 
     def _hit_rate(self) -> float:
         prompt, cached = self._token_totals

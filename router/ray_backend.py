@@ -16,6 +16,11 @@ for a fault tied to it (``RequestFault``) is tried again too, but fails
 with INTERNAL once it has failed so ``MAX_REQUEST_FAULTS`` times. A worker
 that failed or dropped a request is asked for its health then, and leaves
 routing if its steps keep failing.
+
+A client that reads too slowly is cut (router/backpressure.py): its try's
+queue passes ``limits.max_unread_output_kb``, the try is aborted on its
+decode worker at once, and the request ends with RESOURCE_EXHAUSTED; it is
+not tried again.
 """
 
 from __future__ import annotations
@@ -62,7 +67,7 @@ from router.progress import Progress
 from router.tokenizer import RouterTokenizer
 from router.watchdog import Watchdog
 from router.worker_recovery import WorkerRecovery
-from router.worker_streams import LOST, DeltaQueue, WorkerStreams, merge_queued
+from router.worker_streams import CUT, LOST, DeltaQueue, Item, WorkerStreams, merge_queued
 from worker.cpu_binding import CoreLayout
 from worker.logfmt import log_event
 
@@ -115,6 +120,7 @@ class RayBackend:
         self.routing: PrefixRouter | None = None
         self._watcher: asyncio.Task | None = None
         self._missing: dict[str, int] = {}  # role -> dead workers not replaced yet
+        self._cut_aborts: set[asyncio.Task] = set()  # aborts of tries their clients fell behind
 
     async def start(self) -> None:
         if not self.colocated:
@@ -394,7 +400,7 @@ class RayBackend:
             resumed_tokens=len(streamed),
             decode_cached_blocks=plan.decode_cached_blocks,
         )
-        queue = self.streams.register(rid, d)
+        queue = self.streams.register(rid, d, inp.unread, lambda: self._cut(inp, rid, d))
         d.in_flight += 1
         ok = False
         prefill: asyncio.Future[PrefillResult] | None = None
@@ -408,6 +414,7 @@ class RayBackend:
             else:
                 prefill = asyncio.ensure_future(self._prefill(rid, inp, plan, streamed))
             while True:
+                queue.written()  # the client accepted what the last turn yielded
                 # Once the decode worker streams, the request is its own: a
                 # prefill call failing after its push (a lost reply) costs
                 # only the transfer figures, not the try.
@@ -416,6 +423,8 @@ class RayBackend:
                 if not streaming:  # its request runs there: the worker's reports count it
                     self.admission.settle(admitted)
                 streaming = True
+                if delta is CUT:
+                    raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(inp.unread.cut))
                 if delta is not LOST:
                     delta = merge_queued(delta, queue)
                 if delta is LOST:
@@ -455,8 +464,8 @@ class RayBackend:
         d: WorkerHandle,
         p: WorkerHandle | None,
         prefill: asyncio.Future[PrefillResult] | None,
-    ) -> worker_pb2.RequestDelta | object:
-        """The request's next delta from the decode worker's stream (or LOST);
+    ) -> Item:
+        """The request's next delta from the decode worker's stream (or LOST, CUT);
         while the prefill call runs, raises as soon as it fails."""
         if prefill is None or prefill.done():
             if prefill is not None:
@@ -559,6 +568,23 @@ class RayBackend:
             await self._check_after_fault(p)
         await self.streams.caught_up(p, result.events_seq)
         return result
+
+    def _cut(self, inp: GenerateInput, rid: str, d: WorkerHandle) -> None:
+        """A try's client fell behind past the bound (router/backpressure.py): abort
+        it on its decode worker now, not when the handler next gets to run
+        (which waits for the client)."""
+        log_event(
+            log,
+            "request_cut",
+            request_id=inp.request_id,
+            attempt_id=rid,
+            decode_worker=d.name,
+            unread_bytes=inp.unread.bytes,
+            unread_tokens=inp.unread.tokens,
+        )
+        task = asyncio.ensure_future(self._abort(rid, None, d))
+        self._cut_aborts.add(task)
+        task.add_done_callback(self._cut_aborts.discard)
 
     async def _check_after_fault(self, worker: WorkerHandle) -> None:
         """A worker failed or dropped a request: one health check, and out of

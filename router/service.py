@@ -5,7 +5,8 @@ Requests from this API and from the HTTP front (router/http/) share one
 refuse while starting or draining (UNAVAILABLE), admit (RESOURCE_EXHAUSTED
 beyond ``limits.max_queued_requests`` in flight), validate and tokenize
 (INVALID_ARGUMENT naming the field), claim the request id (ALREADY_EXISTS),
-then stream one chunk per backend delta and one final message. The
+then stream one chunk per backend delta and one final message (a slow
+client's are bounded: router/backpressure.py). The
 backend's iterator is always closed before the call ends, so a client
 cancel, a deadline or a failure aborts the request on the workers.
 ``GetModelInfo`` names the served model and its limits (router/model_info.py;
@@ -33,6 +34,7 @@ from .admin import MAX_POOL_WORKERS, AdminService
 from .admin import SERVICE_NAME as ADMIN_SERVICE
 from .auth import ApiKeyInterceptor, ApiKeys, metadata_value
 from .backend import Backend, GenerateResult
+from .backpressure import SlowClient
 from .grpc_limits import GenerateSizeInterceptor
 from .http import FrontState, HttpFront
 from .lifecycle import STARTING, Call, Lifecycle, ServiceStats, short
@@ -122,7 +124,10 @@ class TandemService(generate_pb2_grpc.TandemServicer):
                 else:
                     message = chunk_message(item)
                 try:
-                    await context.write(message)
+                    async with call.unread.writing():
+                        await context.write(message)  # waits for the client's HTTP/2 window
+                except SlowClient as e:
+                    raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
                 except Exception:
                     if context.cancelled():  # the client went away
                         raise asyncio.CancelledError from None

@@ -18,13 +18,12 @@ from typing import Any
 import ray
 import ray.exceptions
 
-from protos.tandem.v1 import worker_pb2
 from router import health
 from router.failover import WorkerLost
 from router.health import Health
 from router.pool_manager import WorkerHandle
 from router.worker_recovery import WorkerRecovery
-from router.worker_streams import LOST, DeltaQueue
+from router.worker_streams import LOST, DeltaQueue, Item
 
 
 class Watchdog:
@@ -57,10 +56,8 @@ class Watchdog:
         finally:
             future.cancel()
 
-    async def next_delta(
-        self, queue: DeltaQueue, worker: WorkerHandle
-    ) -> worker_pb2.RequestDelta | None:
-        """The next delta of a request on ``worker``, or LOST."""
+    async def next_delta(self, queue: DeltaQueue, worker: WorkerHandle) -> Item:
+        """The next delta of a request on ``worker``, or LOST (or CUT)."""
         if not queue.empty():  # under load the next step is often already here
             return queue.get_nowait()
         while True:

@@ -8,7 +8,8 @@ events; a prefill worker's, its cache events only. Cache events go to the
 backend's index as they arrive (none come with the index in Redis: workers
 publish there). Each request reads its deltas from a queue; when a worker's
 stream breaks, every request on that worker gets ``LOST`` and the backend
-hears of it.
+hears of it. A request's queue is bounded by what its client has not read
+(router/backpressure.py): the reader never waits on it.
 
 A prefill worker's reply names how many batches of cache events it had
 published (``PrefillResult.events_seq``); ``caught_up`` waits until the
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Final
 
@@ -28,27 +30,112 @@ from net import handshake
 from net.local_socket import host_identity, local_path
 from net.sockets import split_address, tune
 from protos.tandem.v1 import worker_pb2
+from router.backpressure import UnreadOutput
 from router.pool_manager import WorkerHandle
 from worker import output_wire as wire
 
 log = logging.getLogger(__name__)
 
 LOST: Final = None  # put in a request's queue when its worker's stream broke
-DeltaQueue = asyncio.Queue[worker_pb2.RequestDelta | None]
 SUBSCRIBE_TIMEOUT_S = 30.0
 EVENTS_WAIT_S = 5.0  # bounds caught_up(): the events are on the wire already
 
 
+class _Cut:
+    def __repr__(self) -> str:
+        return "CUT"
+
+
+CUT: Final = _Cut()  # a request's queue ends with it once it passed its bound
+Item = worker_pb2.RequestDelta | None | _Cut
+
+
+class DeltaQueue:
+    """One try's deltas from its decode worker's stream, for the request's
+    handler. Each delta counts in the request's ``UnreadOutput`` from its
+    arrival until the handler comes back for more (``written``: the chunk it
+    took went to the client). ``put`` never waits: a delta that would pass
+    the bound drops what is queued, queues ``CUT`` and calls ``on_cut``."""
+
+    def __init__(
+        self, unread: UnreadOutput | None = None, on_cut: Callable[[], None] | None = None
+    ) -> None:
+        self.unread = unread if unread is not None else UnreadOutput()
+        self.on_cut = on_cut
+        self._items: deque[tuple[Item, int, int]] = deque()  # (item, bytes, tokens)
+        self._taken = (0, 0)  # bytes and tokens the handler took and has not written
+        self._waiter: asyncio.Future[None] | None = None
+        self.closed = False
+
+    def put(self, delta: worker_pb2.RequestDelta) -> None:
+        if self.closed or self.unread.cut is not None:
+            return  # ended: what comes now is nobody's
+        size, tokens = delta.ByteSize(), len(delta.token_ids)
+        if self.unread.add(size, tokens):
+            self._push((delta, size, tokens))
+            return
+        self._drop_queued()
+        self._push((CUT, 0, 0))
+        if self.on_cut is not None:
+            self.on_cut()
+
+    def put_lost(self) -> None:
+        """The worker's stream broke: nothing follows."""
+        self._push((LOST, 0, 0))
+
+    def empty(self) -> bool:
+        return not self._items
+
+    def next_is_delta(self) -> bool:
+        """A delta is queued next (not LOST, not CUT)."""
+        return bool(self._items) and isinstance(self._items[0][0], worker_pb2.RequestDelta)
+
+    def get_nowait(self) -> Item:
+        """The next item; IndexError when none is queued."""
+        item, size, tokens = self._items.popleft()
+        self._taken = (self._taken[0] + size, self._taken[1] + tokens)
+        return item
+
+    async def get(self) -> Item:
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self.get_nowait()
+
+    def written(self) -> None:
+        """What the handler took is with the client: count it out."""
+        self.unread.remove(*self._taken)
+        self._taken = (0, 0)
+
+    def close(self) -> None:
+        """The try is over: count out everything it held."""
+        self.written()
+        self._drop_queued()
+        self.closed = True
+
+    def _push(self, entry: tuple[Item, int, int]) -> None:
+        self._items.append(entry)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    def _drop_queued(self) -> None:
+        while self._items:
+            _, size, tokens = self._items.popleft()
+            self.unread.remove(size, tokens)
+
+
 def merge_queued(delta: worker_pb2.RequestDelta, queue: DeltaQueue) -> worker_pb2.RequestDelta:
     """``delta`` with the deltas already queued behind it folded in, up to a
-    finished one: when the router falls behind the workers, a client gets one
-    chunk of several tokens instead of several messages (each gRPC write costs
-    the router and the client far more than a token's bytes). LOST stays queued."""
-    while not delta.finished and not queue.empty():
+    finished one: when the client (or the router) falls behind the workers,
+    it gets one chunk of several tokens instead of several messages (each
+    gRPC write costs the router and the client far more than a token's
+    bytes). LOST and CUT stay queued."""
+    while not delta.finished and queue.next_is_delta():
         later = queue.get_nowait()
-        if later is LOST:
-            queue.put_nowait(LOST)  # nothing follows LOST on a request's queue
-            break
+        assert isinstance(later, worker_pb2.RequestDelta)
         text = delta.text + later.text
         delta.MergeFrom(later)  # appends tokens and logprobs; later scalars win
         delta.text = text
@@ -171,13 +258,24 @@ class WorkerStreams:
         self._queues: dict[str, tuple[DeltaQueue, WorkerHandle]] = {}  # request id ->
         self._streams: dict[str, _OutputStream] = {}  # decode worker name -> its stream
 
-    def register(self, request_id: str, worker: WorkerHandle) -> DeltaQueue:
-        queue: DeltaQueue = asyncio.Queue()
+    def register(
+        self,
+        request_id: str,
+        worker: WorkerHandle,
+        unread: UnreadOutput | None = None,
+        on_cut: Callable[[], None] | None = None,
+    ) -> DeltaQueue:
+        """The queue of a try on ``worker``: its deltas count in ``unread``
+        (the request's, shared by its tries); ``on_cut`` is called when one
+        passes the bound."""
+        queue = DeltaQueue(unread, on_cut)
         self._queues[request_id] = (queue, worker)
         return queue
 
     def unregister(self, request_id: str) -> None:
-        self._queues.pop(request_id, None)
+        entry = self._queues.pop(request_id, None)
+        if entry is not None:
+            entry[0].close()
 
     def routed(self) -> dict[str, WorkerHandle]:
         """The decode worker of every try registered now, by its id
@@ -274,7 +372,7 @@ class WorkerStreams:
         for delta in batch.deltas:
             entry = self._queues.get(delta.request_id)
             if entry is not None:
-                entry[0].put_nowait(delta)
+                entry[0].put(delta)
 
     def _ended(self, stream: _OutputStream, why: str) -> None:
         worker = stream.worker
@@ -285,6 +383,6 @@ class WorkerStreams:
         # Requests on that worker can no longer finish there.
         for queue, owner in list(self._queues.values()):
             if owner is worker:
-                queue.put_nowait(LOST)
+                queue.put_lost()
         if why:  # not closed by this router: the worker is suspect
             self.on_broken(worker, why)

@@ -5,8 +5,9 @@ request-id claim, deadline, metrics, status count). With ``stream=true``
 the answer is server-sent events: one chunk per backend delta, a chunk with
 the finish reason, a usage chunk when ``stream_options.include_usage``, then
 ``data: [DONE]``. A failure after the stream began is sent as an event
-``data: {"error": {...}}`` before ``[DONE]``. A client that disconnects
-cancels the request, which frees its blocks on every worker.
+``data: {"error": {...}}`` before ``[DONE]``; so is RESOURCE_EXHAUSTED for a
+client that reads too slowly (router/backpressure.py). A client that
+disconnects cancels the request, which frees its blocks on every worker.
 """
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ import grpc
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
+from starlette.types import Message, Send
 
 from router.backend import GenerateResult, TokenDelta
+from router.backpressure import SlowClient, UnreadOutput
 from router.lifecycle import Call, short
 from router.messages import RequestError, check_request_id, invalid_argument, to_generate_input
 
@@ -134,7 +137,7 @@ async def handle(state: FrontState, raw: Request, kind: Kind) -> Response:
     headers = {"x-request-id": rid}
     if body.stream:
         events = _events(call, fmt, body.include_usage, timeout_s)
-        return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+        return BoundedStream(events, call.unread, media_type="text/event-stream", headers=headers)
     return await _whole(call, fmt, timeout_s, headers, raw)
 
 
@@ -165,8 +168,31 @@ async def _events(
         error = RequestError(code, f"request failed: {short(e)}")
         yield _sse(from_request_error(error).body())
         yield "data: [DONE]\n\n"
-    finally:
-        call.finish(code)
+    finally:  # closed by BoundedStream: a write timed out
+        slow = code == grpc.StatusCode.CANCELLED and call.unread.cut is not None
+        call.finish(grpc.StatusCode.RESOURCE_EXHAUSTED if slow else code)
+
+
+class BoundedStream(StreamingResponse):
+    """Server-sent events whose writes (uvicorn's ``send``, which waits while its
+    transport buffer is full) are bounded by ``limits.slow_client_timeout_s``:
+    past it the events stop, the request is aborted, and the connection is
+    closed (no event reaches a client that reads nothing)."""
+
+    def __init__(self, content: AsyncIterator[str], unread: UnreadOutput, **kwargs) -> None:
+        super().__init__(content, **kwargs)
+        self.unread = unread
+
+    async def stream_response(self, send: Send) -> None:
+        async def bounded(message: Message) -> None:
+            async with self.unread.writing():
+                await send(message)
+
+        try:
+            await super().stream_response(bounded)
+        except SlowClient as e:
+            log.warning("closing a stream: %s", e)
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
 
 
 async def _whole(

@@ -3,12 +3,10 @@ one chunk: tokens, text and logprobs in order, the last delta's end state."""
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 from protos.tandem.v1 import generate_pb2, worker_pb2
-from router.worker_streams import LOST, merge_queued
+from router.worker_streams import LOST, DeltaQueue, merge_queued
 
 pytestmark = pytest.mark.unit
 
@@ -23,10 +21,13 @@ def _delta(tokens: list[int], text: str, **end) -> worker_pb2.RequestDelta:
     )
 
 
-def _queue(*items) -> asyncio.Queue:
-    queue: asyncio.Queue = asyncio.Queue()
+def _queue(*items) -> DeltaQueue:
+    queue = DeltaQueue()
     for item in items:
-        queue.put_nowait(item)
+        if item is LOST:
+            queue.put_lost()
+        else:
+            queue.put(item)
     return queue
 
 
@@ -42,7 +43,7 @@ def test_queued_deltas_fold_into_one_up_to_the_finished_one():
     assert [lp.token_id for lp in merged.logprobs] == [1, 2, 3, 4]
     assert merged.finished and merged.finish_reason == "length"
     assert merged.num_output_tokens == 4 and merged.request_id == "r"
-    assert queue.qsize() == 1
+    assert list(queue.get_nowait().token_ids) == [9] and queue.empty()
 
 
 def test_nothing_queued_leaves_the_delta_as_it_is():
@@ -53,7 +54,7 @@ def test_nothing_queued_leaves_the_delta_as_it_is():
 def test_a_finished_delta_takes_nothing_more():
     queue = _queue(_delta([7], "y"))
     merged = merge_queued(_delta([6], "x", finished=True, finish_reason="stop"), queue)
-    assert list(merged.token_ids) == [6] and queue.qsize() == 1
+    assert list(merged.token_ids) == [6] and queue.next_is_delta()
 
 
 def test_lost_stays_queued_after_the_tokens_before_it():

@@ -55,7 +55,7 @@ class Health:
 
 def _fail(t: Try, error: str = NAN) -> None:
     """The decode worker's engine failed the request alone."""
-    t.queue.put_nowait(
+    t.queue.put(
         worker_pb2.RequestDelta(
             request_id=rid_of(t),
             finished=True,
@@ -238,7 +238,7 @@ def test_requests_no_step_could_run_even_alone_are_retried_past_two_and_succeed(
         while engine.has_unfinished():
             for out in engine.step():
                 if out.request_id == rid:
-                    t.queue.put_nowait(to_delta(out))
+                    t.queue.put(to_delta(out))
 
     async def on_a_lost_device(t: Try):
         engine._forward = device_lost

@@ -34,7 +34,7 @@ from router.failover import RetryPolicy, WorkerLost
 from router.pool_manager import WorkerHandle
 from router.prefix_routing import PrefixRouter
 from router.ray_backend import RayBackend
-from router.worker_streams import LOST
+from router.worker_streams import DeltaQueue
 
 pytestmark = pytest.mark.unit
 
@@ -48,21 +48,23 @@ class FakeStreams:
     events a prefill reply names count as arrived at once."""
 
     def __init__(self) -> None:
-        self.queues: dict[str, tuple[asyncio.Queue, WorkerHandle]] = {}
+        self.queues: dict[str, tuple[DeltaQueue, WorkerHandle]] = {}
         self.registered: list[str] = []
         self.events_awaited: list[tuple[str, int]] = []
 
     async def caught_up(self, worker: WorkerHandle, seq: int) -> None:
         self.events_awaited.append((worker.name, seq))
 
-    def register(self, request_id: str, worker: WorkerHandle) -> asyncio.Queue:
-        queue: asyncio.Queue = asyncio.Queue()
+    def register(self, request_id: str, worker: WorkerHandle, unread=None, on_cut=None):
+        queue = DeltaQueue(unread, on_cut)
         self.queues[request_id] = (queue, worker)
         self.registered.append(request_id)
         return queue
 
     def unregister(self, request_id: str) -> None:
-        self.queues.pop(request_id, None)
+        entry = self.queues.pop(request_id, None)
+        if entry is not None:
+            entry[0].close()
 
     async def subscribe(self, worker: WorkerHandle) -> None:
         pass
@@ -82,14 +84,14 @@ class Try:
     request: PrefillRequest | DecodeRequest
     prefill_worker: str | None
     decode_worker: str
-    queue: asyncio.Queue
+    queue: DeltaQueue
     spawn: Callable[[Awaitable[Any]], None]  # the decode worker streams on after the call
     sent: int = 0  # output tokens the decode worker has streamed for this try
 
     def push(self, *tokens: int, finished: bool = False, reason: str = "") -> None:
         """One RequestDelta frame from the decode worker."""
         self.sent += len(tokens)
-        self.queue.put_nowait(
+        self.queue.put(
             worker_pb2.RequestDelta(
                 request_id=self.request.request_id,
                 token_ids=list(tokens),
@@ -100,7 +102,7 @@ class Try:
         )
 
     def lose(self) -> None:
-        self.queue.put_nowait(LOST)
+        self.queue.put_lost()
 
     def result(self, aborted: bool = False) -> PrefillResult:
         return PrefillResult(self.request.request_id, aborted, 4096, 0, 0.001, 0.002)
