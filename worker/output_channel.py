@@ -179,8 +179,12 @@ class OutputServer:
         max_frame_bytes: int = 64 << 20,
         local: bool = True,
         ports: PortRange | None = None,
+        snapshot: Callable[[], list[KVEvent]] | None = None,
     ) -> None:
-        """``ports``: the range the TCP listener binds in (net/sockets.py, listen).
+        """``snapshot``: the cache's blocks now, as events, sent to each router
+        right after it logs in (an in-process index: a router that attaches to
+        a running worker learns what it holds); None: none sent.
+        ``ports``: the range the TCP listener binds in (net/sockets.py, listen).
         ``local``: offer a Unix socket as well, for routers on this machine
         (``local_address``, "" when not offered or the platform has none).
         Under cluster mutual TLS none is offered: its peers could not show a
@@ -188,6 +192,7 @@ class OutputServer:
         self.security = security
         self.max_frame_bytes = max_frame_bytes
         self._on_router_gone = on_router_gone
+        self._snapshot = snapshot
         self._ssl = security.server_ssl_context()
         self._listener = listen(host, ports)
         self.address = f"{host}:{self._listener.getsockname()[1]}"
@@ -346,10 +351,29 @@ class OutputServer:
             sock.close()
             return
         log.info("router %s subscribed", router_id)
+        self._send_snapshot(conn)
         try:
             conn.run()
         finally:
             self._closed(conn)
+
+    def _send_snapshot(self, conn: RouterConnection) -> None:
+        """The cache's blocks, after OPEN, outside the lock (the snapshot takes
+        the engine's). An event the engine sends meanwhile may reach the router
+        before a snapshot that predates it: a stale index entry, which costs a
+        miss, never a wrong output."""
+        if self._snapshot is None:
+            return
+        try:
+            events = self._snapshot()
+        except Exception:
+            log.exception("taking the cache snapshot for router %s failed", conn.router_id)
+            return
+        pb = [worker_pb2.CacheEvent(worker=e.worker, stored=e.stored) for e in events if e.stored]
+        if pb:
+            batch = worker_pb2.StepBatch(cache_events=pb, events_seq=0)
+            for frame in wire.frames(batch, self.max_frame_bytes):
+                conn.send(frame)
 
     def _closed(self, conn: RouterConnection) -> None:
         with self._lock:
