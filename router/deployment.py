@@ -136,6 +136,8 @@ class DeploymentOwner:
 
     async def join(self, joining: ServeConfig) -> Joined:
         await self._ready()
+        if self.name is None:  # the router that made it: its own config
+            return Joined(self._secret, joining)
         diffs = differences(self.config, joining)
         if diffs:
             what = "; ".join(diffs)

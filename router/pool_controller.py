@@ -12,6 +12,7 @@ never both create or both replace a worker.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -111,8 +112,8 @@ class PoolController:
         """At least ``sizes[role]`` workers of each role (a new deployment, or
         one whose router restarted: those running are kept)."""
         async with self._lock:
-            for role, n in sizes.items():
-                await self._grow(role, n - self.membership.count(role), timeout_s)
+            wanted = {role: n - self.membership.count(role) for role, n in sizes.items()}
+            await self._grow_all(wanted, timeout_s)
             return self.members()
 
     async def grow(self, role: str, n: int, timeout_s: float | None) -> Members:
@@ -177,23 +178,31 @@ class PoolController:
     # ---- internals ------------------------------------------------------
 
     async def _grow(self, role: str, n: int, timeout_s: float | None) -> None:
-        if n <= 0:
-            return
-        cls = actor_class(role, self.actor_classes.get(role))
+        await self._grow_all({role: n}, timeout_s)
+
+    async def _grow_all(self, wanted: dict[str, int], timeout_s: float | None) -> None:
+        """``wanted[role]`` new workers of each role, started together; all or none."""
         new: list[WorkerHandle] = []
         try:
-            for _ in range(n):
-                name = new_worker_name(role)
-                cores = self._claim_cores(role, name)
-                try:
-                    new.append(create_worker(self.config, role, name, cls, self.namespace, cores))
-                except BaseException:
-                    self._release_cores(WorkerHandle(name, role, None))
-                    raise
+            for role, n in wanted.items():
+                cls = actor_class(role, self.actor_classes.get(role))
+                for _ in range(max(0, n)):
+                    name = new_worker_name(role)
+                    cores = self._claim_cores(role, name)
+                    try:
+                        worker = create_worker(self.config, role, name, cls, self.namespace, cores)
+                    except BaseException:
+                        self._release_cores(WorkerHandle(name, role, None))
+                        raise
+                    new.append(worker)
+            if not new:
+                return
             await start_workers(new, timeout_s)
         except BaseException:
             for worker in new:
                 self._release_cores(worker)
+                with contextlib.suppress(Exception):
+                    ray.kill(worker.actor)
             raise
         for worker in new:
             self.handles[worker.name] = worker

@@ -13,9 +13,18 @@ start after each test.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
+import os
 import secrets
+import select
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
+import grpc
 import pytest
 import ray
 
@@ -28,6 +37,8 @@ from router.config import ServeConfig
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
 
+ROOT = Path(__file__).resolve().parents[2]
+DRIVER = Path(__file__).with_name("deployment_router_driver.py")
 NAME = f"test-{secrets.token_hex(4)}"
 MAX_TOKENS = 16
 TEXTS = ["def fibonacci(n):", "The quick brown fox jumps over the lazy dog. " * 6]
@@ -117,6 +128,41 @@ def test_a_router_stopped_leaves_the_workers_serving_the_other(routers, referenc
     routers.pop("b").stop()
     assert _actor_ids(routers["a"]) == ids
     _serves(routers["a"], reference)
+
+
+def test_a_killed_router_process_leaves_the_workers_serving(routers, reference):
+    """A router in a process of its own, SIGKILLed mid-stream: the workers abort
+    its request (its streams broke) and go on serving the other router."""
+    a = routers["a"]
+    gcs = ray.get_runtime_context().gcs_address
+    proc = subprocess.Popen(
+        [sys.executable, str(DRIVER), gcs, NAME],
+        stdout=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 300)
+        assert ready, "the router process did not start"
+        started = json.loads(proc.stdout.readline())
+        assert started["workers"] == _actor_ids(a)
+
+        async def stream_then_kill() -> int:
+            got = 0
+            async with TandemClient(started["address"]) as client:
+                with contextlib.suppress(grpc.aio.AioRpcError):
+                    async for r in client.generate(TEXTS[1], temperature=0, max_tokens=400):
+                        got += len(r.chunk.token_ids)
+                        if got >= 3 and proc.poll() is None:
+                            proc.send_signal(signal.SIGKILL)
+            return got
+
+        assert asyncio.run(stream_then_kill()) >= 3
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert _actor_ids(a) == started["workers"]
+    _serves(a, reference)  # no leak: the killed router's request was aborted
 
 
 def test_a_restarted_router_attaches_warm(routers, reference):
