@@ -68,9 +68,8 @@ class PoolController:
         classes to run instead of a role's own, by role."""
         self.config = config
         self.namespace = namespace
-        self.cores = {r: CoreAssignment(cores, r) for r in ("prefill", "decode", "colocated")}
-        if cores is None:
-            self.cores = {}
+        roles = ("prefill", "decode", "colocated")
+        self.cores = {r: CoreAssignment(cores, r) for r in roles} if cores is not None else {}
         self.actor_classes = dict(actor_classes or {})
         self.membership = Membership()
         self.handles: dict[str, WorkerHandle] = {}
