@@ -17,6 +17,10 @@ of its TCP port when the worker offers one (net/local_socket.py:
 half the cost of a loopback TCP write each step); the protocol is the same,
 without TLS, which only a connection that leaves the machine needs.
 
+With an in-process index, a router that logs in first gets a snapshot of
+the worker's cache (right after OPEN), so a router that attaches to a
+running worker routes to what it holds.
+
 A router id logs in once: a second stream under the id of a live one is
 refused (closed after the handshake), and the live one goes on.
 
@@ -332,6 +336,7 @@ class OutputServer:
             return
         sock.setblocking(False)
         conn = RouterConnection(router_id, sock)
+        snapshot = self._snapshot_frames()  # before the lock: it takes the engine's
         with self._lock:
             # A router id whose stream is live cannot log in again: the live
             # stream keeps its requests. A router that closed its stream and
@@ -346,34 +351,34 @@ class OutputServer:
                 # which this stream never carries.
                 self._routers[router_id] = conn
                 conn.send(wire.open_frame(self._events_seq))
+                for frame in snapshot:  # before any step's frame
+                    conn.send(frame)
         if taken:
             log.warning("refused a second stream for router %s: its stream is live", router_id)
             sock.close()
             return
         log.info("router %s subscribed", router_id)
-        self._send_snapshot(conn)
         try:
             conn.run()
         finally:
             self._closed(conn)
 
-    def _send_snapshot(self, conn: RouterConnection) -> None:
-        """The cache's blocks, after OPEN, outside the lock (the snapshot takes
-        the engine's). An event the engine sends meanwhile may reach the router
-        before a snapshot that predates it: a stale index entry, which costs a
-        miss, never a wrong output."""
+    def _snapshot_frames(self) -> list[bytes]:
+        """The cache's blocks as frames, sent right after OPEN. Taken before the
+        stream is registered (outside the lock: the snapshot takes the engine's),
+        so an event published in between may be missing or stale in the
+        router's index: a cache miss, never a wrong output."""
         if self._snapshot is None:
-            return
+            return []
         try:
             events = self._snapshot()
         except Exception:
-            log.exception("taking the cache snapshot for router %s failed", conn.router_id)
-            return
+            log.exception("taking the cache snapshot for a router failed")
+            return []
         pb = [worker_pb2.CacheEvent(worker=e.worker, stored=e.stored) for e in events if e.stored]
-        if pb:
-            batch = worker_pb2.StepBatch(cache_events=pb, events_seq=0)
-            for frame in wire.frames(batch, self.max_frame_bytes):
-                conn.send(frame)
+        if not pb:
+            return []
+        return list(wire.frames(worker_pb2.StepBatch(cache_events=pb), self.max_frame_bytes))
 
     def _closed(self, conn: RouterConnection) -> None:
         with self._lock:
