@@ -178,10 +178,11 @@ class PoolsSection(Section):
     worker_recovery_timeout_s: float = Field(120.0, gt=0)
     """How long the router waits for a dead worker to come back before it forgets it;
     raise it when a worker takes longer to restart (a big model to load)."""
-    worker_check_interval_s: float = Field(0.0, ge=0)
+    worker_check_interval_s: float = Field(5.0, ge=0)
     """Every this many seconds the router looks for workers whose actor died (their node
-    went away) and starts replacements where Ray finds the pool's resources; set it on
-    clusters whose nodes can go away; 0: off (the pool shrinks by the workers lost)."""
+    went away, or it was killed) and has the deployment start replacements where Ray
+    finds the pool's resources (within placement_timeout_s); 0: off (the pool shrinks
+    by the workers lost)."""
     max_workers: int = Field(64, ge=1)
     """Most workers in each pool: a larger prefill or decode in the config, or asked of
     Admin.Scale (INVALID_ARGUMENT), is refused."""
@@ -310,12 +311,41 @@ class RoutingSection(Section):
     redis_password: SecretStr | None = Field(None, repr=False)
     """Password the router and workers AUTH to Redis with (unless redis_url carries one);
     YAML or the TANDEM_REDIS_PASSWORD environment variable, never a flag; never logged."""
-    deployment: str = Field("default", min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
-    """Name of this deployment: its Redis keys are prefixed with it (and the model), so
-    that deployments sharing a Redis do not see each other's blocks."""
 
     def redis_password_value(self) -> str | None:
         return self.redis_password.get_secret_value() if self.redis_password else None
+
+
+DEPLOYMENT_NAME_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
+
+
+class DeploymentSection(Section):
+    """Who owns the pools: this router alone, or a named deployment that several
+    routers share and that outlives each of them (docs/deployments.md)."""
+
+    name: str | None = Field(None, pattern=DEPLOYMENT_NAME_PATTERN)
+    """Name of the deployment: its workers are detached Ray actors that outlive this
+    router, shared by every router started with the name (a router with a new name
+    starts them, one with a running name attaches); also the prefix of its Redis keys.
+    None: an ephemeral deployment whose workers stop with this router (Redis prefix
+    "default")."""
+    attach: bool = False
+    """Only attach to the running pools of deployment.name: start fails, naming the
+    deployment, when none runs, rather than starting new pools."""
+
+    @model_validator(mode="after")
+    def _attach_needs_name(self) -> DeploymentSection:
+        if self.attach and self.name is None:
+            raise ValueError("attach needs a deployment name (deployment.name)")
+        return self
+
+    @property
+    def named(self) -> bool:
+        return self.name is not None
+
+    def redis_name(self) -> str:
+        """The prefix of the deployment's Redis keys: its name, "default" when unnamed."""
+        return self.name or "default"
 
 
 class TransferSection(Section):
@@ -487,6 +517,21 @@ class SecuritySection(Section):
             return self.tls_cert, self.tls_key
         return None
 
+    def adopt_secret(self, secret: bytes) -> None:
+        """Use the secret of the deployment this router attaches to. A configured
+        cluster_secret must be that one: a ValueError says so otherwise."""
+        import hmac
+
+        if self.cluster_secret is not None:
+            if not hmac.compare_digest(self.cluster_secret.get_secret_value().encode(), secret):
+                raise ValueError(
+                    "security.cluster_secret differs from the secret of the deployment this "
+                    "router attaches to: unset it (the router then takes the deployment's) or "
+                    "give the one the deployment was started with"
+                )
+            return
+        self._generated_secret = secret
+
     def cluster_security(self) -> ClusterSecurity:
         """The internal endpoints' secret and TLS, for workers and the router."""
         from net.security import ClusterSecurity, TLSFiles
@@ -546,6 +591,9 @@ class ServeConfig(BaseModel):
     """Admission, deadlines, message sizes and the shutdown grace period."""
     routing: RoutingSection = Field(default_factory=RoutingSection)
     """Worker choice, KV-aware routing and the block index."""
+    deployment: DeploymentSection = Field(default_factory=DeploymentSection)
+    """The deployment's name (named: detached pools shared by several routers) and
+    whether this router only attaches to them."""
     transfer: TransferSection = Field(default_factory=TransferSection)
     """KV transfer between workers and the workers' output streams."""
     speculative: SpeculativeSection = Field(default_factory=SpeculativeSection)
@@ -653,6 +701,10 @@ REMOVED_KEYS: dict[str, str] = {
     "retry_backoff_s": "router/failover.py, RETRY_BACKOFF_S",
     "retry_backoff_max_s": "router/failover.py, RETRY_BACKOFF_MAX_S",
 }
+# Keys of old sections that moved to a section of the same name.
+MOVED_SECTION_KEYS: dict[str, str] = {
+    "deployment": "deployment.name (a section of its own, also the Redis prefix)",
+}
 
 
 def _home(key: str) -> str | None:
@@ -662,6 +714,8 @@ def _home(key: str) -> str | None:
         return RENAMED_KEYS[key]
     if key in REMOVED_KEYS:
         return f"no longer a setting ({REMOVED_KEYS[key]})"
+    if key in MOVED_SECTION_KEYS:
+        return MOVED_SECTION_KEYS[key]
     homes = [f"{name}.{key}" for name, cls in SECTIONS.items() if key in cls.model_fields]
     return " or ".join(homes) or None
 

@@ -1,9 +1,9 @@
-"""Creates and stops the worker actors of a pool through Ray."""
+"""Worker handles, the router's pools of them, and creating, starting and
+stopping worker actors through Ray (for router/pool_controller.py)."""
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -14,7 +14,6 @@ from block_index import IndexSettings
 from protocol.workers import WorkerInfo
 from router import health
 from router.config import ServeConfig, WorkerResources
-from worker.cpu_binding import CoreAssignment, CoreLayout
 
 log = logging.getLogger(__name__)
 
@@ -61,63 +60,17 @@ def actor_options(
 
 
 class WorkerPool:
-    """Workers of one role. The actor classes are plain classes made remote here."""
+    """The workers of one role that this router routes to. The deployment
+    (router/pool_controller.py) creates and stops them; this is the router's
+    own view: which are in routing, and what it has in flight on each."""
 
-    _ids = itertools.count()
-
-    def __init__(
-        self,
-        role: str,
-        config: ServeConfig,
-        host: str | None = None,
-        cores: CoreLayout | None = None,
-    ) -> None:
-        """``cores``: this machine's core layout, which the workers bind to
-        (worker/cpu_binding.py, CoreAssignment); None binds nothing."""
+    def __init__(self, role: str) -> None:
         self.role = role
-        self.config = config
-        self.host = host
-        self.cores = None if cores is None else CoreAssignment(cores, role)
         self.workers: list[WorkerHandle] = []
-        self.resources = config.pools.resources_of(role)
-        # The Ray actor class of the workers this pool creates; None: the role's
-        # own (actor_class). Set a subclass of it before the pool starts workers
-        # to run that instead (benchkit/deployment.py's actor_classes).
+        # The Ray actor class of the workers the deployment creates for this pool;
+        # None: the role's own (actor_class). Set a subclass of it before the
+        # backend starts to run that instead (benchkit/deployment.py's actor_classes).
         self.actor_cls: type | None = None
-
-    def actor_class(self) -> type:
-        """``actor_cls``, else PrefillActor for prefill workers and DecodeActor
-        for decode and colocated ones."""
-        if self.actor_cls is not None:
-            return self.actor_cls
-        if self.role == "prefill":
-            from prefill_pool.actor import PrefillActor
-
-            return PrefillActor
-        from decode_pool.actor import DecodeActor
-
-        return DecodeActor
-
-    async def scale_to(self, n: int, timeout_s: float | None = None) -> list[WorkerHandle]:
-        """Add workers until there are ``n``; returns the new ones, started.
-        If they do not all start (within ``timeout_s``: Ray may find no node
-        with the pool's resources), none is added and the new actors are killed."""
-        new: list[WorkerHandle] = []
-        try:
-            for _ in range(n - len(self.workers)):
-                new.append(self._create())
-            infos = await asyncio.wait_for(
-                asyncio.gather(*(w.actor.start.remote() for w in new)), timeout_s
-            )
-        except BaseException:
-            for worker in new:
-                ray.kill(worker.actor)
-            self.release_cores(new)
-            raise
-        for worker, info in zip(new, infos, strict=True):
-            worker.info = info
-        self.workers += new
-        return new
 
     def take_out(self, n: int) -> list[WorkerHandle]:
         """Remove ``n`` workers from routing (the least loaded, newest first);
@@ -127,7 +80,6 @@ class WorkerPool:
         order = sorted(reversed(self.workers), key=lambda w: w.in_flight)
         gone = order[:n]
         self.workers = [w for w in self.workers if w not in gone]
-        self.release_cores(gone)
         return gone
 
     async def find_dead(self, timeout_s: float) -> list[WorkerHandle]:
@@ -138,19 +90,8 @@ class WorkerPool:
         return [w for w, s in zip(self.workers, states, strict=True) if s is health.Health.DEAD]
 
     def remove(self, workers: list[WorkerHandle]) -> None:
-        """Take ``workers`` out of routing (they are gone already)."""
+        """Take ``workers`` out of routing (they are gone, or going)."""
         self.workers = [w for w in self.workers if w not in workers]
-        self.release_cores(workers)
-
-    def release_cores(self, workers: list[WorkerHandle]) -> None:
-        """The dedicated cores of ``workers`` (gone, or going) are free again."""
-        if self.cores is not None:
-            for worker in workers:
-                self.cores.release(worker.name)
-
-    async def stop(self) -> None:
-        workers, self.workers = self.workers, []
-        await asyncio.gather(*(_stop(w) for w in workers))
 
     @staticmethod
     async def drain(workers: list[WorkerHandle], timeout_s: float) -> None:
@@ -162,40 +103,71 @@ class WorkerPool:
                 return
             await asyncio.sleep(0.05)
 
-    @staticmethod
-    async def stop_workers(workers: list[WorkerHandle]) -> None:
-        await asyncio.gather(*(_stop(w) for w in workers))
 
-    def _create(self) -> WorkerHandle:
-        name = f"{self.role}-{next(self._ids)}"
-        res = self.resources
-        num_gpus = gpus_per_worker(res)
-        options = actor_options(res, num_gpus, self.config.pools.worker_max_restarts)
-        engine = self.config.engine_config(self.role, num_gpus)
-        routing = self.config.routing
-        index = IndexSettings(
-            redis_url=routing.redis_url,
-            redis_password=routing.redis_password_value(),
-            deployment=routing.deployment,
+def actor_class(role: str, override: type | None = None) -> type:
+    """``override``, else PrefillActor for prefill workers and DecodeActor for
+    decode and colocated ones."""
+    if override is not None:
+        return override
+    if role == "prefill":
+        from prefill_pool.actor import PrefillActor
+
+        return PrefillActor
+    from decode_pool.actor import DecodeActor
+
+    return DecodeActor
+
+
+def create_worker(
+    config: ServeConfig,
+    role: str,
+    name: str,
+    cls: type,
+    namespace: str | None = None,
+    cores: tuple[int, ...] | None = None,
+) -> WorkerHandle:
+    """A new worker actor (not started). ``namespace``: a detached actor named
+    ``name`` in that Ray namespace (a named deployment's worker, which outlives
+    the router); None: an actor that dies with its creator. ``cores``: the
+    cores its process is bound to."""
+    res = config.pools.resources_of(role)
+    num_gpus = gpus_per_worker(res)
+    options = actor_options(res, num_gpus, config.pools.worker_max_restarts)
+    if namespace is not None:
+        options.update(name=name, namespace=namespace, lifetime="detached")
+    engine = config.engine_config(role, num_gpus)
+    routing = config.routing
+    index = IndexSettings(
+        redis_url=routing.redis_url,
+        redis_password=routing.redis_password_value(),
+        deployment=config.deployment.redis_name(),
+    )
+    transfer = config.transfer_config()
+    args = (name, engine, transfer, index, None, config.server.log_format)
+    process = {"cpu_cores": cores, "niceness": config.pools.worker_niceness}
+    if role == "prefill":
+        process["batch_scheduling"] = config.pools.batch_scheduling
+    actor = ray.remote(cls).options(**options).remote(*args, **process)
+    return WorkerHandle(name, role, actor)
+
+
+async def start_workers(workers: list[WorkerHandle], timeout_s: float | None) -> None:
+    """Start new workers (their models load); each one's ``info`` is set. On an
+    error or past ``timeout_s`` every one of them is killed and it raises."""
+    try:
+        infos = await asyncio.wait_for(
+            asyncio.gather(*(w.actor.start.remote() for w in workers)), timeout_s
         )
-        transfer = self.config.transfer_config()
-        args = (name, engine, transfer, index, self.host, self.config.server.log_format)
-        cores = None if self.cores is None else self.cores.claim(name)
-        process = {"cpu_cores": cores, "niceness": self.config.pools.worker_niceness}
-        try:
-            if self.role == "prefill":
-                actor = (
-                    ray.remote(self.actor_class())
-                    .options(**options)
-                    .remote(*args, batch_scheduling=self.config.pools.batch_scheduling, **process)
-                )
-            else:
-                actor = ray.remote(self.actor_class()).options(**options).remote(*args, **process)
-        except BaseException:  # no actor: its cores are free again
-            if self.cores is not None:
-                self.cores.release(name)
-            raise
-        return WorkerHandle(name, self.role, actor)
+    except BaseException:
+        for worker in workers:
+            ray.kill(worker.actor)
+        raise
+    for worker, info in zip(workers, infos, strict=True):
+        worker.info = info
+
+
+async def stop_workers(workers: list[WorkerHandle]) -> None:
+    await asyncio.gather(*(_stop(w) for w in workers))
 
 
 async def _stop(worker: WorkerHandle) -> None:

@@ -49,6 +49,12 @@ from router.backend import (
     WorkerReport,
 )
 from router.config import ServeConfig
+from router.deployment import (
+    DeploymentClient,
+    DeploymentMismatch,
+    DeploymentNotFound,
+    open_deployment,
+)
 from router.failover import (
     MAX_REQUEST_FAULTS,
     FailoverStats,
@@ -59,6 +65,7 @@ from router.failover import (
     is_retryable,
     request_fault,
 )
+from router.member_sync import MEMBERSHIP_POLL_S, MemberSync
 from router.messages import RequestError
 from router.policies import make_policy
 from router.pool_manager import WorkerHandle, WorkerPool
@@ -81,11 +88,12 @@ class RayBackend:
         """``cores``: the local machine's core layout (worker/cpu_binding.py) that
         the workers bind to; None binds nothing."""
         self.config = config
+        self.cores = cores
         # 128 random bits: a router's id is its output streams' login name.
         self.router_id = f"router-{secrets.token_hex(16)}"
         self.colocated = config.pools.mode == "colocated"
-        self.prefill = WorkerPool("prefill", config, cores=cores)
-        self.decode = WorkerPool("colocated" if self.colocated else "decode", config, cores=cores)
+        self.prefill = WorkerPool("prefill")
+        self.decode = WorkerPool("colocated" if self.colocated else "decode")
         self.policy = make_policy(config.routing.policy)
         self.model_name = config.served_name()
         self.block_size = config.engine.block_size
@@ -95,12 +103,8 @@ class RayBackend:
         self.eos_token_ids: frozenset[int] = frozenset()
         self.retry = RetryPolicy(config.tuning.max_attempts)
         self.failover = FailoverStats()
-        transfer = config.transfer_config()
         self.admission = Admitter(config.limits.max_waiting_requests)
-        self.streams = WorkerStreams(
-            self.router_id, self._apply_events, self._suspect, transfer, self._on_room
-        )
-        self.grants = GrantMinter(transfer.security)  # the workers' KV pushes and pulls
+        self._make_streams()
         self.recovery = WorkerRecovery(
             [self.prefill, self.decode],
             self._worker_down,
@@ -118,15 +122,48 @@ class RayBackend:
         self._scale_lock = asyncio.Lock()
         self.index: BlockIndex | None = None
         self.routing: PrefixRouter | None = None
-        self._watcher: asyncio.Task | None = None
-        self._missing: dict[str, int] = {}  # role -> dead workers not replaced yet
+        self.deployment: DeploymentClient | None = None  # the owner of the workers
+        self.members = MemberSync(self)
+        self._tasks: list[asyncio.Task] = []
+        self._lost: set[str] = set()  # workers recovery gave up, not reported yet
         self._cut_aborts: set[asyncio.Task] = set()  # aborts of tries their clients fell behind
 
+    def _make_streams(self) -> None:
+        transfer = self.config.transfer_config()
+        self.streams = WorkerStreams(
+            self.router_id, self._apply_events, self._suspect, transfer, self._on_room
+        )
+        self.grants = GrantMinter(transfer.security)  # the workers' KV pushes and pulls
+
+    def pool_of(self, role: str) -> WorkerPool:
+        return self.prefill if role == "prefill" else self.decode
+
     async def start(self) -> None:
-        if not self.colocated:
-            await self.prefill.scale_to(self.config.pools.prefill)
-        await self.decode.scale_to(self.config.pools.decode)
-        workers = self.prefill.workers + self.decode.workers
+        """Open the deployment (router/deployment.py): a new one starts its
+        pools; a named one that runs already is attached to, its config and
+        secret taken, and its running workers used as they are."""
+        classes = {p.role: p.actor_cls for p in (self.prefill, self.decode) if p.actor_cls}
+        self.deployment = await asyncio.to_thread(open_deployment, self.config, self.cores, classes)
+        joined = await self.deployment.call("join", self.config)
+        if joined.refused:
+            raise DeploymentMismatch(joined.refused)
+        joined.config.security.adopt_secret(joined.secret)
+        self.config = joined.config
+        self._make_streams()  # signed with the deployment's secret
+        members = await self.deployment.call("members")
+        if not members.workers:
+            if self.config.deployment.attach:
+                raise DeploymentNotFound(
+                    f"deployment {self.config.deployment.name!r} has no worker running "
+                    f"(deployment.attach is set)"
+                )
+            pools = self.config.pools
+            sizes = {self.decode.role: pools.decode}
+            if not self.colocated:
+                sizes["prefill"] = pools.prefill
+            members = await self.deployment.call("ensure", sizes, None)
+        refs = await self.members.connect(members)
+        workers = refs
         info = workers[0].info
         self.tokenizer = await asyncio.to_thread(self._load_tokenizer, info.model_dir)
         self.max_model_len = min(w.info.max_model_len for w in workers)
@@ -143,11 +180,11 @@ class RayBackend:
             local_prefill_tokens=self.config.routing.local_prefill_tokens,
             pull_min_blocks=self.config.tuning.pull_min_blocks,
         )
-        for worker in workers:  # prefill workers' streams bring their cache events
-            await self.streams.subscribe(worker)
+        await self.members.join_all()  # prefill workers' streams bring their cache events
+        self._tasks.append(asyncio.create_task(self.members.poll(MEMBERSHIP_POLL_S)))
         if self.config.pools.worker_check_interval_s > 0:
-            self._watcher = asyncio.create_task(
-                self._watch_workers(self.config.pools.worker_check_interval_s)
+            self._tasks.append(
+                asyncio.create_task(self._watch_workers(self.config.pools.worker_check_interval_s))
             )
 
     def _load_tokenizer(self, worker_model_dir: str) -> RouterTokenizer | None:
@@ -172,7 +209,7 @@ class RayBackend:
 
         return RedisIndex(
             routing.redis_url,
-            redis_prefix(routing.deployment, fingerprint),
+            redis_prefix(self.config.deployment.redis_name(), fingerprint),
             password=routing.redis_password_value(),
         )
 
@@ -181,47 +218,58 @@ class RayBackend:
             self.index.apply(KVEvent(e.worker, tuple(e.stored), tuple(e.removed)))
 
     async def shutdown(self) -> None:
-        if self._watcher is not None:
-            self._watcher.cancel()
+        """Stop this router's part: its tasks, streams and index. The workers of
+        an ephemeral deployment stop too; a named one's keep serving its other
+        routers (router.deployment.down removes them)."""
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.recovery.close()
         await self.streams.close()
         if self.index is not None:
             self.index.close()
-        await asyncio.gather(self.prefill.stop(), self.decode.stop())
+        if self.deployment is not None and not self.deployment.remote:
+            await self.deployment.call("down", 0.0)
+        self.prefill.workers, self.decode.workers = [], []
 
     async def scale(
         self, prefill: int | None, decode: int | None, drain_timeout_s: float = 30.0
     ) -> tuple[int, int]:
-        """Resize the pools; removed workers drain before they stop, so no
-        request in flight is dropped. Returns (prefill, decode) afterwards."""
+        """Resize the pools through the deployment; workers removed drain this
+        router's requests before they stop. Returns (prefill, decode) afterwards."""
         self.config.pools.resized(prefill, decode)  # a ValueError for sizes the config refuses
+        assert self.deployment is not None, "backend not started"
         async with self._scale_lock:
-            gone = []
-            try:
-                for pool, n in ((self.prefill, prefill), (self.decode, decode)):
-                    if n is None or (self.colocated and pool is self.prefill):
-                        continue
-                    self._missing.pop(pool.role, None)  # an explicit size replaces the old one
-                    if n > len(pool.workers):
-                        for worker in await self._grow(pool, n):
-                            await self.streams.subscribe(worker)
-                    else:
-                        gone += pool.take_out(len(pool.workers) - n)
-            finally:  # workers taken out are stopped even when growing the other pool failed
-                await WorkerPool.drain(gone, drain_timeout_s)
-                for worker in gone:
-                    await self._worker_down(worker)
-                await WorkerPool.stop_workers(gone)
+            for pool, n in ((self.prefill, prefill), (self.decode, decode)):
+                if n is None or (self.colocated and pool is self.prefill):
+                    continue
+                count = self.members.count(pool.role)
+                if n > count:
+                    members = await self._grow(pool, n)
+                elif n < count:
+                    gone = pool.take_out(min(count - n, len(pool.workers)))
+                    await WorkerPool.drain(gone, drain_timeout_s)
+                    for worker in gone:
+                        await self._worker_down(worker)
+                    names = [w.name for w in gone]
+                    members = await self.deployment.call("shrink", pool.role, names)
+                else:
+                    continue
+                await self.members.sync(members)
             return len(self.prefill.workers), len(self.decode.workers)
 
-    async def _grow(self, pool: WorkerPool, n: int) -> list[WorkerHandle]:
-        """``pool.scale_to(n)`` within ``pools.placement_timeout_s``; past it the
-        new workers are gone and PlacementTimeout says so."""
+    async def _grow(self, pool: WorkerPool, n: int):
+        """The deployment grows ``pool`` to ``n`` within ``pools.placement_timeout_s``;
+        past it the new workers are gone and PlacementTimeout says so."""
         timeout_s = self.config.pools.placement_timeout_s
         try:
-            return await pool.scale_to(n, timeout_s)
-        except TimeoutError:
-            added = n - len(pool.workers)
+            return await self.deployment.call("grow", pool.role, n, timeout_s)
+        except Exception as exc:
+            if not isinstance(exc, TimeoutError | asyncio.TimeoutError) and not isinstance(
+                getattr(exc, "cause", None), TimeoutError
+            ):
+                raise
+            added = n - self.members.count(pool.role)
             raise PlacementTimeout(
                 f"{added} new {pool.role} workers were not placed and started within "
                 f"pools.placement_timeout_s ({timeout_s:g} s): no node has room for their "
@@ -233,36 +281,23 @@ class RayBackend:
         self, ping_timeout_s: float = 10.0, placement_timeout_s: float | None = None
     ) -> list[str]:
         """Drop the workers whose actor died for good (a node went away and Ray
-        could not restart it) and start as many new ones, which Ray places on
-        nodes that have the pool's resources; replacements that cannot be placed
-        yet are tried again on the next call (``placement_timeout_s`` None:
-        ``pools.placement_timeout_s``). Returns the names dropped.
-
-        Dead workers leave routing even while a scale waits for placement (it
-        holds the scale lock); their replacements are then left to a later call."""
+        could not restart it, or it was killed) and report them, with those
+        recovery gave up, to the deployment, which starts as many new ones once
+        per lost worker (however many routers report it) where Ray finds the
+        pool's resources; replacements not placed within ``placement_timeout_s``
+        (None: ``pools.placement_timeout_s``) are tried again on the next call.
+        Returns the names dropped here."""
         if placement_timeout_s is None:
             placement_timeout_s = self.config.pools.placement_timeout_s
         dropped = await self._drop_dead(ping_timeout_s)
-        if self._scale_lock.locked():
-            return dropped
-        async with self._scale_lock:
-            for pool in (self.prefill, self.decode):
-                missing = self._missing.get(pool.role, 0)
-                if not missing:
-                    continue
-                try:
-                    new = await pool.scale_to(len(pool.workers) + missing, placement_timeout_s)
-                except Exception as exc:
-                    log.warning("%d %s workers not placed yet: %r", missing, pool.role, exc)
-                    continue
-                self._missing[pool.role] = 0
-                for worker in new:
-                    await self.streams.subscribe(worker)
+        lost, self._lost = sorted(self._lost | set(dropped)), set()
+        if lost:
+            await self.members.sync(await self.deployment.call("lost", lost))
+        await self.members.sync(await self.deployment.call("replace_owed", placement_timeout_s))
         return dropped
 
     async def _drop_dead(self, ping_timeout_s: float) -> list[str]:
-        """Take the workers that died for good out of routing; they are counted
-        as missing. Returns their names."""
+        """Take the workers that died for good out of routing. Returns their names."""
         dropped: list[str] = []
         for pool in (self.prefill, self.decode):
             found = await pool.find_dead(ping_timeout_s)
@@ -271,7 +306,6 @@ class RayBackend:
                 continue
             log.warning("%s workers died: %s", pool.role, [w.name for w in dead])
             pool.remove(dead)
-            self._missing[pool.role] = self._missing.get(pool.role, 0) + len(dead)
             dropped += [w.name for w in dead]
             for worker in dead:
                 await self._worker_down(worker)
@@ -318,10 +352,10 @@ class RayBackend:
         await self.streams.unsubscribe(worker)
 
     def _worker_lost(self, worker: WorkerHandle, pool: WorkerPool) -> None:
-        """Recovery gave a worker up: the next check (pools.worker_check_interval_s)
+        """Recovery gave a worker up (and killed it): the next check
+        (pools.worker_check_interval_s) reports it to the deployment, which
         starts a replacement where the pool's resources remain."""
-        pool.release_cores([worker])
-        self._missing[pool.role] = self._missing.get(pool.role, 0) + 1
+        self._lost.add(worker.name)
 
     async def _worker_back(self, worker: WorkerHandle) -> None:
         """A worker passed its health check: listen to it again."""

@@ -71,6 +71,13 @@ class WorkerRecovery:
         self.stats.workers_lost += 1
         self.down[worker] = asyncio.create_task(self._recover(worker, pool))
 
+    def forget(self, worker: WorkerHandle) -> None:
+        """Stop watching ``worker``: it left the deployment (another router
+        reported it lost, or a scale removed it)."""
+        task = self.down.pop(worker, None)
+        if task is not None:
+            task.cancel()
+
     async def wait_all(self, timeout_s: float) -> None:
         """Wait until every watched worker is back or given up (tests)."""
         if self.down:

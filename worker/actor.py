@@ -6,6 +6,7 @@ and only the actor's own process builds the worker (and loads the model).
 
 from __future__ import annotations
 
+import asyncio
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -55,6 +56,7 @@ class WorkerActor:
 
             host = ray.util.get_node_ip_address()
         self.worker = self.make_worker(name, config, transfer, index, host)
+        self._starting: asyncio.Future | None = None
         freeze_startup_heap()  # this process serves this one worker until it exits
 
     @staticmethod
@@ -68,7 +70,16 @@ class WorkerActor:
         raise NotImplementedError
 
     async def start(self) -> WorkerInfo:
-        await self.worker.start()
+        """Start the worker (once: a worker started already just describes
+        itself, so routers of a shared deployment may all call it)."""
+        if self._starting is None:
+            self._starting = asyncio.ensure_future(self.worker.start())
+        await asyncio.shield(self._starting)
+        return self.worker.describe()
+
+    async def info(self) -> WorkerInfo:
+        """What ``start`` returned, without starting anything (a router
+        attaching to running workers asks it)."""
         return self.worker.describe()
 
     async def abort(self, request_id: str) -> bool:

@@ -97,8 +97,13 @@ class EngineWorker:
             transfer.max_message_bytes,
             local=transfer.local_streams,
             ports=transfer.port_range,
+            snapshot=self._cache_snapshot if isinstance(self.publisher, BufferedEvents) else None,
         )
         return self.outputs
+
+    def _cache_snapshot(self) -> list[KVEvent]:
+        """What the prefix cache holds now, as one event (for a router that logs in)."""
+        return [KVEvent(self.name, tuple(self.cached_hashes()), ())]
 
     def close_outputs(self) -> None:
         """End every output stream (the routers see them end)."""

@@ -17,6 +17,10 @@ of its TCP port when the worker offers one (net/local_socket.py:
 half the cost of a loopback TCP write each step); the protocol is the same,
 without TLS, which only a connection that leaves the machine needs.
 
+With an in-process index, a router that logs in first gets a snapshot of
+the worker's cache (right after OPEN), so a router that attaches to a
+running worker routes to what it holds.
+
 A router id logs in once: a second stream under the id of a live one is
 refused (closed after the handshake), and the live one goes on.
 
@@ -179,8 +183,12 @@ class OutputServer:
         max_frame_bytes: int = 64 << 20,
         local: bool = True,
         ports: PortRange | None = None,
+        snapshot: Callable[[], list[KVEvent]] | None = None,
     ) -> None:
-        """``ports``: the range the TCP listener binds in (net/sockets.py, listen).
+        """``snapshot``: the cache's blocks now, as events, sent to each router
+        right after it logs in (an in-process index: a router that attaches to
+        a running worker learns what it holds); None: none sent.
+        ``ports``: the range the TCP listener binds in (net/sockets.py, listen).
         ``local``: offer a Unix socket as well, for routers on this machine
         (``local_address``, "" when not offered or the platform has none).
         Under cluster mutual TLS none is offered: its peers could not show a
@@ -188,6 +196,7 @@ class OutputServer:
         self.security = security
         self.max_frame_bytes = max_frame_bytes
         self._on_router_gone = on_router_gone
+        self._snapshot = snapshot
         self._ssl = security.server_ssl_context()
         self._listener = listen(host, ports)
         self.address = f"{host}:{self._listener.getsockname()[1]}"
@@ -340,6 +349,7 @@ class OutputServer:
             return
         sock.setblocking(False)
         conn = RouterConnection(router_id, sock)
+        snapshot = self._snapshot_frames()  # before the lock: it takes the engine's
         with self._lock:
             # A router id whose stream is live cannot log in again: the live
             # stream keeps its requests. A router that closed its stream and
@@ -354,6 +364,8 @@ class OutputServer:
                 # which this stream never carries.
                 self._routers[router_id] = conn
                 conn.send(wire.open_frame(self._events_seq, self._room))
+                for frame in snapshot:  # before any step's frame
+                    conn.send(frame)
         if taken:
             log.warning("refused a second stream for router %s: its stream is live", router_id)
             sock.close()
@@ -363,6 +375,23 @@ class OutputServer:
             conn.run()
         finally:
             self._closed(conn)
+
+    def _snapshot_frames(self) -> list[bytes]:
+        """The cache's blocks as frames, sent right after OPEN. Taken before the
+        stream is registered (outside the lock: the snapshot takes the engine's),
+        so an event published in between may be missing or stale in the
+        router's index: a cache miss, never a wrong output."""
+        if self._snapshot is None:
+            return []
+        try:
+            events = self._snapshot()
+        except Exception:
+            log.exception("taking the cache snapshot for a router failed")
+            return []
+        pb = [worker_pb2.CacheEvent(worker=e.worker, stored=e.stored) for e in events if e.stored]
+        if not pb:
+            return []
+        return list(wire.frames(worker_pb2.StepBatch(cache_events=pb), self.max_frame_bytes))
 
     def _closed(self, conn: RouterConnection) -> None:
         with self._lock:

@@ -156,6 +156,23 @@ def test_a_stream_counts_event_batches_from_where_it_opened():
     run_with_pair(body)
 
 
+def test_a_router_that_logs_in_gets_the_cache_snapshot_first():
+    """With a snapshot (an in-process index), every router that logs in, late
+    or not, first learns what the worker's cache holds; then the events."""
+
+    async def body(pair: Pair):
+        held = [b"a" * 16, b"b" * 16]
+        pair.server._snapshot = lambda: [KVEvent("decode-0", tuple(held), ())]
+        streams = await pair.subscribe("router-late")
+        await pair.publish([], [KVEvent("decode-0", (b"c" * 16,), ())])
+        await asyncio.wait_for(streams.caught_up(pair.worker, pair.server.events_seq), 10)
+        got = [(e.worker, list(e.stored)) for e in pair.events]
+        assert got == [("decode-0", held), ("decode-0", [b"c" * 16])]
+        await streams.close()
+
+    run_with_pair(body)
+
+
 def test_caught_up_returns_once_the_events_are_applied():
     async def body(pair: Pair):
         streams, stream, _ = await pair.paused_reader()

@@ -202,15 +202,19 @@ def test_ray_backend_gives_up_on_placement_after_the_configured_time():
     backend = RayBackend(ServeConfig(pools={"placement_timeout_s": 7}))
     pool = backend.decode
     pool.workers = [WorkerHandle("d0", "decode", None)]
+    backend.members.known = {"d0": pool.workers[0]}
     asked = []
 
-    async def scale_to(n, timeout_s=None):  # Ray places nothing in time
-        asked.append((n, timeout_s))
-        raise TimeoutError
+    class Deployment:  # its owner: Ray places nothing in time
+        remote = False
 
-    pool.scale_to = scale_to
+        async def call(self, method, *args):
+            asked.append((method, *args))
+            raise TimeoutError
+
+    backend.deployment = Deployment()
     for _ in range(2):  # the scale lock is free again after a failure
         with pytest.raises(PlacementTimeout, match=r"1 new decode workers .*\(7 s\)"):
             asyncio.run(backend.scale(None, 2, 0.0))
-    assert asked == [(2, 7.0), (2, 7.0)]
+    assert asked == [("grow", "decode", 2, 7.0)] * 2
     assert [w.name for w in pool.workers] == ["d0"]

@@ -57,13 +57,14 @@ def test_serve_plans_only_for_a_local_cpu_cluster():
 
 
 def test_a_pool_whose_actor_cannot_be_created_frees_its_cores(monkeypatch):
-    """scale_to: the second actor fails to be created; the first is killed and
-    neither keeps its decode core."""
+    """The deployment's controller: the second actor fails to be created; the
+    first is killed and neither keeps its decode core."""
     from router import pool_manager
+    from router.pool_controller import PoolController
 
     layout = plan_layout(range(4), decode_workers=2, threads=1)
     config = ServeConfig(pools={"decode": 2, "decode_resources": {"num_gpus": 0}})
-    pool = pool_manager.WorkerPool("decode", config, cores=layout)
+    controller = PoolController(config, cores=layout)
     created, killed = [], []
 
     class ActorClass:
@@ -79,10 +80,10 @@ def test_a_pool_whose_actor_cannot_be_created_frees_its_cores(monkeypatch):
     monkeypatch.setattr(pool_manager.ray, "remote", lambda cls: ActorClass())
     monkeypatch.setattr(pool_manager.ray, "kill", killed.append)
     with pytest.raises(RuntimeError, match="no actor"):
-        asyncio.run(pool.scale_to(2))
-    assert created == [(2,)] and len(killed) == 1 and pool.workers == []
-    assert pool.cores.claim("d-next") == (2,)
-    assert pool.cores.claim("d-after") == (3,)
+        asyncio.run(controller.ensure({"decode": 2}, None))
+    assert created == [(2,)] and len(killed) == 1 and controller.view().members == ()
+    assert controller.cores["decode"].claim("d-next") == (2,)
+    assert controller.cores["decode"].claim("d-after") == (3,)
 
 
 def test_gpus_are_seen_through_the_driver_and_hidden_by_cuda_visible_devices(monkeypatch, tmp_path):

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 import ray
 
-from protocol.workers import WorkerHealth
+from protocol.workers import WorkerHealth, WorkerInfo
 from router.config import EngineSection, ServeConfig, WorkerResources
 from router.pool_manager import WorkerHandle, WorkerPool, actor_options
 
@@ -104,21 +104,20 @@ class _Actor:
 def test_a_pool_runs_its_role_actor_or_the_class_it_was_given():
     from decode_pool.actor import DecodeActor
     from prefill_pool.actor import PrefillActor
+    from router.pool_manager import actor_class
 
-    assert WorkerPool("prefill", ServeConfig()).actor_class() is PrefillActor
-    assert WorkerPool("decode", ServeConfig()).actor_class() is DecodeActor
-    assert WorkerPool("colocated", ServeConfig()).actor_class() is DecodeActor
+    assert actor_class("prefill") is PrefillActor
+    assert actor_class("decode") is DecodeActor
+    assert actor_class("colocated") is DecodeActor
 
     class OtherPrefillActor(PrefillActor):
         pass
 
-    pool = WorkerPool("prefill", ServeConfig())
-    pool.actor_cls = OtherPrefillActor
-    assert pool.actor_class() is OtherPrefillActor
+    assert actor_class("prefill", OtherPrefillActor) is OtherPrefillActor
 
 
 def test_only_workers_whose_actor_died_are_dead():
-    pool = WorkerPool("decode", ServeConfig())
+    pool = WorkerPool("decode")
     pool.workers = [
         WorkerHandle("alive", "decode", _Actor("ok")),
         WorkerHandle("dead", "decode", _Actor(ray.exceptions.ActorDiedError())),
@@ -133,103 +132,132 @@ def test_only_workers_whose_actor_died_are_dead():
     assert [w.name for w in pool.workers] == ["alive", "slow", "restarting"]
 
 
-def test_a_replacement_that_cannot_be_placed_is_tried_again():
-    from router.ray_backend import RayBackend
+class _Remote:
+    def __init__(self, fn) -> None:
+        self.fn = fn
 
-    backend = RayBackend(ServeConfig())
-    pool = backend.decode
-    survivor, lost = WorkerHandle("d0", "decode", None), WorkerHandle("d1", "decode", None)
-    pool.workers = [survivor, lost]
-    deaths = [[lost], []]
-    placeable = [False, True]
-    forgotten, subscribed = [], []
+    def remote(self, *args):
+        async def call():
+            return self.fn(*args)
 
-    async def find_dead(timeout_s):
-        return [w for w in deaths.pop(0) if w in pool.workers]
-
-    async def scale_to(n, timeout_s=None):
-        if not placeable.pop(0):
-            raise TimeoutError("no node offers decode_node")
-        new = [
-            WorkerHandle(f"d{len(pool.workers) + i + 1}", "decode", None)
-            for i in range(n - len(pool.workers))
-        ]
-        pool.workers += new
-        return new
-
-    async def no_prefill_deaths(timeout_s):
-        return []
-
-    async def worker_down(worker):
-        forgotten.append(worker.name)
-
-    async def subscribe(worker):
-        subscribed.append(worker.name)
-
-    pool.find_dead, pool.scale_to = find_dead, scale_to
-    backend.prefill.find_dead = no_prefill_deaths
-    backend._worker_down, backend.streams.subscribe = worker_down, subscribe
-
-    assert asyncio.run(backend.replace_dead_workers()) == ["d1"]
-    assert [w.name for w in pool.workers] == ["d0"] and forgotten == ["d1"]
-    assert subscribed == []  # nothing placed yet
-    assert asyncio.run(backend.replace_dead_workers()) == []
-    assert len(pool.workers) == 2 and subscribed == [pool.workers[1].name]
+        return call()
 
 
-def test_a_dead_worker_leaves_routing_while_a_scale_waits_for_placement():
-    """The scale lock is held while Ray places a scale's workers; a worker that
-    dies meanwhile is taken out of routing at once, and replaced once the scale
-    is done."""
-    from router.ray_backend import RayBackend
+class _Owned:
+    """A backend whose ephemeral deployment's owner creates fake workers:
+    ``placeable`` says, start by start, whether Ray places them; ``dead``
+    holds the names whose actor died for good."""
 
-    backend = RayBackend(ServeConfig())
-    pool = backend.decode
-    lost = WorkerHandle("d1", "decode", None)
-    pool.workers = [WorkerHandle("d0", "decode", None), lost]
-    forgotten, subscribed = [], []
+    def __init__(self, monkeypatch, placeable: list[bool]) -> None:
+        from router import pool_controller
+        from router.deployment import DeploymentClient, DeploymentOwner
+        from router.health import Health
+        from router.ray_backend import RayBackend
 
-    async def body():
-        placing, waiting = asyncio.Event(), asyncio.Event()
-        made = iter(range(2, 100))
+        self.placeable, self.dead = placeable, set()
+        self.forgotten, self.subscribed, self.places = [], [], 0
 
-        async def scale_to(n, timeout_s=None):  # as WorkerPool's: counts, then starts
-            new = [
-                WorkerHandle(f"d{next(made)}", "decode", None) for _ in range(n - len(pool.workers))
-            ]
-            if not waiting.is_set():  # the scale's placement: Ray takes its time
-                waiting.set()
-                await placing.wait()
-            pool.workers += new
-            return new
+        def create(config, role, name, cls, namespace, cores):
+            info = WorkerInfo(name, 64, 100, "fp", "inc", "/m")
+            return WorkerHandle(name, role, type("A", (), {"info": _Remote(lambda: info)})())
+
+        async def start(workers, timeout_s):
+            self.places += 1
+            if not self.placeable.pop(0):
+                raise TimeoutError("no node offers decode_node")
+            for w in workers:
+                w.info = WorkerInfo(w.name, 64, 100, "fp", "inc", "/m")
+
+        async def check(worker, timeout_s):
+            return Health.DEAD if worker.name in self.dead else Health.HEALTHY
+
+        monkeypatch.setattr(pool_controller, "create_worker", create)
+        monkeypatch.setattr(pool_controller, "start_workers", start)
+        monkeypatch.setattr(pool_controller.health, "check", check)
+        self.backend = b = RayBackend(ServeConfig())
+        b.deployment = DeploymentClient(DeploymentOwner(None, b.config, b"s" * 32), False, None)
+
+        async def worker_down(worker):
+            self.forgotten.append(worker.name)
+
+        async def subscribe(worker):
+            self.subscribed.append(worker.name)
 
         async def find_dead(timeout_s):
-            return [w for w in pool.workers if w is lost]
+            return [w for w in b.decode.workers if w.name in self.dead]
 
         async def no_prefill_deaths(timeout_s):
             return []
 
-        async def worker_down(worker):
-            forgotten.append(worker.name)
+        b._worker_down, b.streams.subscribe = worker_down, subscribe
+        b.decode.find_dead, b.prefill.find_dead = find_dead, no_prefill_deaths
 
-        async def subscribe(worker):
-            subscribed.append(worker.name)
+    async def start(self, decode: int) -> None:
+        b = self.backend
+        members = await b.deployment.call("ensure", {"decode": decode}, None)
+        await b.members.connect(members)
+        await b.members.join_all()
+        self.subscribed.clear()
 
-        pool.find_dead, pool.scale_to = find_dead, scale_to
-        backend.prefill.find_dead = no_prefill_deaths
-        backend._worker_down, backend.streams.subscribe = worker_down, subscribe
+    def names(self) -> list[str]:
+        return [w.name for w in self.backend.decode.workers]
 
+
+def test_a_replacement_that_cannot_be_placed_is_tried_again(monkeypatch):
+    owned = _Owned(monkeypatch, [True, False, True])
+    backend = owned.backend
+
+    async def body():
+        await owned.start(2)
+        survivor, lost = owned.names()
+        owned.dead.add(lost)
+        assert await backend.replace_dead_workers() == [lost]
+        assert owned.names() == [survivor] and owned.forgotten[0] == lost
+        assert owned.subscribed == []  # nothing placed yet
+        assert await backend.replace_dead_workers() == []
+        assert len(owned.names()) == 2 and owned.subscribed == [owned.names()[1]]
+        assert lost not in owned.names()
+        assert await backend.replace_dead_workers() == []  # nothing owed: nothing placed
+        assert owned.places == 3
+
+    asyncio.run(body())
+
+
+def test_a_dead_worker_leaves_routing_while_a_scale_waits_for_placement(monkeypatch):
+    """A scale holds the deployment's lock while Ray places its workers; a
+    worker that dies meanwhile is taken out of routing at once, and replaced
+    once the scale is done."""
+    owned = _Owned(monkeypatch, [True, True, True])
+    backend = owned.backend
+
+    async def body():
+        from router import pool_controller
+
+        await owned.start(2)
+        placing, waiting = asyncio.Event(), asyncio.Event()
+        start = pool_controller.start_workers
+
+        async def slow_start(workers, timeout_s):
+            if not waiting.is_set():  # the scale's placement: Ray takes its time
+                waiting.set()
+                await placing.wait()
+            await start(workers, timeout_s)
+
+        monkeypatch.setattr(pool_controller, "start_workers", slow_start)
         scale = asyncio.ensure_future(backend.scale(None, 3, 0.0))
         await waiting.wait()
-        # Not blocked by the scale's lock (the bound only keeps a regression from hanging).
-        dropped = await asyncio.wait_for(backend.replace_dead_workers(), 60)
-        assert dropped == ["d1"] and forgotten == ["d1"]
-        assert [w.name for w in pool.workers] == ["d0"] and not scale.done()
+        lost = owned.names()[1]
+        owned.dead.add(lost)
+        replacing = asyncio.ensure_future(backend.replace_dead_workers())
+        for _ in range(100):  # out of routing without waiting for the scale
+            await asyncio.sleep(0.01)
+            if lost not in owned.names():
+                break
+        assert lost not in owned.names() and not scale.done()
         placing.set()
         await scale
-        assert len(pool.workers) == 2  # the scale's one new worker; d1 is still missing
-        assert await backend.replace_dead_workers() == []
-        assert len(pool.workers) == 3 and lost not in pool.workers
-        assert len(subscribed) == 2
+        assert await asyncio.wait_for(replacing, 60) == [lost]
+        assert len(owned.names()) == 3 and lost not in owned.names()
+        assert len(owned.subscribed) == 2  # the scale's new worker and the replacement
 
     asyncio.run(body())

@@ -59,7 +59,6 @@ OLD_KEYS = {
     "max_message_mb": "limits.max_message_mb",
     "routing_policy": "routing.policy",
     "redis_url": "routing.redis_url",
-    "deployment": "routing.deployment",
     "prefix_routing": "routing.prefix_routing",
     "local_prefill_tokens": "routing.local_prefill_tokens",
     "kv_transfer_dtype": "transfer.dtype",

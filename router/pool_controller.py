@@ -1,0 +1,233 @@
+"""The one owner of a deployment's workers: it creates, replaces, resizes and
+removes them, and keeps their membership (router/membership.py).
+
+An ephemeral deployment (no ``deployment.name``) has one in the router's
+process, whose workers die with it. A named one has one inside its
+deployment actor (router/deployment.py), whose workers are detached named
+actors in the deployment's namespace, shared by every router of the
+deployment: changes go through it one at a time (one lock), so two routers
+never both create or both replace a worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from protocol.workers import WorkerInfo
+from router import health
+from router.config import ServeConfig
+from router.membership import Membership, MembershipView, new_worker_name
+from router.pool_manager import (
+    WorkerHandle,
+    actor_class,
+    create_worker,
+    start_workers,
+    stop_workers,
+)
+from worker.cpu_binding import CoreAssignment, CoreLayout
+
+log = logging.getLogger(__name__)
+
+DEATH_CHECK_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True)
+class WorkerRef:
+    """A member as a router gets it: its name, role and actor handle."""
+
+    name: str
+    role: str
+    actor: Any
+
+
+@dataclass(frozen=True)
+class Members:
+    """The membership at one generation, with the members' actor handles."""
+
+    generation: str
+    workers: tuple[WorkerRef, ...]
+
+
+class PoolController:
+    def __init__(
+        self,
+        config: ServeConfig,
+        namespace: str | None = None,
+        cores: CoreLayout | None = None,
+        actor_classes: dict[str, type] | None = None,
+    ) -> None:
+        """``namespace``: the Ray namespace of a named deployment's detached
+        workers; None: workers that die with this process. ``cores``: the
+        machine's core layout the workers bind to; ``actor_classes``: actor
+        classes to run instead of a role's own, by role."""
+        self.config = config
+        self.namespace = namespace
+        roles = ("prefill", "decode", "colocated")
+        self.cores = {r: CoreAssignment(cores, r) for r in roles} if cores is not None else {}
+        self.actor_classes = dict(actor_classes or {})
+        self.membership = Membership()
+        self.handles: dict[str, WorkerHandle] = {}
+        self._lock = asyncio.Lock()
+
+    # ---- what routers read ----------------------------------------------
+
+    def generation(self) -> str:
+        return self.membership.generation
+
+    def members(self) -> Members:
+        view = self.membership.view()
+        refs = tuple(WorkerRef(m.name, m.role, self.handles[m.name].actor) for m in view.members)
+        return Members(view.generation, refs)
+
+    def view(self) -> MembershipView:
+        return self.membership.view()
+
+    # ---- changes, one at a time -----------------------------------------
+
+    async def adopt(self, names: list[str]) -> Members:
+        """Take over running workers (a deployment actor that Ray restarted
+        finds its workers by name); those that do not answer are left out."""
+        async with self._lock:
+            found = Membership.from_names(names)
+            for member in found.view().members:
+                try:
+                    actor = ray.get_actor(member.name, namespace=self.namespace)
+                    info: WorkerInfo = await asyncio.wait_for(actor.info.remote(), 30)
+                except Exception as exc:
+                    log.warning("not adopting worker %s: %r", member.name, exc)
+                    continue
+                self.handles[member.name] = WorkerHandle(member.name, member.role, actor, info)
+                self._claim_cores(member.role, member.name)
+                self.membership.add([member.name])
+            return self.members()
+
+    async def ensure(self, sizes: dict[str, int], timeout_s: float | None) -> Members:
+        """At least ``sizes[role]`` workers of each role (a new deployment, or
+        one whose router restarted: those running are kept)."""
+        async with self._lock:
+            wanted = {role: n - self.membership.count(role) for role, n in sizes.items()}
+            await self._grow_all(wanted, timeout_s)
+            return self.members()
+
+    async def grow(self, role: str, n: int, timeout_s: float | None) -> Members:
+        """``n`` workers of ``role`` in all (n above the current count)."""
+        async with self._lock:
+            self.membership.resize(role)
+            await self._grow(role, n - self.membership.count(role), timeout_s)
+            return self.members()
+
+    async def remove(self, names: list[str]) -> Members:
+        """Stop and remove workers (a router drained its requests on them first)."""
+        async with self._lock:
+            gone = [self.handles.pop(n) for n in self.membership.remove(names)]
+            for worker in gone:
+                self._release_cores(worker)
+            await stop_workers(gone)
+            return self.members()
+
+    async def shrink(self, role: str, names: list[str]) -> Members:
+        """``remove`` for an explicit new size of ``role``: what was owed to it is settled."""
+        self.membership.resize(role)
+        return await self.remove(names)
+
+    async def lost(self, names: list[str]) -> Members:
+        """Routers report workers lost. Each one Ray reports dead for good leaves
+        and its role is owed a replacement; a live one, or one already
+        replaced (another router reported it first), changes nothing."""
+        async with self._lock:
+            known = [self.handles[n] for n in names if self.membership.has(n)]
+            states = await asyncio.gather(*(health.check(w, DEATH_CHECK_TIMEOUT_S) for w in known))
+            dead = [w for w, s in zip(known, states, strict=True) if s is health.Health.DEAD]
+            for member in self.membership.lose([w.name for w in dead]):
+                worker = self.handles.pop(member.name)
+                self._release_cores(worker)
+                log.warning("worker %s died for good; a replacement is owed", member.name)
+            return self.members()
+
+    async def replace_owed(self, timeout_s: float | None) -> Members:
+        """Start the replacements owed; those that cannot be placed within
+        ``timeout_s`` stay owed (the next call tries again)."""
+        async with self._lock:
+            for role, n in self.membership.owed().items():
+                try:
+                    await self._grow(role, n, timeout_s)
+                except Exception as exc:
+                    log.warning("%d %s workers not placed yet: %r", n, role, exc)
+                    continue
+                self.membership.replaced(role, n)
+            return self.members()
+
+    async def down(self, drain_timeout_s: float) -> list[str]:
+        """Wait (up to ``drain_timeout_s``) until no worker has a request, then
+        stop and remove every one. Returns their names."""
+        async with self._lock:
+            workers = list(self.handles.values())
+            await _drain(workers, drain_timeout_s)
+            self.membership.remove([w.name for w in workers])
+            self.handles.clear()
+            await stop_workers(workers)
+            return [w.name for w in workers]
+
+    # ---- internals ------------------------------------------------------
+
+    async def _grow(self, role: str, n: int, timeout_s: float | None) -> None:
+        await self._grow_all({role: n}, timeout_s)
+
+    async def _grow_all(self, wanted: dict[str, int], timeout_s: float | None) -> None:
+        """``wanted[role]`` new workers of each role, started together; all or none."""
+        new: list[WorkerHandle] = []
+        try:
+            for role, n in wanted.items():
+                cls = actor_class(role, self.actor_classes.get(role))
+                for _ in range(max(0, n)):
+                    name = new_worker_name(role)
+                    cores = self._claim_cores(role, name)
+                    try:
+                        worker = create_worker(self.config, role, name, cls, self.namespace, cores)
+                    except BaseException:
+                        self._release_cores(WorkerHandle(name, role, None))
+                        raise
+                    new.append(worker)
+            if not new:
+                return
+            await start_workers(new, timeout_s)
+        except BaseException:
+            for worker in new:
+                self._release_cores(worker)
+                with contextlib.suppress(Exception):
+                    ray.kill(worker.actor)
+            raise
+        for worker in new:
+            self.handles[worker.name] = worker
+        self.membership.add([w.name for w in new])
+
+    def _claim_cores(self, role: str, name: str) -> tuple[int, ...] | None:
+        assignment = self.cores.get(role)
+        return None if assignment is None else assignment.claim(name)
+
+    def _release_cores(self, worker: WorkerHandle) -> None:
+        assignment = self.cores.get(worker.role)
+        if assignment is not None:
+            assignment.release(worker.name)
+
+
+async def _drain(workers: list[WorkerHandle], timeout_s: float) -> None:
+    """Until no worker has a request (by its own count), or the timeout."""
+    if timeout_s <= 0 or not workers:
+        return
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while loop.time() < deadline:
+        stats = await asyncio.gather(
+            *(w.actor.stats.remote() for w in workers), return_exceptions=True
+        )
+        if all(isinstance(s, BaseException) or s.num_requests == 0 for s in stats):
+            return
+        await asyncio.sleep(0.2)
+    log.warning("drain timed out after %.1f s; stopping the workers anyway", timeout_s)
