@@ -39,10 +39,15 @@ def command(args: argparse.Namespace) -> int:
         cluster_state.check_name(name)
         if not args.drain_timeout >= 0:
             raise ValueError(f"--drain-timeout {args.drain_timeout}: give seconds, at least 0")
-        state = None if args.ray_address else local_cluster.find(name)
+        state = None if args.ray_address else cluster_state.read(name)
     except ValueError as e:
         print(f"tandem down: {e}", file=sys.stderr)
         return 2
+    if state is not None and not local_cluster.is_running(state):
+        # Gone, or not answering: no pools to drain there; stop what is left.
+        local_cluster.stop(name)
+        print(f"tandem: deployment {name}: its local Ray cluster was not running; cleaned up")
+        return 0
     if state is None and not args.ray_address:
         print(
             f"tandem down: no local Ray cluster of deployment {name!r} runs on this machine "

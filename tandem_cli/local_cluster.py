@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 
 REDIS_PORT = 6379  # never the GCS's: Redis (the block index) may listen there
 START_TIMEOUT_S = 120.0
+ANSWER_WAIT_S = 10.0  # a running cluster's GCS may be slow on a loaded machine
 STOP_TIMEOUT_S = 5.0  # then SIGKILL: Ray's GCS lingers on SIGTERM
 # The `ray` of this interpreter's environment: the same Ray as the router.
 RAY = str(Path(sys.executable).with_name("ray"))
@@ -123,28 +124,50 @@ def is_running(state: ClusterState) -> bool:
     return _is_ray_start(state.pid) and _answers(state.address)
 
 
+def is_gone(state: ClusterState) -> bool:
+    """The recorded cluster's ``ray start`` process is gone (a stale file)."""
+    return not _is_ray_start(state.pid)
+
+
+def _checked(state: ClusterState | None) -> ClusterState | None:
+    """``state`` while its cluster runs; None, its leftovers stopped and its
+    file removed, when it is gone. A live ``ray start`` whose GCS does not
+    answer within ANSWER_WAIT_S is an error, never stopped here: only
+    ``tandem down`` stops a deployment's cluster."""
+    if state is None:
+        return None
+    if is_gone(state):
+        log.info(
+            "deployment %s: its local Ray cluster is gone (pid %d)", state.deployment, state.pid
+        )
+        _clean(state)
+        return None
+    deadline = time.monotonic() + ANSWER_WAIT_S
+    while not _answers(state.address):
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"the local Ray cluster of deployment {state.deployment!r} (pid {state.pid}) "
+                f"does not answer at {state.address}; `tandem down --deployment "
+                f"{state.deployment}` stops it"
+            )
+        time.sleep(0.5)
+    return state
+
+
 def find(name: str) -> ClusterState | None:
     """The running local cluster of deployment ``name``; None when none is
     recorded or the recorded one is gone (its stale file is removed)."""
     with cluster_state.locked(name):
-        state = cluster_state.read(name)
-        if state is not None and not is_running(state):
-            log.info("deployment %s: its local Ray cluster is gone (pid %d)", name, state.pid)
-            _clean(state)
-            return None
-        return state
+        return _checked(cluster_state.read(name))
 
 
 def ensure(name: str, spec: ClusterSpec) -> tuple[ClusterState, bool]:
     """Deployment ``name``'s running local cluster, started when there is
     none (a stale state file is replaced); True when this call started it."""
     with cluster_state.locked(name):
-        state = cluster_state.read(name)
+        state = _checked(cluster_state.read(name))
         if state is not None:
-            if is_running(state):
-                return state, False
-            log.info("deployment %s: replacing the state of a dead cluster", name)
-            _clean(state)
+            return state, False
         state = _start(name, spec)
         cluster_state.write(state)
         return state, True

@@ -143,7 +143,8 @@ def test_ensure_replaces_a_stale_state_file(monkeypatch):
     assert local_cluster.ensure("prod", spec) == (fresh, True)
     assert started == [spec] and cluster_state.read("prod") == fresh
     # A running one is found, not started again.
-    monkeypatch.setattr(local_cluster, "is_running", lambda state: state == fresh)
+    monkeypatch.setattr(local_cluster, "is_gone", lambda state: state != fresh)
+    monkeypatch.setattr(local_cluster, "_answers", lambda address, timeout_s=2.0: True)
     assert local_cluster.ensure("prod", spec) == (fresh, False)
     assert len(started) == 1
 
@@ -243,7 +244,8 @@ def test_down_drains_the_pools_then_stops_the_local_cluster(
     monkeypatch, fake_ray, fake_down, capsys
 ):
     state = _state()
-    monkeypatch.setattr(local_cluster, "find", lambda name: state)
+    cluster_state.write(state)
+    monkeypatch.setattr(local_cluster, "is_running", lambda s: s == state)
     monkeypatch.setattr(local_cluster, "stop", lambda name: fake_down.append(("stop", name)))
     assert main(["down", "--deployment", "prod", "--drain-timeout", "7"]) == 0
     assert fake_down == [("down", "prod", 7.0), ("stop", "prod")]
@@ -253,7 +255,8 @@ def test_down_drains_the_pools_then_stops_the_local_cluster(
 
 
 def test_down_on_the_users_cluster_leaves_it_running(monkeypatch, fake_ray, fake_down):
-    monkeypatch.setattr(local_cluster, "find", lambda name: pytest.fail("looked for a local one"))
+    cluster_state.write(_state())  # not this cluster's: --ray-address wins
+    monkeypatch.setattr(local_cluster, "is_running", lambda s: pytest.fail("looked at it"))
     monkeypatch.setattr(local_cluster, "stop", lambda name: pytest.fail("stopped a cluster"))
     assert main(["down", "--deployment", "prod", "--ray-address", "10.0.0.1:6380"]) == 0
     assert fake_ray[0]["address"] == "10.0.0.1:6380"
@@ -270,7 +273,8 @@ def test_down_without_a_cluster_says_where_it_looked(fake_ray, fake_down, capsys
 def test_down_stops_the_local_cluster_even_when_the_drain_fails(
     monkeypatch, fake_ray, fake_down, capsys
 ):
-    monkeypatch.setattr(local_cluster, "find", lambda name: _state("broken"))
+    cluster_state.write(_state("broken"))
+    monkeypatch.setattr(local_cluster, "is_running", lambda s: True)
     monkeypatch.setattr(local_cluster, "stop", lambda name: fake_down.append(("stop", name)))
     assert main(["down", "--deployment", "broken"]) == 1
     assert fake_down[-1] == ("stop", "broken")
@@ -280,3 +284,25 @@ def test_down_stops_the_local_cluster_even_when_the_drain_fails(
 def test_down_refuses_a_negative_drain_timeout(fake_down, capsys):
     assert main(["down", "--deployment", "prod", "--drain-timeout", "-1"]) == 2
     assert "--drain-timeout" in capsys.readouterr().err and fake_down == []
+
+
+def test_down_of_a_cluster_that_is_gone_cleans_up_without_draining(fake_ray, fake_down, capsys):
+    cluster_state.write(_state())  # its ray start exited long ago
+    assert main(["down", "--deployment", "prod"]) == 0
+    assert fake_down == [] and fake_ray == []  # nothing to connect to, nothing to drain
+    assert cluster_state.read("prod") is None
+    assert "was not running" in capsys.readouterr().out
+
+
+def test_a_live_cluster_that_does_not_answer_is_an_error_never_stopped(monkeypatch):
+    cluster_state.write(_state())
+    monkeypatch.setattr(local_cluster, "_is_ray_start", lambda pid: True)
+    monkeypatch.setattr(local_cluster, "_answers", lambda address, timeout_s=2.0: False)
+    monkeypatch.setattr(local_cluster, "ANSWER_WAIT_S", 0.0)
+    monkeypatch.setattr(local_cluster, "_start", lambda *a: pytest.fail("started another"))
+    spec = local_cluster.ClusterSpec(num_cpus=1)
+    with pytest.raises(RuntimeError, match=r"does not answer at 127\.0\.0\.2:45678"):
+        local_cluster.ensure("prod", spec)
+    with pytest.raises(RuntimeError, match="tandem down --deployment prod"):
+        local_cluster.find("prod")
+    assert cluster_state.read("prod") is not None  # left for tandem down
