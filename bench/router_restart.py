@@ -23,6 +23,7 @@ import json
 import os
 import re
 import secrets
+import shutil
 import signal
 import statistics
 import subprocess
@@ -144,6 +145,7 @@ def run(restarts: int, cold_starts: int) -> dict:
         for name in names:
             down(name, env)
         os.unlink(f.name)
+        shutil.rmtree(state_home, ignore_errors=True)
     cold_s = statistics.median(s.first_response_s for s in starts if s.kind == "cold")
     attach = [s for s in starts if s.kind == "attach"]
     attach_s = statistics.median(s.first_response_s for s in attach) if attach else None
