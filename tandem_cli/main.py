@@ -70,6 +70,18 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, metavar="P")
     p.add_argument("--ray-address", metavar="ADDR", help="join this Ray cluster")
     p.add_argument(
+        "--deployment",
+        metavar="NAME",
+        help="name the deployment: its pools (and local Ray cluster) outlive this router, "
+        "and a later `tandem serve --deployment NAME` attaches to them",
+    )
+    p.add_argument(
+        "--attach",
+        action="store_true",
+        default=None,
+        help="only attach to the running pools of --deployment NAME (another router)",
+    )
+    p.add_argument(
         "--redis-url",
         metavar="URL",
         help="keep the block index in Redis (shared by several routers)",
@@ -122,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # Commands whose module defines both add_parser(sub) and command(args).
-_PLUGGED = ("bench", "plan", "scale")
+_PLUGGED = ("bench", "down", "plan", "scale")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

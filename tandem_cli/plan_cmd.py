@@ -174,7 +174,7 @@ def _verify_local(args, label, choice, profile, workload, ttft_s, tpot_s) -> Non
 
     from benchkit.deployment import Deployment
     from router.config import ServeConfig
-    from tandem_cli.serve import init_ray
+    from tandem_cli.ray_init import init_ray
 
     config = ServeConfig(
         engine={"model": args.model},

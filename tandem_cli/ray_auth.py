@@ -37,10 +37,15 @@ def enable(local: bool, environ: MutableMapping[str, str] = os.environ) -> None:
         )
     environ[MODE_ENV] = "token"
     check_token_file(environ)
-    if local and not (environ.get(TOKEN_ENV) or environ.get(TOKEN_PATH_ENV)):
+    if local and not configured_token(environ):
         environ[TOKEN_ENV] = secrets.token_hex(32)
     if environ is os.environ:
         _reload_ray_config()
+
+
+def configured_token(environ: Mapping[str, str] = os.environ) -> bool:
+    """The environment gives a token (``RAY_AUTH_TOKEN`` or ``RAY_AUTH_TOKEN_PATH``)."""
+    return bool(environ.get(TOKEN_ENV) or environ.get(TOKEN_PATH_ENV))
 
 
 def check_token_file(environ: Mapping[str, str] = os.environ) -> None:

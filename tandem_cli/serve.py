@@ -1,15 +1,15 @@
 """``tandem serve``: start Ray (or join a cluster), the pools and the router;
-drain and stop everything on SIGINT/SIGTERM."""
+drain and stop everything on SIGINT/SIGTERM. A named deployment's router
+(``--deployment NAME``) drains its own requests and leaves the pools, and
+the local Ray cluster they run on, to the other routers and the next one
+(``tandem down`` stops them)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import contextlib
-import ipaddress
 import logging
-import math
-import os
 import signal
 import sys
 from collections.abc import Callable
@@ -24,6 +24,7 @@ from router.limits import TRANSPORT_BYTES_PER_TOKEN, generate_message_limit
 from router.service import HttpSettings, RouterServer, check_keys
 from router.tenancy import CacheDomains
 from tandem_cli import ray_auth
+from tandem_cli.ray_init import init_ray, ray_is_up
 from worker.cpu_binding import (
     CoreLayout,
     available_cores,
@@ -36,9 +37,6 @@ from worker.logfmt import configure_logging
 
 log = logging.getLogger(__name__)
 
-# ray.init() swaps 127.0.0.1 (and "localhost") for the machine's interface
-# address; another loopback address keeps a local cluster on loopback.
-LOCAL_RAY_NODE_IP = "127.0.0.2"
 # The flags of `tandem serve` (argparse dests) and the config path each sets.
 SERVE_FLAGS = {
     "model": "engine.model",
@@ -56,6 +54,8 @@ SERVE_FLAGS = {
     "log_format": "server.log_format",
     "redis_url": "routing.redis_url",
     "grace_period_s": "limits.grace_period_s",
+    "deployment": "deployment.name",
+    "attach": "deployment.attach",
 }
 
 
@@ -163,61 +163,6 @@ def server_for(config: ServeConfig, backend: Backend, *, local: bool = False) ->
         http=http_settings(config, local=local),
         limits=config.limits.request_limits(),
     )
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def ray_is_up() -> bool:
-    import ray
-
-    return ray.is_initialized()
-
-
-def init_ray(config: ServeConfig) -> bool:
-    """Connect to ``pools.ray_address``, or start a local Ray cluster sized for
-    the pools (on loopback when the router binds a loopback host).
-
-    Ray's token authentication is on either way (tandem_cli/ray_auth.py).
-    Returns True when this call started Ray (the caller then shuts it down).
-    """
-    import ray
-
-    if ray_is_up():
-        return False
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    pools_config = config.pools
-    ray_auth.enable(local=not pools_config.ray_address)
-    if pools_config.ray_address:
-        ray.init(address=pools_config.ray_address)
-        return True
-    pools = [(pools_config.decode, pools_config.decode_resources)]
-    if pools_config.mode == "disaggregated":
-        pools.append((pools_config.prefill, pools_config.prefill_resources))
-    needed_cpus = sum(n * r.num_cpus for n, r in pools)
-    custom: dict[str, float] = {}
-    for n, r in pools:
-        for name, amount in r.resources.items():
-            custom[name] = custom.get(name, 0.0) + n * amount
-    system: dict = {}
-    if pools_config.worker_niceness is not None:
-        # Workers start at it and need no privilege to keep it (each one also
-        # sets it itself: sched_policy.set_niceness); below 0 only they can try.
-        system["worker_niceness"] = max(pools_config.worker_niceness, 0)
-    ray.init(
-        num_cpus=max(os.cpu_count() or 1, math.ceil(needed_cpus)),
-        resources=custom or None,
-        include_dashboard=False,
-        _node_ip_address=LOCAL_RAY_NODE_IP if is_loopback(config.server.host) else None,
-        _system_config=system or None,
-    )
-    return True
 
 
 def plan_cores(config: ServeConfig) -> CoreLayout | None:

@@ -1,4 +1,4 @@
-"""The local Ray cluster ``tandem serve`` starts (tandem_cli/serve.py,
+"""The local Ray cluster ``tandem serve`` starts (tandem_cli/ray_init.py,
 init_ray) refuses a driver without its token: a process that reaches the GCS
 port with no token, or a wrong one, cannot join and run code there.
 
@@ -20,9 +20,9 @@ pytestmark = pytest.mark.integration
 # joined.
 _CLUSTER = """
 import os, subprocess, sys
-from router.config import ServeConfig
-from tandem_cli import serve
-serve.init_ray(ServeConfig(pools={"prefill": 0, "decode": 1, "mode": "colocated"}))
+from tandem_cli import ray_init
+from tests.deployment_config import Config
+ray_init.init_ray(Config(pools={"prefill": 0, "decode": 1, "mode": "colocated"}))
 import ray
 address = ray.get_runtime_context().gcs_address
 join = "import ray, sys; ray.init(address=sys.argv[1]); print('JOINED')"

@@ -12,8 +12,9 @@ import pytest
 
 from router.client import TandemClient, generate_sync
 from router.config import ServeConfig
-from tandem_cli import ray_auth, serve
+from tandem_cli import ray_auth, ray_init, serve
 from tandem_cli.main import build_parser, main
+from tests.deployment_config import Config
 from tests.fakes import FakeBackend, FakeTokenizer, RouterInThread
 
 pytestmark = pytest.mark.unit
@@ -178,16 +179,16 @@ def test_init_ray_sizes_a_loopback_cluster(monkeypatch):
     monkeypatch.setattr(ray, "init", lambda **kw: calls.append(kw))
     for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
         monkeypatch.delenv(name, raising=False)
-    config = ServeConfig(
+    config = Config(
         pools={
             "prefill": 2,
             "decode": 3,
             "decode_resources": {"num_cpus": 2, "resources": {"decode": 1}},
         }
     )
-    assert serve.init_ray(config) is True
+    assert ray_init.init_ray(config) is True
     (kw,) = calls
-    assert kw["_node_ip_address"] == serve.LOCAL_RAY_NODE_IP
+    assert kw["_node_ip_address"] == ray_init.LOCAL_RAY_NODE_IP
     assert kw["num_cpus"] == max(os.cpu_count() or 1, 8)
     assert kw["resources"] == {"decode": 3.0}
     assert kw["include_dashboard"] is False
@@ -195,7 +196,7 @@ def test_init_ray_sizes_a_loopback_cluster(monkeypatch):
     assert os.environ["RAY_AUTH_MODE"] == "token"  # a fresh token for the local cluster
     assert len(os.environ["RAY_AUTH_TOKEN"]) == 64
     monkeypatch.delenv("RAY_AUTH_TOKEN")
-    serve.init_ray(config.updated(pools={"ray_address": "10.0.0.1:6379"}))
+    ray_init.init_ray(config.updated(pools={"ray_address": "10.0.0.1:6379"}))
     assert calls[-1] == {"address": "10.0.0.1:6379"}
     assert "RAY_AUTH_TOKEN" not in os.environ  # a joined cluster's token is configured
 
@@ -207,7 +208,7 @@ def test_init_ray_refuses_to_turn_ray_token_auth_off(monkeypatch):
     monkeypatch.setattr(ray, "init", lambda **kw: pytest.fail("ray.init without token auth"))
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     with pytest.raises(ValueError, match="RAY_AUTH_MODE=disabled"):
-        serve.init_ray(ServeConfig())
+        ray_init.init_ray(Config())
 
 
 def test_a_configured_ray_token_is_kept():

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -202,6 +203,56 @@ def test_the_router_gets_its_secrets_and_a_liveness_probe():
     port = ServeConfig.load(SERVE_CONFIG).server.port
     assert router["livenessProbe"]["grpc"]["port"] == port
     assert router["readinessProbe"]["grpc"]["port"] == port
+
+
+def _head_pod() -> dict:
+    (ray_cluster,) = _by_kind("RayCluster")
+    return ray_cluster["spec"]["headGroupSpec"]["template"]["spec"]
+
+
+def _probe_window_s(probe: dict) -> int:
+    """How long a probe may fail before the kubelet acts (Kubernetes' defaults)."""
+    return probe.get("periodSeconds", 10) * probe.get("failureThreshold", 3)
+
+
+def test_the_router_is_probed_for_liveness_only_once_it_has_started():
+    """Health is NOT_SERVING while the pools start (router/service.py): a
+    startup probe holds the liveness probe off for as long as a cold start
+    may take, so that it restarts a router that stopped answering, never one
+    still loading the model."""
+    (router,) = [c for c in _head_pod()["containers"] if c["name"] == "router"]
+    port = ServeConfig.load(SERVE_CONFIG).server.port
+    startup, liveness = router["startupProbe"], router["livenessProbe"]
+    assert startup["grpc"]["port"] == liveness["grpc"]["port"] == port
+    assert _probe_window_s(startup) >= 15 * 60  # a big model's cold start
+    assert _probe_window_s(liveness) <= 60  # a hung router goes within a minute
+    assert "initialDelaySeconds" not in liveness  # the startup probe does that job
+
+
+def test_the_pod_gives_the_router_its_whole_drain_and_ray_outlives_it():
+    """terminationGracePeriodSeconds covers limits.grace_period_s (the drain
+    on SIGTERM) and the ray-head's preStop, which keeps Ray (the workers'
+    GCS) up until the router has drained."""
+    pod = _head_pod()
+    grace = ServeConfig.load(SERVE_CONFIG).limits.grace_period_s
+    termination = pod["terminationGracePeriodSeconds"]
+    containers = {c["name"]: c for c in pod["containers"]}
+    command = containers["ray-head"]["lifecycle"]["preStop"]["exec"]["command"]
+    (sleep_s,) = [int(w) for w in command[-1].split() if w.isdigit()]
+    assert command[-1] == f"sleep {sleep_s}"
+    assert grace < sleep_s < termination
+    script = " ".join(containers["router"]["args"])
+    assert "exec tandem serve" in script  # the router gets SIGTERM itself, not a shell
+
+
+def test_the_kuberay_router_serves_a_named_deployment():
+    """A restarted router container attaches to the running pools (detached
+    workers of a named deployment) rather than starting them cold."""
+    (router,) = [c for c in _head_pod()["containers"] if c["name"] == "router"]
+    words = " ".join(router["args"]).split()
+    name = words[words.index("--deployment") + 1]
+    assert re.fullmatch(r"[A-Za-z0-9_.-]+", name)
+    assert "--attach" not in words  # the first router starts the pools
 
 
 def test_redis_asks_for_the_password_from_the_secret_and_never_on_its_command_line():
