@@ -29,9 +29,10 @@ REPO = Path(__file__).resolve().parents[2]
 _FIRST = """
 import sys, ray
 from tandem_cli import ray_init
-from tests.deployment_config import Config
+from router.config import ServeConfig
 name = sys.argv[1]
-config = Config(deployment={"name": name}, pools={"prefill": 0, "decode": 1, "mode": "colocated"})
+pools = {"prefill": 0, "decode": 1, "mode": "colocated"}
+config = ServeConfig(deployment={"name": name}, pools=pools)
 assert ray_init.init_ray(config)
 
 @ray.remote(num_cpus=0)
@@ -47,9 +48,9 @@ ray.shutdown()
 _ATTACH = """
 import sys, ray
 from tandem_cli import ray_init
-from tests.deployment_config import Config
+from router.config import ServeConfig
 name = sys.argv[1]
-assert ray_init.init_ray(Config(deployment={"name": name, "attach": True}))
+assert ray_init.init_ray(ServeConfig(deployment={"name": name, "attach": True}))
 worker = ray.get_actor("decode-0", namespace="tandem-" + name)
 print(ray.get(worker.ping.remote()), flush=True)
 ray.shutdown()

@@ -21,8 +21,8 @@ pytestmark = pytest.mark.integration
 _CLUSTER = """
 import os, subprocess, sys
 from tandem_cli import ray_init
-from tests.deployment_config import Config
-ray_init.init_ray(Config(pools={"prefill": 0, "decode": 1, "mode": "colocated"}))
+from router.config import ServeConfig
+ray_init.init_ray(ServeConfig(pools={"prefill": 0, "decode": 1, "mode": "colocated"}))
 import ray
 address = ray.get_runtime_context().gcs_address
 join = "import ray, sys; ray.init(address=sys.argv[1]); print('JOINED')"

@@ -14,7 +14,6 @@ from router.client import TandemClient, generate_sync
 from router.config import ServeConfig
 from tandem_cli import ray_auth, ray_init, serve
 from tandem_cli.main import build_parser, main
-from tests.deployment_config import Config
 from tests.fakes import FakeBackend, FakeTokenizer, RouterInThread
 
 pytestmark = pytest.mark.unit
@@ -179,7 +178,7 @@ def test_init_ray_sizes_a_loopback_cluster(monkeypatch):
     monkeypatch.setattr(ray, "init", lambda **kw: calls.append(kw))
     for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
         monkeypatch.delenv(name, raising=False)
-    config = Config(
+    config = ServeConfig(
         pools={
             "prefill": 2,
             "decode": 3,
@@ -208,7 +207,7 @@ def test_init_ray_refuses_to_turn_ray_token_auth_off(monkeypatch):
     monkeypatch.setattr(ray, "init", lambda **kw: pytest.fail("ray.init without token auth"))
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     with pytest.raises(ValueError, match="RAY_AUTH_MODE=disabled"):
-        ray_init.init_ray(Config())
+        ray_init.init_ray(ServeConfig())
 
 
 def test_a_configured_ray_token_is_kept():

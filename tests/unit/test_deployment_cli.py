@@ -12,10 +12,10 @@ import types
 
 import pytest
 
+from router.config import ServeConfig
 from tandem_cli import cluster_state, down_cmd, local_cluster, ray_init, serve
 from tandem_cli.cluster_state import ClusterState
 from tandem_cli.main import build_parser, main
-from tests.deployment_config import Config
 
 pytestmark = pytest.mark.unit
 
@@ -49,7 +49,7 @@ def _dead_pid() -> int:
 
 
 def test_serve_deployment_flags_set_the_deployment_section(monkeypatch):
-    monkeypatch.setattr(serve, "ServeConfig", Config)
+    monkeypatch.setattr(serve, "ServeConfig", ServeConfig)
     args = build_parser().parse_args(["serve", "--deployment", "prod", "--attach", "--port", "0"])
     assert (args.deployment, args.attach) == ("prod", True)
     config = serve.config_from_args(args)
@@ -59,7 +59,7 @@ def test_serve_deployment_flags_set_the_deployment_section(monkeypatch):
 
 
 def test_serve_refuses_a_deployment_name_that_cannot_name_a_file(monkeypatch, capsys):
-    monkeypatch.setattr(serve, "ServeConfig", Config)
+    monkeypatch.setattr(serve, "ServeConfig", ServeConfig)
     assert main(["serve", "--deployment", "../etc"]) == 2
     assert "deployment.name" in capsys.readouterr().err
 
@@ -199,7 +199,7 @@ def test_a_named_deployment_joins_its_own_local_cluster_with_its_token(monkeypat
     monkeypatch.setattr(
         local_cluster, "ensure", lambda n, spec: specs.append((n, spec)) or (state, True)
     )
-    config = Config(deployment={"name": "prod"}, pools={"decode": 2})
+    config = ServeConfig(deployment={"name": "prod"}, pools={"decode": 2})
     assert ray_init.init_ray(config) is True
     ((name, spec),) = specs
     assert name == "prod" and spec.node_ip == ray_init.LOCAL_RAY_NODE_IP
@@ -209,7 +209,7 @@ def test_a_named_deployment_joins_its_own_local_cluster_with_its_token(monkeypat
 
 def test_attach_never_starts_a_cluster(monkeypatch, fake_ray):
     monkeypatch.setattr(local_cluster, "ensure", lambda *a: pytest.fail("started a cluster"))
-    config = Config(deployment={"name": "prod", "attach": True})
+    config = ServeConfig(deployment={"name": "prod", "attach": True})
     with pytest.raises(RuntimeError, match="no local Ray cluster of deployment 'prod'"):
         ray_init.init_ray(config)
     assert fake_ray == []
@@ -217,7 +217,7 @@ def test_attach_never_starts_a_cluster(monkeypatch, fake_ray):
 
 def test_a_named_deployment_on_the_users_cluster_starts_nothing(monkeypatch, fake_ray):
     monkeypatch.setattr(local_cluster, "ensure", lambda *a: pytest.fail("started a cluster"))
-    config = Config(deployment={"name": "prod"}, pools={"ray_address": "10.0.0.1:6380"})
+    config = ServeConfig(deployment={"name": "prod"}, pools={"ray_address": "10.0.0.1:6380"})
     ray_init.init_ray(config)
     assert fake_ray == [{"address": "10.0.0.1:6380"}]
 
