@@ -132,7 +132,7 @@ def prepare(path: Path) -> Path:
     if target is None:
         header = read_header(path)
         fingerprint = file_fingerprint(path, header.data_offset)
-        target = _cache_root() / f"{path.stem}-{fingerprint[:16]}-v{_FORMAT}"
+        target = _cache_root() / f"{fingerprint}-v{_FORMAT}"  # copies of a file share it
 
         def build(tmp: Path) -> None:
             _write_model_dir(tmp, path, header, fingerprint)
