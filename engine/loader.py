@@ -21,13 +21,9 @@ import torch
 from safetensors.torch import load_file
 
 from engine.config import DEFAULT_MODEL_NAME, EngineConfig, ModelSpec
+from engine.packaged_model import DEFAULT_MODEL_ENV, SMOLLM2_NAME, smollm2_path
 
 log = logging.getLogger(__name__)
-
-DEFAULT_MODEL_ENV = "TANDEM_DEFAULT_MODEL"
-SMOLLM2_NAME = "smollm2-135m-instruct"
-"""Names ``model`` may take besides paths and hub ids: the embedded random tiny
-model (DEFAULT_MODEL_NAME, tandem-tiny-llama) and the packaged SmolLM2."""
 
 
 @functools.cache
@@ -43,8 +39,6 @@ def _warn_no_real_model() -> None:
 def default_model() -> str:
     """What ``model`` None means: ``$TANDEM_DEFAULT_MODEL``, else the packaged
     SmolLM2's file, else the embedded tiny model (with a warning)."""
-    from engine.gguf_model import smollm2_path
-
     named = os.environ.get(DEFAULT_MODEL_ENV)
     if named:
         return named
@@ -65,8 +59,6 @@ def resolve_model_dir(model: str | None) -> Path:
 
         return default_model_path()
     if model == SMOLLM2_NAME:
-        from engine.gguf_model import smollm2_path
-
         found = smollm2_path()
         if found is None:
             raise FileNotFoundError(
