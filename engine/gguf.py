@@ -59,6 +59,8 @@ def _require_gguf() -> Any:
 def hf_name(gguf_name: str) -> str:
     """The Hugging Face Llama name of a GGUF tensor (``blk.3.attn_q.weight`` ->
     ``model.layers.3.self_attn.q_proj.weight``)."""
+    if gguf_name == "rope_freqs.weight":  # kept, for hf_config_dict to refuse by name
+        return gguf_name
     m = _BLOCK.fullmatch(gguf_name)
     if m is not None and m.group(2) in _LAYER_NAMES:
         layer, part, kind = m.groups()
@@ -145,7 +147,7 @@ def hf_config_dict(header: GGUFHeader) -> dict[str, Any]:
             raise UnsupportedModelError(f"GGUF metadata lacks {arch}.{key}")
         return value
 
-    if "rope_freqs.weight" in {t.name for t in header.tensors}:
+    if "rope_freqs.weight" in names:
         raise UnsupportedModelError("GGUF rope_freqs (Llama 3.1 rope scaling) is not supported")
     hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
     head_dim = int(md.get(f"{arch}.attention.key_length") or hidden // heads)
