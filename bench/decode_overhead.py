@@ -20,6 +20,7 @@ Medians over ``--rounds``; the last line is one JSON object.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -27,6 +28,10 @@ ROOT = Path(__file__).resolve().parents[1]
 # The repository root, not bench/ (which has an engine.py); a reader (--side)
 # and its worker put their checkout first.
 sys.path[0] = str(ROOT)
+
+# Figures in docs/benchmarks.md are of the random tiny model: keep it the default here
+# (and in the `tandem serve` this starts); TANDEM_DEFAULT_MODEL=... measures another.
+os.environ.setdefault("TANDEM_DEFAULT_MODEL", "tandem-tiny-llama")
 
 import argparse
 import asyncio

