@@ -18,29 +18,9 @@
 // output rows into float32 and run the linear kernel's tiles over every row.
 
 #include "linear_tiles.h"
-
-#include <c10/util/Half.h>
-
-#if defined(__AVX2__)
-#include <immintrin.h>
-#endif
+#include "quant_blocks.h"
 
 namespace {
-
-enum Format : int64_t { kInt8 = 0, kQ8_0 = 1, kQ4_0 = 2, kQ4_1 = 3 };
-constexpr int kBlock = 32;
-constexpr int64_t kBlockBytes[4] = {32, 34, 18, 20};
-
-
-inline float half_at(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, sizeof h);
-#if defined(__F16C__)
-  return _cvtsh_ss(h);
-#else
-  return c10::detail::fp16_ieee_to_fp32_value(h);
-#endif
-}
 
 // x's rows quantized in blocks: q [m, nb * 32], d and sum(x~) [m, nb].
 struct RowBlocks {
@@ -71,118 +51,91 @@ RowBlocks quantize_rows(const float* a, int64_t lda, int64_t m, int64_t k, int64
   return x;
 }
 
-// One weight block: its 32 q values (at ``q``; 4-bit ones unpacked into
-// ``nibbles``), scale and min.
-template <int F>
-inline const uint8_t* block_q(const uint8_t* p, uint8_t* nibbles, float& d, float& min) {
-  if constexpr (F == kInt8) {
-    d = 1.f, min = 0.f;
-    return p;
-  } else if constexpr (F == kQ8_0) {
-    d = half_at(p), min = 0.f;
-    return p + 2;
-  } else {
-    d = half_at(p);
-    const uint8_t* qs = p + (F == kQ4_1 ? 4 : 2);
-    min = F == kQ4_1 ? half_at(p + 2) : -8.f * d;
-    for (int j = 0; j < 16; ++j) nibbles[j] = qs[j] & 15, nibbles[j + 16] = qs[j] >> 4;
-    return nibbles;
-  }
-}
-
 #if defined(__AVX2__)
-inline __m256i dot_u8s8(__m256i u, __m256i s) {  // 8 int32 sums of 4 products each
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
-#elif defined(__AVXVNNI__)
-  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
-#else
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-#endif
-}
-
-inline __m256i unpack_q4(const uint8_t* qs) {
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-  const __m128i mask = _mm_set1_epi8(15);
-  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), mask), _mm_and_si128(v, mask));
-}
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
-// One block's 32 weights as float32 (times ``scale``: int8's row scale).
+// Block b (``len`` inputs) of output rows [first, first + cols) dequantized
+// into the panel's rows b * 32 .. b * 32 + len (``out``), in 8 x 8 transposes.
 template <int F>
-inline void dequantize_block(const uint8_t* p, float scale, float* out) {
-  float d = scale, min = 0.f;
-  __m256i q;
-  if constexpr (F == kInt8) {
-    q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  } else if constexpr (F == kQ8_0) {
-    d = half_at(p);
-    q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2));
-  } else {
-    d = half_at(p);
-    min = F == kQ4_1 ? half_at(p + 2) : -8.f * d;
-    q = unpack_q4(p + (F == kQ4_1 ? 4 : 2));
+void panel_block(const uint8_t* w, int64_t row_bytes, const float* scales, int64_t first, int cols,
+                 int64_t b, int len, float* out) {
+  alignas(32) uint8_t q[kPanel][kBlock] = {};
+  float d[kPanel] = {}, min[kPanel] = {};
+  for (int j = 0; j < cols; ++j) {
+    const uint8_t* p = w + (first + j) * row_bytes + b * kBlockBytes[F];
+    const __m256i v = load_q<F>(p, F == kInt8 ? scales[first + j] : 1.f, d[j], min[j]);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(q[j]), v);
   }
-  alignas(32) uint8_t bytes[kBlock];
-  _mm256_store_si256(reinterpret_cast<__m256i*>(bytes), q);
-  const __m256 vd = _mm256_set1_ps(d), vm = _mm256_set1_ps(min);
-  for (int e = 0; e < kBlock; e += 8) {
-    const __m128i eight = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes + e));
-    const __m256i wide = F <= kQ8_0 ? _mm256_cvtepi8_epi32(eight) : _mm256_cvtepu8_epi32(eight);
-    _mm256_storeu_ps(out + e, _mm256_fmadd_ps(_mm256_cvtepi32_ps(wide), vd, vm));
+  for (int jj = 0; jj < kPanel; jj += 8) {
+    for (int ee = 0; ee < len; ee += 8) {
+      __m256 r[8];
+      for (int i = 0; i < 8; ++i) {
+        const __m128i eight = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q[jj + i] + ee));
+        const __m256i wide = F <= kQ8_0 ? _mm256_cvtepi8_epi32(eight) : _mm256_cvtepu8_epi32(eight);
+        r[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(wide), _mm256_set1_ps(d[jj + i]),
+                               _mm256_set1_ps(min[jj + i]));
+      }
+      transpose8(r);
+      for (int e = 0; e < 8 && ee + e < len; ++e)
+        _mm256_storeu_ps(out + (ee + e) * kPanel + jj, r[e]);
+    }
   }
 }
 
-// Rows [i0, i0 + R) of x times one weight row: out[r * ldc].
+// One weight block (at ``p``) times block b of rows [i0, i0 + R) of x, into
+// ``acc`` (and the 4-bit formats' min terms into ``mins``).
+template <int F, int R>
+inline void dot_block(const RowBlocks& x, int64_t i0, int64_t nb, int64_t b, const uint8_t* p,
+                      __m256* acc, float* mins) {
+  constexpr bool kSigned = F <= kQ8_0;
+  float d, min;
+  const __m256i q = load_q<F>(p, 1.f, d, min);
+  const __m256i u = kSigned ? _mm256_sign_epi8(q, q) : q;  // |q| for signed weights
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+    const int64_t at = (i0 + r) * nb + b;
+    __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q.data() + at * kBlock));
+    if constexpr (kSigned) xv = _mm256_sign_epi8(xv, q);  // q x = |q| (sign(q) x)
+    const __m256 sums = _mm256_cvtepi32_ps(dot_u8s8(u, xv));
+    acc[r] = _mm256_fmadd_ps(sums, _mm256_set1_ps(d * x.d[at]), acc[r]);
+    if constexpr (F >= kQ4_0) mins[r] += min * x.sum[at];
+  }
+}
+
+// Rows [i0, i0 + R) of x times one weight row: out[r * ldc]. Even and odd
+// blocks sum into separate accumulators (two chains of multiply-adds).
 template <int F, int R>
 void dot_rows(const RowBlocks& x, int64_t i0, int64_t nb, const uint8_t* w, float scale, float* out,
               int64_t ldc) {
-  constexpr bool kSigned = F <= kQ8_0;
-  __m256 acc[2][R];
+  __m256 even[R], odd[R];
   float mins[R] = {};
-  for (int r = 0; r < R; ++r) acc[0][r] = acc[1][r] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* p = w + b * kBlockBytes[F];
-    float d = 1.f, min = 0.f;
-    __m256i q;
-    if constexpr (F == kInt8) {
-      q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    } else if constexpr (F == kQ8_0) {
-      d = half_at(p);
-      q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2));
-    } else {
-      d = half_at(p);
-      min = F == kQ4_1 ? half_at(p + 2) : -8.f * d;
-      q = unpack_q4(p + (F == kQ4_1 ? 4 : 2));
-    }
-    const __m256i u = kSigned ? _mm256_sign_epi8(q, q) : q;  // |q| for signed weights
 #pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) {
-      const int64_t at = (i0 + r) * nb + b;
-      __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q.data() + at * kBlock));
-      if constexpr (kSigned) xv = _mm256_sign_epi8(xv, q);  // q x = |q| (sign(q) x)
-      const __m256 sums = _mm256_cvtepi32_ps(dot_u8s8(u, xv));
-      acc[b & 1][r] = _mm256_fmadd_ps(sums, _mm256_set1_ps(d * x.d[at]), acc[b & 1][r]);
-      if constexpr (F >= kQ4_0) mins[r] += min * x.sum[at];
-    }
+  for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm256_setzero_ps();
+  int64_t b = 0;
+  for (; b + 2 <= nb; b += 2) {
+    dot_block<F, R>(x, i0, nb, b, w + b * kBlockBytes[F], even, mins);
+    dot_block<F, R>(x, i0, nb, b + 1, w + (b + 1) * kBlockBytes[F], odd, mins);
   }
-  for (int r = 0; r < R; ++r)
-    out[r * ldc] = hsum(_mm256_add_ps(acc[0][r], acc[1][r])) * scale + mins[r];
+  if (b < nb) dot_block<F, R>(x, i0, nb, b, w + b * kBlockBytes[F], even, mins);
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) out[r * ldc] = hsum(_mm256_add_ps(even[r], odd[r])) * scale + mins[r];
 }
 #else
 template <int F>
-inline void dequantize_block(const uint8_t* p, float scale, float* out) {
+void panel_block(const uint8_t* w, int64_t row_bytes, const float* scales, int64_t first, int cols,
+                 int64_t b, int len, float* out) {
   uint8_t nibbles[kBlock];
-  float d, min;
-  const uint8_t* q = block_q<F>(p, nibbles, d, min);
-  for (int e = 0; e < kBlock; ++e)
-    out[e] = F <= kQ8_0 ? static_cast<float>(static_cast<int8_t>(q[e])) * d * scale
-                        : static_cast<float>(q[e]) * d + min;
+  for (int j = 0; j < kPanel; ++j) {
+    if (j >= cols) {
+      for (int e = 0; e < len; ++e) out[e * kPanel + j] = 0.f;
+      continue;
+    }
+    float d, min;
+    const uint8_t* p = w + (first + j) * row_bytes + b * kBlockBytes[F];
+    const uint8_t* q = block_q<F>(p, nibbles, d, min);
+    const float scale = F == kInt8 ? scales[first + j] : 1.f;
+    for (int e = 0; e < len; ++e)
+      out[e * kPanel + j] = F <= kQ8_0 ? static_cast<float>(static_cast<int8_t>(q[e])) * d * scale
+                                       : std::fma(static_cast<float>(q[e]), d, min);
+  }
 }
 
 template <int F, int R>
@@ -231,20 +184,12 @@ void panel_path(const float* a, int64_t lda, int64_t m, int64_t k, const uint8_t
   const int64_t panels = (n + kPanel - 1) / kPanel;
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> panel(k * kPanel);
-    alignas(64) float rows[kPanel * kBlock];  // one block of each of the panel's rows
     for (int64_t t = begin; t < end; ++t) {
       const int cols = static_cast<int>(std::min<int64_t>(kPanel, n - t * kPanel));
-      std::fill(rows, rows + kPanel * kBlock, 0.f);
       for (int64_t b = 0; b * kBlock < k; ++b) {
-        for (int j = 0; j < cols; ++j) {
-          const int64_t o = t * kPanel + j;
-          dequantize_block<F>(w + o * row_bytes + b * kBlockBytes[F],
-                              F == kInt8 ? scales[o] : 1.f, rows + j * kBlock);
-        }
         const int len = static_cast<int>(std::min<int64_t>(kBlock, k - b * kBlock));
-        float* out = panel.data() + b * kBlock * kPanel;
-        for (int e = 0; e < len; ++e)
-          for (int j = 0; j < kPanel; ++j) out[e * kPanel + j] = rows[j * kBlock + e];
+        panel_block<F>(w, row_bytes, scales, t * kPanel, cols, b, len,
+                       panel.data() + b * kBlock * kPanel);
       }
       const int64_t full = m / kTileRows * kTileRows;
       for (int64_t i = 0; i < m;) {
