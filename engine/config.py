@@ -165,6 +165,14 @@ class EngineConfig:
     plain-greedy tokens by screening it, recomputing only the candidate columns in
     float32; the tokens equal the full logits' argmax. Costs 1 or 2 bytes per head
     weight of memory; False computes the full float32 logits."""
+    quantization: Literal["none", "int8", "q4", "as_stored"] = "none"
+    """Weights of the linear layers and the LM head: none keeps the checkpoint's
+    floats (a GGUF file's quantized tensors dequantized); int8 quantizes them at
+    load per output channel (symmetric, a float32 scale a row); q4 to 4-bit blocks
+    of 32 with a float16 scale and min (GGUF's Q4_1); as_stored keeps a GGUF file's
+    Q8_0, Q4_0 and Q4_1 tensors as they are (the same as none for other
+    checkpoints). CPU kernels multiply from the quantized bytes; without them
+    (or on a GPU) the weights are dequantized on the fly for torch's matmul."""
     cuda_graphs: bool = False
     """Replay decode-only steps as CUDA graphs captured at fixed batch sizes (CUDA only;
     ignored on other devices). One KV block is set aside for padding rows."""

@@ -10,6 +10,7 @@ request's) and continues decoding there.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import itertools
 import logging
 import threading
@@ -103,6 +104,9 @@ class LLMEngine(RequestFaults):
         dtype = getattr(torch, config.dtype)
         device = resolve_device(config.device)
         fingerprint = model_fingerprint(model_dir, hf_config, config.load_format, config.seed)
+        if config.quantization != "none":  # other weights, other KV: no sharing with floats
+            tagged = f"{fingerprint}:{config.quantization}".encode()
+            fingerprint = hashlib.sha256(tagged).hexdigest()[:32]
         self.kv_layout = KVLayout(
             model_fingerprint=fingerprint,
             dtype=config.dtype,
@@ -121,7 +125,7 @@ class LLMEngine(RequestFaults):
         kernels = select_kernels(config.cpu_kernels, device, dtype)
         self.model = LlamaModel(
             spec, state, hf_config, self.max_model_len, dtype, device, kernels,
-            greedy_screen=config.greedy_screen,
+            greedy_screen=config.greedy_screen, quantization=config.quantization,
         )  # fmt: skip
         del state
         self.block_pool = BlockPool(num_blocks, config.block_size)

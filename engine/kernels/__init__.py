@@ -4,8 +4,9 @@ A decode step on CPU spends more time dispatching the ~35 small ATen ops
 of each layer than in their arithmetic. The kernels fuse them into four per
 layer (RMSNorm with the residual add, rotary embedding with the KV store,
 paged decode attention, SiLU-and-multiply) plus a row argmax, a causal
-prefill attention over the paged cache, matmuls over packed weights and a
-screened greedy head; docs/cpu-kernels.md describes them.
+prefill attention over the paged cache, matmuls over packed weights, matmuls
+over quantized weights (quant_linear.cpp, engine/quant.py) and a screened
+greedy head; docs/cpu-kernels.md describes them.
 
 The extension is compiled with the machine's C++ compiler through
 torch.utils.cpp_extension, once per CPU type, source and torch version, and

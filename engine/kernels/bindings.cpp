@@ -22,6 +22,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, "argmax of each row", release());
   m.def("linear", &linear, "x @ W (+ bias), W packed in panels", py::arg("x"), py::arg("panels"),
         py::arg("n"), py::arg("bias") = py::none(), release());
+  m.def("quant_linear", &quant_linear, "x @ W^T (+ bias), W quantized in blocks of 32 inputs",
+        py::arg("x"), py::arg("weight"), py::arg("scales"), py::arg("format"), py::arg("n"),
+        py::arg("bias") = py::none(), release());
 #ifdef TANDEM_GREEDY_HEAD
   m.def("greedy_head_f16", &greedy_head_f16, "greedy tokens from a float16 screen of the head",
         release());
@@ -35,6 +38,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_screen", [] { return false; }, "whether greedy_head_i8's screen runs on AMX tiles");
 #endif
   m.attr("PANEL_WIDTH") = kPanel;
+  m.attr("QUANT_PANEL_ROWS") = kQuantPanelRows;
 #ifdef TANDEM_GREEDY_HEAD
   m.attr("INT8_ROW_LEVELS") = kQuantMax;  // |q_x| of greedy_head_i8's quantized rows
   m.attr("HALF_SCREEN_MAX_ROWS") = kHalfScreenMaxRows;  // greedy_head_f16 pays off up to

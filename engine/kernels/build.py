@@ -44,11 +44,12 @@ SOURCES = (  # the longest to compile first: ninja starts them in this order
     "decode_attention.cpp",
     "prefill_attention.cpp",
     "linear.cpp",
+    "quant_linear.cpp",
     "head_f16.cpp",
     "head_i8.cpp",
     "head_amx.cpp",
 )
-HEADERS = ("isa.h", "common.h", "attention.h", "head.h")
+HEADERS = ("isa.h", "common.h", "attention.h", "head.h", "linear_tiles.h", "quant_blocks.h")
 
 # C++20 for std::bit_cast (torch passes -std=c++20 as well); no FMA
 # contraction outside the regions that ask for it, so that the kernels round

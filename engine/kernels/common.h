@@ -106,6 +106,10 @@ inline float max_of(const float* s, int64_t m) {
 // engine.kernels.PANEL_WIDTH.
 constexpr int kPanel = 32;
 
+// Rows of x from which quant_linear dequantizes panels for the float32 tiles
+// (fewer take its integer dot products); cpu_ops.QUANT_PANEL_ROWS.
+constexpr int64_t kQuantPanelRows = 8;
+
 }  // namespace
 
 // The kernels, one family a file; bindings.cpp binds them.
@@ -144,3 +148,8 @@ at::Tensor greedy_head_i8(const at::Tensor& x, const at::Tensor& panels, const a
 // head_amx.cpp: whether Linux grants this process the AMX tile state.
 bool amx_usable();
 #endif
+
+// quant_linear.cpp
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight,
+                        const std::optional<at::Tensor>& scales, int64_t format, int64_t n,
+                        const std::optional<at::Tensor>& bias);

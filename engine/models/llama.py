@@ -22,10 +22,12 @@ from engine.attention import AttentionMetadata, paged_attention
 from engine.config import ModelSpec
 from engine.kernels import HalfHead, Int8Head, PackedWeight, screen_for
 from engine.kv_cache import KVCache
+from engine.quant import AT_LOAD, Quantization, QuantWeight
 
 log = logging.getLogger(__name__)
 
-Weight = torch.Tensor | PackedWeight  # PackedWeight on the fused CPU path
+# PackedWeight on the fused CPU path, QuantWeight with quantization
+Weight = torch.Tensor | PackedWeight | QuantWeight
 # A row whose screen leaves more columns that could hold its argmax for the
 # exact float32 sums gets its full logits (the default model's rows leave 1 to
 # 7 with the int8 screen).
@@ -81,8 +83,15 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def _linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    if isinstance(w, QuantWeight):
+        return w.apply(x, bias, None)
     return torch.mm(x, w) if bias is None else torch.addmm(bias, x, w)
+
+
+def _pack(w: Weight) -> Weight:
+    """A float [in, out] matrix packed for the linear kernel; a quantized one as it is."""
+    return PackedWeight.pack(w) if isinstance(w, torch.Tensor) else w
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -103,22 +112,29 @@ class LlamaModel:
         kernels: Any = None,
         *,
         greedy_screen: bool = True,
+        quantization: Quantization = "none",
     ) -> None:
         """``kernels``: engine.kernels.cpu_ops() to run the fused CPU path, or None.
         ``greedy_screen``: with kernels, an int8 or float16 copy of the head screens
-        greedy steps (engine.kernels.screen_for)."""
+        greedy steps (engine.kernels.screen_for); not with a quantized head.
+        ``quantization``: int8 or q4 quantize the matrices (engine/quant.py);
+        as_stored keeps the QuantWeight values of ``state`` (a GGUF file's) as they
+        are and the float ones in float."""
         self.spec = spec
         self.kernels = kernels
         self.scale = spec.head_dim**-0.5
 
+        fmt = AT_LOAD.get(quantization)
+        self.quantized = fmt is not None or quantization == "as_stored"
+
         def take(name: str) -> torch.Tensor:
-            return state[name].to(device=device, dtype=dtype)
+            value = state[name]
+            if isinstance(value, QuantWeight):  # a quantized tensor kept as a float one
+                value = value.dequantize()
+            return value.to(device=device, dtype=dtype)
 
         def maybe(name: str) -> torch.Tensor | None:
             return take(name) if name in state else None
-
-        def t(name: str) -> torch.Tensor:  # [out, in] -> [in, out]
-            return take(name).t().contiguous()
 
         def cat(names: list[str]) -> torch.Tensor | None:
             parts = [maybe(n) for n in names]
@@ -128,9 +144,21 @@ class LlamaModel:
                 raise ValueError(f"checkpoint has only some of {names}")
             return torch.cat(parts).contiguous()
 
+        def matrix(names: list[str]) -> Weight:
+            """The [out, in] weights of ``names`` stacked: [in, out] float, or quantized."""
+            parts = [state[n] for n in names]
+            stored = [p for p in parts if isinstance(p, QuantWeight)]
+            kinds = {(p.format, p.in_features) for p in stored}
+            if quantization == "as_stored" and len(stored) == len(parts) and len(kinds) == 1:
+                return QuantWeight.cat(stored).to(device)
+            w = cat(names)
+            if fmt is not None:
+                return QuantWeight.quantize(w, fmt)
+            return w.t().contiguous()
+
         self.embed = take("model.embed_tokens.weight")
         head = "model.embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"
-        self.lm_head = t(head)
+        self.lm_head = matrix([head])
         self.norm = take("model.norm.weight")
         self.layers = []
         for i in range(spec.num_layers):
@@ -139,18 +167,16 @@ class LlamaModel:
             self.layers.append(
                 LayerWeights(
                     input_norm=take(p + "input_layernorm.weight"),
-                    qkv=cat([attn + f"{x}_proj.weight" for x in "qkv"]).t().contiguous(),
+                    qkv=matrix([attn + f"{x}_proj.weight" for x in "qkv"]),
                     qkv_bias=cat([attn + f"{x}_proj.bias" for x in "qkv"]),
                     q_norm=maybe(attn + "q_norm.weight"),
                     k_norm=maybe(attn + "k_norm.weight"),
-                    o=t(attn + "o_proj.weight"),
+                    o=matrix([attn + "o_proj.weight"]),
                     o_bias=maybe(attn + "o_proj.bias"),
                     post_norm=take(p + "post_attention_layernorm.weight"),
-                    gate_up=cat([mlp + "gate_proj.weight", mlp + "up_proj.weight"])
-                    .t()
-                    .contiguous(),
+                    gate_up=matrix([mlp + "gate_proj.weight", mlp + "up_proj.weight"]),
                     gate_up_bias=cat([mlp + "gate_proj.bias", mlp + "up_proj.bias"]),
-                    down=t(mlp + "down_proj.weight"),
+                    down=matrix([mlp + "down_proj.weight"]),
                     down_bias=maybe(mlp + "down_proj.bias"),
                 )
             )
@@ -160,15 +186,17 @@ class LlamaModel:
         self.screen_rows = self.screen_misses = 0  # rows screened, and left unsettled
         self.screen_max_rows = 1 << 30  # more rows at once get the full logits
         if kernels is not None:  # one copy of each matrix, in the linear kernel's layout
-            self.lm_head = PackedWeight.pack(self.lm_head)
-            if greedy_screen and hasattr(kernels, "greedy_head_i8"):  # AVX2, F16C, FMA
+            self.lm_head = _pack(self.lm_head)
+            screenable = isinstance(self.lm_head, PackedWeight)  # not a quantized head
+            if screenable and greedy_screen and hasattr(kernels, "greedy_head_i8"):
                 self.screen_head = screen_for(self.lm_head, kernels.INT8_ROW_LEVELS)
                 if isinstance(self.screen_head, HalfHead):
                     self.screen_max_rows = kernels.HALF_SCREEN_MAX_ROWS
             for w in self.layers:
-                w.qkv, w.o, w.down = (PackedWeight.pack(m) for m in (w.qkv, w.o, w.down))
-                w.gate_up = PackedWeight.pack_gate_up(w.gate_up)  # for linear_silu_mul
-                w.gate_up_bias = PackedWeight.pad_gate_up_bias(w.gate_up_bias)
+                w.qkv, w.o, w.down = (_pack(m) for m in (w.qkv, w.o, w.down))
+                if isinstance(w.gate_up, torch.Tensor):  # for linear_silu_mul
+                    w.gate_up = PackedWeight.pack_gate_up(w.gate_up)
+                    w.gate_up_bias = PackedWeight.pad_gate_up_bias(w.gate_up_bias)
 
     @property
     def fused(self) -> bool:
@@ -227,7 +255,9 @@ class LlamaModel:
             spec.num_kv_heads,
         )
 
-        def linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+        def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None) -> torch.Tensor:
+            if isinstance(w, QuantWeight):
+                return w.apply(x, bias, ops)
             return ops.linear(x, w.panels, w.out_features, bias)
 
         h = self.embed[input_ids]  # a fresh tensor: the residual stream, updated in place
@@ -248,7 +278,12 @@ class LlamaModel:
             attn = paged_attention(q, k, v, cache, i, meta, self.scale, ops)
             x = ops.add_rms_norm(h, linear(attn, w.o, w.o_bias), w.post_norm, eps)
             gate_up = w.gate_up
-            hidden = ops.linear_silu_mul(x, gate_up.panels, gate_up.out_features, w.gate_up_bias)
+            if isinstance(gate_up, QuantWeight):
+                hidden = ops.silu_mul(gate_up.apply(x, w.gate_up_bias, ops))
+            else:
+                hidden = ops.linear_silu_mul(
+                    x, gate_up.panels, gate_up.out_features, w.gate_up_bias
+                )
             down = linear(hidden, w.down, w.down_bias)
             following = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
             x = ops.add_rms_norm(h, down, following, eps)
@@ -280,7 +315,10 @@ class LlamaModel:
     def _full_argmax(self, x: torch.Tensor, vocab_size: int) -> list[int]:
         """Each row's argmax over its full float32 logits (the packed head)."""
         ops, head = self.kernels, self.lm_head
-        full = ops.linear(x, head.panels, head.out_features)
+        if isinstance(head, QuantWeight):
+            full = head.apply(x, None, ops)
+        else:
+            full = ops.linear(x, head.panels, head.out_features)
         return ops.argmax_rows(full[:, :vocab_size].contiguous()).tolist()
 
     def _count_screen(self, rows: int, misses: int) -> None:
@@ -301,4 +339,6 @@ class LlamaModel:
         head = self.lm_head
         if isinstance(head, PackedWeight):
             return self.kernels.linear(hidden.contiguous(), head.panels, head.out_features)
+        if isinstance(head, QuantWeight):
+            return head.apply(hidden, None, self.kernels).float()
         return torch.mm(hidden, head).float()

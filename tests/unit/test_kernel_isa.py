@@ -20,7 +20,7 @@ pytestmark = pytest.mark.unit
 
 REPO = Path(__file__).resolve().parents[2]
 
-# A few of each family's tests: rows, matmuls, attention, argmax, screens.
+# A few of each family's tests: rows, matmuls, attention, argmax, screens, quantized.
 KERNEL_TESTS = [
     "tests/unit/test_cpu_kernels.py::test_rms_norm_and_fused_residual",
     "tests/unit/test_cpu_kernels.py::test_silu_mul",
@@ -35,6 +35,8 @@ KERNEL_TESTS = [
     "tests/unit/test_greedy_head.py::test_tokens_equal_the_full_logits_argmax",
     "tests/unit/test_greedy_head.py::test_the_int8_bounds_hold",
     "tests/unit/test_greedy_head.py::test_the_float16_bound_holds",
+    "tests/unit/test_quant.py::test_quant_linear_equals_the_dequantized_matmul",
+    "tests/unit/test_quant.py::test_quant_linear_rows_do_not_depend_on_the_batch",
 ]
 # The 32k-column heads (about a second each) at two batch sizes only.
 SELECT = "not 32000 or 16-int8 or 1-float16"
