@@ -3,12 +3,17 @@ admission queue (requests wait for KV room) against the retry path it
 replaced (a full decode worker refuses the push, the router prefills the
 request again elsewhere; benchkit/no_admission.py), same run, same load.
 
-  python bench/admission.py [--bursts 4] [--burst 24] [--gap-s 1.5]
+  python bench/admission.py [--bursts 4] [--burst 24] [--gap-s 1.5] [--prompt-len 24]
+  python bench/admission.py --heavy   # --burst 48 --prompt-len 96
+
 
 Both deployments run in this process on a local Ray cluster on loopback:
 1 prefill and 2 decode workers, each with 1 MiB of KV (16 blocks of the
-default model: about four of these requests at a time), so each burst
-fills the pool and it drains during the gap. Every request is greedy,
+default model: about four of the default requests at a time), so each
+burst fills the pool and it drains during the gap. ``--heavy`` sends
+twice the requests per burst with four times longer prompts (7 of a
+worker's 16 blocks each: two at a time per worker), a load where the
+retry path runs out of its ``tuning.max_attempts`` tries. Every request is greedy,
 with a fresh prompt (no prefix-cache hits). Prints each path's TTFT p50
 and p99 (client-side, to the first token) and its failed requests by
 status, its tries retried, the decode workers' preemptions and the end to
@@ -45,17 +50,20 @@ CONFIG = ServeConfig(
     routing={"prefix_routing": False},
     limits={"max_queued_requests": 4096},
 )
-GREEDY = {"temperature": 0, "max_tokens": 16, "ignore_eos": True}
+GREEDY = {"temperature": 0, "ignore_eos": True}
 
+
+HEAVY = (48, 48, 64)  # --burst, --prompt-len, --max-tokens of --heavy
+HEAVY_ARGS = "--burst {} --prompt-len {} --max-tokens {}".format(*HEAVY)
 
 Result = tuple[float | None, float | None, str]  # (TTFT, end to end, status)
 
 
-async def _one(client: TandemClient, prompt: list[int]) -> Result:
+async def _one(client: TandemClient, prompt: list[int], max_tokens: int) -> Result:
     start = time.perf_counter()
     ttft = None
     try:
-        async for response in client.generate(prompt, **GREEDY):
+        async for response in client.generate(prompt, max_tokens=max_tokens, **GREEDY):
             if ttft is None and response.HasField("chunk"):
                 ttft = time.perf_counter() - start
         return ttft, time.perf_counter() - start, "OK"
@@ -68,10 +76,10 @@ async def _load(address: str, args, seed: int) -> list[Result]:
     async with TandemClient(address) as client:
         for b in range(args.bursts):
             prompts = [
-                [(seed * 7919 + b * 997 + i * 31 + j) % 30000 + 100 for j in range(24)]
+                [(seed * 7919 + b * 997 + i * 31 + j) % 30000 + 100 for j in range(args.prompt_len)]
                 for i in range(args.burst)
             ]
-            results += await asyncio.gather(*(_one(client, p) for p in prompts))
+            results += await asyncio.gather(*(_one(client, p, args.max_tokens) for p in prompts))
             await asyncio.sleep(args.gap_s)
     return results
 
@@ -105,7 +113,12 @@ def main() -> None:
     parser.add_argument("--bursts", type=int, default=4)
     parser.add_argument("--burst", type=int, default=24)
     parser.add_argument("--gap-s", type=float, default=1.5)
+    parser.add_argument("--prompt-len", type=int, default=24, help="tokens per prompt")
+    parser.add_argument("--max-tokens", type=int, default=16, help="output tokens per request")
+    parser.add_argument("--heavy", action="store_true", help=f"the heavier load: {HEAVY_ARGS}")
     args = parser.parse_args()
+    if args.heavy:
+        args.burst, args.prompt_len, args.max_tokens = HEAVY
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     ray.init(num_cpus=8, _node_ip_address="127.0.0.2", include_dashboard=False, log_to_driver=False)
     try:
@@ -118,7 +131,14 @@ def main() -> None:
     if queueing["ttft_p99_s"] and retry["ttft_p99_s"]:
         ratio = round(retry["ttft_p99_s"] / queueing["ttft_p99_s"], 3)
     print(f"TTFT p99 retry / queueing: {ratio}")
-    print(json.dumps({"bench": "admission", "queueing": queueing, "retry": retry,
+    load = {
+        "bursts": args.bursts,
+        "burst": args.burst,
+        "gap_s": args.gap_s,
+        "prompt_len": args.prompt_len,
+        "max_tokens": args.max_tokens,
+    }
+    print(json.dumps({"bench": "admission", "load": load, "queueing": queueing, "retry": retry,
                       "p99_ratio_retry_over_queueing": ratio}))  # fmt: skip
 
 

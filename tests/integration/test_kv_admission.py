@@ -118,3 +118,4 @@ def test_higher_priority_starts_before_earlier_lower_ones(colocated):
     assert finished == ["filler", "high", "low1", "low2"]
     stats = _decode_stats(colocated)
     assert all(s.num_preemptions == 0 for s in stats.values())
+    assert colocated.wait_no_leaks() == {}

@@ -14,15 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
-import os
 import secrets
-import select
-import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import grpc
 import pytest
@@ -34,11 +27,10 @@ from protocol.sampling import SamplingParams
 from router import deployment as dep_mod
 from router.client import TandemClient
 from router.config import ServeConfig
+from tests.deployment_helpers import actor_ids, router_process, worker_processes
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
 
-ROOT = Path(__file__).resolve().parents[2]
-DRIVER = Path(__file__).with_name("deployment_router_driver.py")
 NAME = f"test-{secrets.token_hex(4)}"
 MAX_TOKENS = 16
 TEXTS = ["def fibonacci(n):", "The quick brown fox jumps over the lazy dog. " * 6]
@@ -69,8 +61,7 @@ def routers(ray_cluster):
 
 
 def _actor_ids(router: Deployment) -> dict[str, str]:
-    b = router.backend
-    return {w.name: w.actor._actor_id.hex() for w in b.prefill.workers + b.decode.workers}
+    return actor_ids(router.backend)
 
 
 async def _complete(address: str, prompts):
@@ -134,44 +125,39 @@ def test_a_killed_router_process_leaves_the_workers_serving(routers, reference):
     """A router in a process of its own, SIGKILLed mid-stream: the workers abort
     its request (its streams broke) and go on serving the other router."""
     a = routers["a"]
-    gcs = ray.get_runtime_context().gcs_address
-    proc = subprocess.Popen(
-        [sys.executable, str(DRIVER), gcs, NAME],
-        stdout=subprocess.PIPE,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
-    try:
-        ready, _, _ = select.select([proc.stdout], [], [], 300)
-        assert ready, "the router process did not start"
-        started = json.loads(proc.stdout.readline())
-        assert started["workers"] == _actor_ids(a)
+    with router_process(NAME) as victim:
+        assert victim.workers == _actor_ids(a)
 
         async def stream_then_kill() -> int:
             got = 0
-            async with TandemClient(started["address"]) as client:
+            async with TandemClient(victim.address) as client:
                 with contextlib.suppress(grpc.aio.AioRpcError):
                     async for r in client.generate(TEXTS[1], temperature=0, max_tokens=400):
                         got += len(r.chunk.token_ids)
-                        if got >= 3 and proc.poll() is None:
-                            proc.send_signal(signal.SIGKILL)
+                        if got >= 3:
+                            victim.kill()
             return got
 
         assert asyncio.run(stream_then_kill()) >= 3
-        proc.wait(30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert _actor_ids(a) == started["workers"]
+        victim.process.wait(30)
+    assert _actor_ids(a) == victim.workers
     _serves(a, reference)  # no leak: the killed router's request was aborted
 
 
 def test_a_restarted_router_attaches_warm(routers, reference):
+    """A router SIGKILLed after serving, then the last router stopped: a new
+    router of the name attaches to the same worker processes, caches warm."""
     a = routers["a"]
-    ids = _actor_ids(a)
-    _serves(a, reference)  # the prompts are cached now
-    routers.pop("a").stop()
+    ids, processes = _actor_ids(a), worker_processes(a.backend)
+    with router_process(NAME) as victim:
+        outs = asyncio.run(_complete(victim.address, TEXTS))  # the prompts are cached now
+        assert [o.token_ids for o in outs] == [reference[t] for t in TEXTS]
+        victim.kill()
+        victim.process.wait(30)
+    routers.pop("a").stop()  # no router left
     routers["c"] = c = Deployment(CONFIG)  # same name, not attach: it attaches
-    assert _actor_ids(c) == ids  # no worker started
+    assert _actor_ids(c) == ids  # no worker started: the same actors,
+    assert worker_processes(c.backend) == processes  # in the same processes, never restarted
     outs = _serves(c, reference)
     assert outs[1].usage.cached_tokens > 0  # the prefix cached before the restart
 

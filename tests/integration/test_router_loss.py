@@ -1,0 +1,161 @@
+"""A client survives the SIGKILL of the router carrying its streams (issue 26,
+the first test): two routers on one named deployment, one in this process
+and one in a process of its own; 32 concurrent streams, each through a
+TandemClient that knows both routers and starts at the one in the other
+process; that process is SIGKILLed once every stream has tokens, or earlier
+once one stream is three quarters done (so that none has finished). Nothing
+fails: every stream goes on at the other router, after the tokens its client
+had; greedy output equals the engine alone, seeded sampled output an
+uninterrupted run; the worker actors are the same ones, in the same
+processes; every worker's free blocks are back to their start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from dataclasses import dataclass, field
+
+import pytest
+
+from benchkit.deployment import Deployment
+from engine import LLM
+from protocol.sampling import SamplingParams
+from router import deployment as dep_mod
+from router.backend import GenerateInput
+from router.client import TandemClient, collect
+from router.config import ServeConfig
+from router.ray_backend import RayBackend
+from tests.deployment_helpers import RouterProcess, actor_ids, router_process, worker_processes
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
+
+NAME = f"loss-{secrets.token_hex(4)}"
+STREAMS = 32
+MAX_TOKENS = 48
+KILL_AT = MAX_TOKENS * 3 // 4  # chunks of the furthest stream, at the latest
+PROMPTS = [f"def f{i}(x):\n    return x * {i} +" for i in range(STREAMS)]
+GREEDY = {"temperature": 0, "max_tokens": MAX_TOKENS, "ignore_eos": True}
+CONFIG = ServeConfig(
+    engine={"kv_cache_memory_mb": 32},  # as the router process's (the driver's)
+    routing={"prefix_routing": False},
+    transfer={"lease_s": 120},  # blocks must come back through the aborts, not the lease
+    deployment={"name": NAME},
+)
+
+
+def _sampling(kind: str, i: int) -> dict:
+    return GREEDY if kind == "greedy" else {**GREEDY, "temperature": 0.8, "seed": 1000 + i}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    llm = LLM(None, kv_cache_memory_bytes=32 << 20)
+    outs = llm.generate(PROMPTS, SamplingParams(**GREEDY))
+    return [(o.text, o.token_ids) for o in outs]
+
+
+class RecordingBackend(RayBackend):
+    """The surviving router's backend; records the requests it serves."""
+
+    resumed: dict[str, list[int]]  # request id: the tokens it resumed after (maybe none)
+
+    def generate(self, inp: GenerateInput):
+        self.resumed[inp.request_id] = list(inp.resume_token_ids)
+        return super().generate(inp)
+
+
+@pytest.fixture(scope="module")
+def deployment(ray_cluster):
+    """The deployment's pools and the router that survives, in this process."""
+    deployment = Deployment(CONFIG, backend_cls=RecordingBackend)
+    deployment.backend.resumed = {}
+    try:
+        yield deployment
+        assert deployment.wait_no_leaks() == {}
+    finally:
+        deployment.stop()
+        if dep_mod.exists(NAME):
+            dep_mod.down(NAME, drain_timeout_s=5)
+
+
+@dataclass
+class Stream:
+    responses: list = field(default_factory=list)
+    at_kill: int = -1  # responses received when the router was killed (-1: before the kill)
+
+
+async def _streams_through_a_lost_router(victim: RouterProcess, survivor: str, kind: str):
+    """STREAMS streams started at ``victim``, killed once all of them carry
+    tokens or one has KILL_AT (prefills are one after another: the first
+    streams could end before the last start)."""
+    streams = [Stream() for _ in range(STREAMS)]
+    kill_now = asyncio.Event()
+
+    async def one(i: int) -> None:
+        s = streams[i]
+        # A client's first request starts at its first router: the victim.
+        async with TandemClient([victim.address, survivor], timeout_s=240) as client:
+            sampling = {**_sampling(kind, i), "request_id": f"{kind}-{i}"}
+            async for response in client.generate(PROMPTS[i], **sampling):
+                s.responses.append(response)
+                if len(s.responses) >= KILL_AT or all(x.responses for x in streams):
+                    kill_now.set()
+
+    async def kill_when_ready() -> None:
+        await kill_now.wait()
+        victim.kill()  # synchronous: no more awaits before it
+        for s in streams:
+            s.at_kill = len(s.responses)
+
+    await asyncio.gather(kill_when_ready(), *(one(i) for i in range(STREAMS)))
+    return streams
+
+
+async def _uninterrupted(address: str, kind: str, prompts=PROMPTS) -> list:
+    async with TandemClient(address, timeout_s=240) as client:
+        return await asyncio.gather(
+            *(client.complete(p, **_sampling(kind, i)) for i, p in enumerate(prompts))
+        )
+
+
+@pytest.mark.parametrize("kind", ["greedy", "seeded"])
+def test_streams_survive_the_sigkill_of_their_router(deployment, reference, kind):
+    start_free = {n: s.free_blocks for n, s in deployment.worker_stats().items()}
+    workers = actor_ids(deployment.backend)
+    processes = worker_processes(deployment.backend)
+    expected = asyncio.run(_uninterrupted(deployment.address, kind))
+    deployment.backend.resumed.clear()
+    if kind == "greedy":
+        assert [(o.text, o.token_ids) for o in expected] == reference
+    assert deployment.wait_no_leaks() == {}
+
+    with router_process(NAME) as victim:
+        assert victim.workers == workers  # it attached to the same workers
+        [first] = asyncio.run(_uninterrupted(victim.address, kind, PROMPTS[:1]))
+        assert first.token_ids == expected[0].token_ids  # and serves (now warm)
+        streams = asyncio.run(_streams_through_a_lost_router(victim, deployment.address, kind))
+        assert victim.process.wait(30) < 0  # killed by the signal
+
+    # Every stream was under way at the victim when it died: no final (most with tokens).
+    assert any(s.at_kill >= 1 for s in streams)
+    for s in streams:
+        assert s.at_kill >= 0
+        assert not any(r.HasField("final") for r in s.responses[: s.at_kill])
+    done = [collect(s.responses) for s in streams]  # raises for a stream without a final
+    assert [(d.text, d.token_ids) for d in done] == [(e.text, e.token_ids) for e in expected]
+    assert all(d.finish_reason == "length" for d in done)
+    assert all(d.usage.completion_tokens == MAX_TOKENS for d in done)
+    # ... and every one went on at the survivor, after the tokens its client had.
+    resumed = deployment.backend.resumed
+    assert sorted(resumed) == sorted(f"{kind}-{i}" for i in range(STREAMS))
+    for i, (s, d) in enumerate(zip(streams, done, strict=True)):
+        after = resumed[f"{kind}-{i}"]
+        read = sum(len(r.chunk.token_ids) for r in s.responses[: s.at_kill])
+        assert read <= len(after) < MAX_TOKENS
+        assert after == d.token_ids[: len(after)]
+
+    assert actor_ids(deployment.backend) == workers
+    assert worker_processes(deployment.backend) == processes  # same pids, no restart
+    assert deployment.wait_no_leaks() == {}
+    assert {n: s.free_blocks for n, s in deployment.worker_stats().items()} == start_free
