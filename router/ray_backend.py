@@ -40,7 +40,7 @@ from net.grants import PULL, PUSH, GrantMinter, pull_digest, push_digest
 from protocol.requests import DecodeRequest, PrefillRequest, PrefillResult
 from protos.tandem.v1 import worker_pb2
 from router import health
-from router.admission import Admitted, Admitter, Room, blocks_for, longest_blocks
+from router.admission import Admitted, Admitter, Room, blocks_for, fits_room, longest_blocks
 from router.backend import (
     GenerateInput,
     GenerateResult,
@@ -534,19 +534,15 @@ class RayBackend:
         )
         rooms = self.admission.rooms
 
-        def need(w: WorkerHandle, cached: int) -> int:
-            return max(0, min(longest, rooms.total(w.name) or longest) - cached)
-
         def fits(w: WorkerHandle, cached: int) -> bool:
-            free = rooms.free(w.name)
-            return free is None or need(w, cached) <= free
+            return fits_room(longest, rooms.total(w.name), rooms.free(w.name))[0]
 
         def route() -> Admitted[RoutePlan] | None:
             plan = self._plan(tokens, inp.cache_salt, avoid, fits)
             if plan is None:
                 return None
             d = plan.decode
-            blocks = need(d, plan.decode_cached_blocks) if rooms.free(d.name) is not None else 0
+            blocks = fits_room(longest, rooms.total(d.name), rooms.free(d.name))[1]
             rooms.promise(d.name, blocks)
             return Admitted(plan, d.name, blocks)
 
