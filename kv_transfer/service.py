@@ -11,8 +11,10 @@ ended; without a handler it waits, leased, for ``claim``.
 A push whose blocks do not fit now (the pool is full, or a decode worker's
 reserve for its running sequences says no: ``NoRoom``) waits for room,
 its lease renewed, for at most ``lease_s``, and is tried again whenever
-``notify_room`` says blocks were freed; only then RESOURCE_EXHAUSTED (at
-once for more blocks than the whole pool).
+``notify_room`` says blocks were freed; only then ``PushNoRoom``
+(RESOURCE_EXHAUSTED, details starting with ``NO_ROOM_WAIT``), which the
+router takes for a full pool, not a failed try; a plain RESOURCE_EXHAUSTED
+at once for more blocks than the whole pool.
 
 Every transfer needs the router's grant for it (net/grants.py), made out to
 this server's address (``identity``) and checked before any block is
@@ -44,9 +46,11 @@ from net.grants import (
 from protos.tandem.v1 import kv_transfer_pb2 as pb
 
 from .interface import (
+    NO_ROOM_WAIT,
     CommittedPush,
     NoRoom,
     PushHandler,
+    PushNoRoom,
     TransferConfig,
     TransferError,
     TransferState,
@@ -258,8 +262,11 @@ class IncomingPush:
                     ) from None
                 if left <= 0 or self.expired or not service.wait_for_room:
                     self._forget()
-                    raise TransferError(
-                        exc.code, f"{exc.message} after waiting {bound_s:g} s (transfer.lease_s)"
+                    waited_s = bound_s if service.wait_for_room else 0
+                    raise PushNoRoom(
+                        exc.code,
+                        f"{NO_ROOM_WAIT}: {exc.message} after waiting {waited_s:g} s "
+                        "(transfer.lease_s)",
                     ) from None
                 if not waited:
                     waited = True

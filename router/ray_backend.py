@@ -62,6 +62,7 @@ from router.failover import (
     RequestFault,
     RetryPolicy,
     WorkerLost,
+    is_no_room,
     is_retryable,
     request_fault,
 )
@@ -345,8 +346,11 @@ class RayBackend:
         self.admission.report(worker.name, Room(room.free_blocks, room.total_blocks))
 
     async def _worker_down(self, worker: WorkerHandle) -> None:
-        """A worker left routing: forget its blocks, its room and its output stream."""
+        """A worker left routing: forget its blocks, its room and its output
+        stream; wake the waiting requests (they may fit elsewhere, or find no
+        worker in routing and fail over or end now, not at their deadline)."""
         self.admission.rooms.forget(worker.name)
+        self.admission.wake()
         if self.index is not None:
             self.index.drop_worker(worker.name)
         await self.streams.unsubscribe(worker)
@@ -383,6 +387,15 @@ class RayBackend:
                 # (the request's deadline bounds the wait).
                 await asyncio.sleep(max(self.retry.max_backoff_s, 0.05))
             except Exception as exc:
+                if is_no_room(exc):
+                    # Not a failed try either: its decode worker had no room
+                    # within the push's wait (several routers share it, or
+                    # this one's view was stale). Its promise is settled; it
+                    # queues for room again, bounded by its deadline.
+                    self.failover.no_room += 1
+                    log.info("request %s: no KV room on its decode worker: %s", inp.request_id, exc)
+                    await asyncio.sleep(self.retry.backoff_s)
+                    continue
                 if not is_retryable(exc):
                     raise
                 faults += isinstance(exc, RequestFault)
@@ -555,13 +568,17 @@ class RayBackend:
         avoid: set[WorkerHandle],
         fits: Callable[[WorkerHandle, int], bool] | None = None,
     ) -> RoutePlan | None:
-        """Route among workers in routing, preferring those no failed try used;
-        None: the request ``fits`` on no decode worker now."""
+        """Route among workers in routing, preferring those no failed try used
+        (but taking an avoided decode worker with room over waiting for a
+        preferred one); None: the request ``fits`` on no decode worker now."""
         pools = [self.prefill.workers, self.decode.workers]
         if (not self.colocated and not pools[0]) or not pools[1]:
             raise NoWorkerAvailable("no worker of a pool is in routing")
         prefill, decode = ([w for w in ws if w not in avoid] or ws for ws in pools)
-        return self.routing.plan(tokens, prefill, decode, self.colocated, salt, fits)
+        plan = self.routing.plan(tokens, prefill, decode, self.colocated, salt, fits)
+        if plan is None and len(decode) < len(pools[1]):
+            plan = self.routing.plan(tokens, prefill, pools[1], self.colocated, salt, fits)
+        return plan
 
     async def _prefill(
         self, rid: str, inp: GenerateInput, plan: RoutePlan, streamed: list[int]
