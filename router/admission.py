@@ -22,7 +22,9 @@ requests (``limits.max_waiting_requests``); past it a request is refused
 at once. A waiting request is bounded by its deadline (the caller's), and
 woken when a worker reports room. The decode worker checks again on its
 own view (several routers share it, and this view can be stale): a push
-that does not fit there waits there.
+that does not fit there waits there; one that waited past its bound
+(``PushNoRoom``) is not a failed try: the backend queues the request here
+again, within its deadline.
 """
 
 from __future__ import annotations

@@ -15,7 +15,9 @@ check passes again (router/worker_recovery.py). A request a worker failed
 for a fault tied to it (``RequestFault``) is tried again too, but fails
 with INTERNAL once it has failed so ``MAX_REQUEST_FAULTS`` times. A worker
 that failed or dropped a request is asked for its health then, and leaves
-routing if its steps keep failing.
+routing if its steps keep failing. A try whose push found no KV room on its
+decode worker within the push's wait (``PushNoRoom``) is not a failed try:
+the request waits for room again (router/admission.py), within its deadline.
 
 A client that reads too slowly is cut (router/backpressure.py): its try's
 queue passes ``limits.max_unread_output_kb``, the try is aborted on its
