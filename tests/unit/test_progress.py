@@ -36,4 +36,4 @@ def test_a_resumed_request_reports_cached_prompt_tokens_and_tpot_of_new_tokens(m
     assert result.completion_tokens == 9
     assert result.cached_tokens == len(prompt)
     assert result.mean_tpot_s == pytest.approx(1.0)  # 2 s over the 2 gaps between 3 new tokens
-    assert progress.token_ids == resumed + [16, 17, 18]
+    assert progress.token_ids == [*resumed, 16, 17, 18]
