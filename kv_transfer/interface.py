@@ -67,7 +67,7 @@ gRPC's own message-size limits answer RESOURCE_EXHAUSTED too)."""
 
 class PushNoRoom(TransferError):
     """A push's blocks found no room on the decode worker within its wait
-    (``lease_s``), or it could not wait. Not a failed transfer: the pool was
+    (``lease_s``). Not a failed transfer: the pool was
     full; the router queues the request again (router/admission.py)."""
 
     def __init__(self, code: grpc.StatusCode, message: str) -> None:

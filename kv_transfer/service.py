@@ -85,7 +85,8 @@ class KVTransferService:
         self._reaper: asyncio.Task[None] | None = None
         self._room = asyncio.Event()  # set (and replaced) when blocks were freed
         self.wait_for_room = True
-        """False: a push that does not fit is refused at once (benchkit's baseline)."""
+        """False: a push that does not fit is refused at once, a failed push (a
+        plain TransferError, not ``PushNoRoom``: benchkit's retry baseline)."""
         self.num_room_waits = 0  # pushes that waited for room (stats)
 
     def notify_room(self) -> None:
@@ -260,12 +261,14 @@ class IncomingPush:
                     raise TransferError(
                         exc.code, f"{exc.message}: the whole pool holds {total}"
                     ) from None
-                if left <= 0 or self.expired or not service.wait_for_room:
+                if not service.wait_for_room:  # the baseline: a failed push, as before waiting
                     self._forget()
-                    waited_s = bound_s if service.wait_for_room else 0
+                    raise TransferError(exc.code, exc.message) from None
+                if left <= 0 or self.expired:
+                    self._forget()
                     raise PushNoRoom(
                         exc.code,
-                        f"{NO_ROOM_WAIT}: {exc.message} after waiting {waited_s:g} s "
+                        f"{NO_ROOM_WAIT}: {exc.message} after waiting {bound_s:g} s "
                         "(transfer.lease_s)",
                     ) from None
                 if not waited:
