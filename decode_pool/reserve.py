@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 @dataclass
 class _Expected:
     final_blocks: int  # its request's blocks at its longest
-    forget_at: float  # when to forget it if it holds nothing
+    forget_at: float  # when to forget it if it holds nothing (pushed back by each header try)
     holder: Holder | None = None  # its lease, from its header on
 
 
@@ -67,6 +67,9 @@ class PushReserve:
         growth = 0
         if entry is not None:
             entry.holder = holder
+            # Its header asks again while it waits for room (up to its own
+            # bound, transfer.lease_s from the header on): remembered as long.
+            entry.forget_at = time.monotonic() + self.forget_after_s
             growth = max(0, entry.final_blocks - held - n)
         room = self.pool.num_free - self.scheduler.growth_reserve() - self.pending(holder)
         return n + growth <= room

@@ -32,6 +32,7 @@ from .interface import (
     TransferConfig,
     TransferError,
     TransferState,
+    transfer_error,
 )
 from .receiver import KVReceiver
 from .sender import KVSender
@@ -133,7 +134,7 @@ class GrpcKVClient(KVTransferClient):
             # A write that fails because the server ended the call reports a
             # generic error; the call's own status says why.
             code, details = await call.code(), await call.details()
-            raise TransferError(code, details or "") from e
+            raise transfer_error(code, details or "") from e
         finally:
             if pending is not None and not pending.done():
                 if data is not None:

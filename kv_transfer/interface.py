@@ -59,6 +59,28 @@ class NoRoom(TransferError):
         return (type(self), (self.blocks,))
 
 
+NO_ROOM_WAIT = "no KV room within the push's wait"
+"""The start of a push's status details when it waited for room past its
+bound: a client rebuilds ``PushNoRoom`` from it (the code alone is not enough:
+gRPC's own message-size limits answer RESOURCE_EXHAUSTED too)."""
+
+
+class PushNoRoom(TransferError):
+    """A push's blocks found no room on the decode worker within its wait
+    (``lease_s``). Not a failed transfer: the pool was
+    full; the router queues the request again (router/admission.py)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(code, message)
+
+
+def transfer_error(code: grpc.StatusCode, details: str) -> TransferError:
+    """The error a transfer call's status stands for."""
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and details.startswith(NO_ROOM_WAIT):
+        return PushNoRoom(code, details)
+    return TransferError(code, details)
+
+
 @dataclass(frozen=True)
 class TransferConfig:
     """Knobs shared by the servers and clients of every mover."""

@@ -11,8 +11,10 @@ ended; without a handler it waits, leased, for ``claim``.
 A push whose blocks do not fit now (the pool is full, or a decode worker's
 reserve for its running sequences says no: ``NoRoom``) waits for room,
 its lease renewed, for at most ``lease_s``, and is tried again whenever
-``notify_room`` says blocks were freed; only then RESOURCE_EXHAUSTED (at
-once for more blocks than the whole pool).
+``notify_room`` says blocks were freed; only then ``PushNoRoom``
+(RESOURCE_EXHAUSTED, details starting with ``NO_ROOM_WAIT``), which the
+router takes for a full pool, not a failed try; a plain RESOURCE_EXHAUSTED
+at once for more blocks than the whole pool.
 
 Every transfer needs the router's grant for it (net/grants.py), made out to
 this server's address (``identity``) and checked before any block is
@@ -44,9 +46,11 @@ from net.grants import (
 from protos.tandem.v1 import kv_transfer_pb2 as pb
 
 from .interface import (
+    NO_ROOM_WAIT,
     CommittedPush,
     NoRoom,
     PushHandler,
+    PushNoRoom,
     TransferConfig,
     TransferError,
     TransferState,
@@ -81,7 +85,8 @@ class KVTransferService:
         self._reaper: asyncio.Task[None] | None = None
         self._room = asyncio.Event()  # set (and replaced) when blocks were freed
         self.wait_for_room = True
-        """False: a push that does not fit is refused at once (benchkit's baseline)."""
+        """False: a push that does not fit is refused at once, a failed push (a
+        plain TransferError, not ``PushNoRoom``: benchkit's retry baseline)."""
         self.num_room_waits = 0  # pushes that waited for room (stats)
 
     def notify_room(self) -> None:
@@ -256,10 +261,15 @@ class IncomingPush:
                     raise TransferError(
                         exc.code, f"{exc.message}: the whole pool holds {total}"
                     ) from None
-                if left <= 0 or self.expired or not service.wait_for_room:
+                if not service.wait_for_room:  # the baseline: a failed push, as before waiting
                     self._forget()
-                    raise TransferError(
-                        exc.code, f"{exc.message} after waiting {bound_s:g} s (transfer.lease_s)"
+                    raise TransferError(exc.code, exc.message) from None
+                if left <= 0 or self.expired:
+                    self._forget()
+                    raise PushNoRoom(
+                        exc.code,
+                        f"{NO_ROOM_WAIT}: {exc.message} after waiting {bound_s:g} s "
+                        "(transfer.lease_s)",
                     ) from None
                 if not waited:
                     waited = True

@@ -7,8 +7,12 @@ sequences and pushes in flight need to reach their max_tokens; see
 decode_pool/reserve.py). ``KVRooms`` keeps those reports, less the blocks
 this router has promised since (tries routed whose push has not started
 yet). A request needs the blocks of its longest length (prompt, tokens
-already streamed, and the rest of max_tokens), less the prefix the worker
-holds; it goes to a worker where that fits.
+already streamed, and the rest of max_tokens); it goes to a worker where
+that fits (``fits_room``). The prefix the worker holds is not taken off: the
+reported room counts idle cached blocks as free already, and a request that
+takes them takes them out of that room (engine/scheduler.py checks its
+longest length against the room so), so taking them off would count them
+twice.
 
 A request that fits nowhere waits in ``AdmissionQueue``: higher priority
 first, first come first served within a priority, with no overtaking (a
@@ -18,7 +22,9 @@ requests (``limits.max_waiting_requests``); past it a request is refused
 at once. A waiting request is bounded by its deadline (the caller's), and
 woken when a worker reports room. The decode worker checks again on its
 own view (several routers share it, and this view can be stale): a push
-that does not fit there waits there.
+that does not fit there waits there; one that waited past its bound
+(``PushNoRoom``) is not a failed try: the backend queues the request here
+again, within its deadline.
 """
 
 from __future__ import annotations
@@ -149,6 +155,15 @@ class KVRooms:
 
 def blocks_for(tokens: int, block_size: int) -> int:
     return -(-tokens // block_size)
+
+
+def fits_room(longest: int, total: int | None, free: int | None) -> tuple[bool, int]:
+    """Whether a request of ``longest`` blocks fits in a worker's reported
+    room ``free`` (its pool ``total``; None: no report yet, it fits), and the
+    blocks to promise there. The worker's cached copy of the prompt's prefix
+    is not taken off (see the module docstring)."""
+    need = min(longest, total) if total is not None else longest
+    return free is None or need <= free, need if free is not None else 0
 
 
 def longest_blocks(prompt_tokens: int, max_tokens: int, max_model_len: int, block_size: int) -> int:

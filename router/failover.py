@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import ray.exceptions
 
 from kv_transfer import TransferError
+from kv_transfer.interface import PushNoRoom
 from protocol.outputs import RequestFailed
 
 
@@ -68,6 +69,13 @@ def request_fault(worker: str, exc: BaseException) -> RequestFault | None:
         if isinstance(e, RequestFailed):
             return RequestFault(worker, str(e))
     return None
+
+
+def is_no_room(exc: BaseException) -> bool:
+    """A push that found no KV room on its decode worker within its wait
+    (kv_transfer/service.py): the pool was full, not a failed try (Ray raises
+    the worker's PushNoRoom as a RayTaskError with that cause)."""
+    return any(isinstance(e, PushNoRoom) for e in (exc, getattr(exc, "cause", None)))
 
 
 class NoWorkerAvailable(LookupError):
@@ -115,5 +123,6 @@ class FailoverStats:
     resumed: int = 0  # tries that continued a stream with tokens already sent
     failed: int = 0  # requests that ran out of tries
     faulted: int = 0  # requests failed (INTERNAL) after MAX_REQUEST_FAULTS faults tied to them
+    no_room: int = 0  # tries whose push found no KV room in its wait: queued again, not failed
     workers_lost: int = 0  # workers taken out of routing after a failure
     workers_recovered: int = 0  # taken back after their health check passed

@@ -45,11 +45,16 @@ class Progress:
 
     def result(self, reason: str | None) -> GenerateResult:
         n = self.num_output
-        tpot = (self.last_time - self.first_time) / (n - 1) if n > 1 else 0.0
+        # Timed here: the tokens this router streamed (not a client's resumed ones).
+        new = n - len(self.inp.resume_token_ids)
+        tpot = (self.last_time - self.first_time) / (new - 1) if new > 1 else 0.0
+        prompt = len(self.inp.prompt_token_ids)
         return GenerateResult(
             finish_reason=reason or "abort",
-            prompt_tokens=len(self.inp.prompt_token_ids),
-            cached_tokens=self.cached or 0,
+            prompt_tokens=prompt,
+            # A resumed try's worker counts the resumed tokens it found cached
+            # too: only the prompt's are the client's cached tokens.
+            cached_tokens=min(self.cached or 0, prompt),
             completion_tokens=n,
             ttft_s=self.first_time - self.start if self.first_time else 0.0,
             mean_tpot_s=tpot,

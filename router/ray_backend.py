@@ -15,7 +15,9 @@ check passes again (router/worker_recovery.py). A request a worker failed
 for a fault tied to it (``RequestFault``) is tried again too, but fails
 with INTERNAL once it has failed so ``MAX_REQUEST_FAULTS`` times. A worker
 that failed or dropped a request is asked for its health then, and leaves
-routing if its steps keep failing.
+routing if its steps keep failing. A try whose push found no KV room on its
+decode worker within the push's wait (``PushNoRoom``) is not a failed try:
+the request waits for room again (router/admission.py), within its deadline.
 
 A client that reads too slowly is cut (router/backpressure.py): its try's
 queue passes ``limits.max_unread_output_kb``, the try is aborted on its
@@ -40,7 +42,7 @@ from net.grants import PULL, PUSH, GrantMinter, pull_digest, push_digest
 from protocol.requests import DecodeRequest, PrefillRequest, PrefillResult
 from protos.tandem.v1 import worker_pb2
 from router import health
-from router.admission import Admitted, Admitter, Room, blocks_for, longest_blocks
+from router.admission import Admitted, Admitter, Room, blocks_for, fits_room, longest_blocks
 from router.backend import (
     GenerateInput,
     GenerateResult,
@@ -62,6 +64,7 @@ from router.failover import (
     RequestFault,
     RetryPolicy,
     WorkerLost,
+    is_no_room,
     is_retryable,
     request_fault,
 )
@@ -345,8 +348,11 @@ class RayBackend:
         self.admission.report(worker.name, Room(room.free_blocks, room.total_blocks))
 
     async def _worker_down(self, worker: WorkerHandle) -> None:
-        """A worker left routing: forget its blocks, its room and its output stream."""
+        """A worker left routing: forget its blocks, its room and its output
+        stream; wake the waiting requests (they may fit elsewhere, or find no
+        worker in routing and fail over or end now, not at their deadline)."""
         self.admission.rooms.forget(worker.name)
+        self.admission.wake()
         if self.index is not None:
             self.index.drop_worker(worker.name)
         await self.streams.unsubscribe(worker)
@@ -383,6 +389,15 @@ class RayBackend:
                 # (the request's deadline bounds the wait).
                 await asyncio.sleep(max(self.retry.max_backoff_s, 0.05))
             except Exception as exc:
+                if is_no_room(exc):
+                    # Not a failed try either: its decode worker had no room
+                    # within the push's wait (several routers share it, or
+                    # this one's view was stale). Its promise is settled; it
+                    # queues for room again, bounded by its deadline.
+                    self.failover.no_room += 1
+                    log.info("request %s: no KV room on its decode worker: %s", inp.request_id, exc)
+                    await asyncio.sleep(self.retry.backoff_s)
+                    continue
                 if not is_retryable(exc):
                     raise
                 faults += isinstance(exc, RequestFault)
@@ -534,19 +549,15 @@ class RayBackend:
         )
         rooms = self.admission.rooms
 
-        def need(w: WorkerHandle, cached: int) -> int:
-            return max(0, min(longest, rooms.total(w.name) or longest) - cached)
-
         def fits(w: WorkerHandle, cached: int) -> bool:
-            free = rooms.free(w.name)
-            return free is None or need(w, cached) <= free
+            return fits_room(longest, rooms.total(w.name), rooms.free(w.name))[0]
 
         def route() -> Admitted[RoutePlan] | None:
             plan = self._plan(tokens, inp.cache_salt, avoid, fits)
             if plan is None:
                 return None
             d = plan.decode
-            blocks = need(d, plan.decode_cached_blocks) if rooms.free(d.name) is not None else 0
+            blocks = fits_room(longest, rooms.total(d.name), rooms.free(d.name))[1]
             rooms.promise(d.name, blocks)
             return Admitted(plan, d.name, blocks)
 
@@ -559,13 +570,17 @@ class RayBackend:
         avoid: set[WorkerHandle],
         fits: Callable[[WorkerHandle, int], bool] | None = None,
     ) -> RoutePlan | None:
-        """Route among workers in routing, preferring those no failed try used;
-        None: the request ``fits`` on no decode worker now."""
+        """Route among workers in routing, preferring those no failed try used
+        (but taking an avoided decode worker with room over waiting for a
+        preferred one); None: the request ``fits`` on no decode worker now."""
         pools = [self.prefill.workers, self.decode.workers]
         if (not self.colocated and not pools[0]) or not pools[1]:
             raise NoWorkerAvailable("no worker of a pool is in routing")
         prefill, decode = ([w for w in ws if w not in avoid] or ws for ws in pools)
-        return self.routing.plan(tokens, prefill, decode, self.colocated, salt, fits)
+        plan = self.routing.plan(tokens, prefill, decode, self.colocated, salt, fits)
+        if plan is None and len(decode) < len(pools[1]):
+            plan = self.routing.plan(tokens, prefill, pools[1], self.colocated, salt, fits)
+        return plan
 
     async def _prefill(
         self, rid: str, inp: GenerateInput, plan: RoutePlan, streamed: list[int]

@@ -13,7 +13,8 @@ from router.client import TandemClient
 from tandem_cli.tls_ca import read_tls_ca
 
 # Every GenerateRequest field but the prompt is a flag of the same name (the
-# client sets resume_token_ids itself when it moves a stream to another router).
+# client sets resume_token_ids itself when it moves a stream to another router);
+# read strictly, so that a new field without a flag fails tests/unit/test_cli.py.
 SAMPLING_ARGS = tuple(
     f.name
     for f in pb.GenerateRequest.DESCRIPTOR.fields
@@ -30,7 +31,7 @@ def command(args: argparse.Namespace) -> int:
     if not targets:
         print("tandem generate: --target needs a router address", file=sys.stderr)
         return 2
-    sampling = {name: getattr(args, name, None) for name in SAMPLING_ARGS}
+    sampling = {name: getattr(args, name) for name in SAMPLING_ARGS}
     ca = read_tls_ca(args.tls_ca)
     wrote: list[str] = []
     try:

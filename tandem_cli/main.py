@@ -51,6 +51,12 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ignore-eos", action="store_true", default=None)
     p.add_argument("--logprobs", type=int, metavar="N", help="top alternatives per token")
     p.add_argument("--cache-salt", metavar="S", help="prefix-cache domain (vLLM's cache_salt)")
+    p.add_argument(
+        "--priority",
+        type=int,
+        metavar="N",
+        help="place among requests waiting for KV room: higher first (default 0)",
+    )
     add_tls_ca(p)
 
 

@@ -58,6 +58,13 @@ def disagg(ray_cluster):
 
 
 @pytest.fixture(scope="module")
+def disagg_prefix(ray_cluster):
+    # Prefix routing on: repeated prompts meet their prefix cached on a decode
+    # worker, which the router must not count as room twice.
+    yield from _deploy(pools={"prefill": 1, "decode": 2}, routing={"prefix_routing": True})
+
+
+@pytest.fixture(scope="module")
 def colocated(ray_cluster):
     yield from _deploy(pools={"mode": "colocated", "decode": 1})
 
@@ -66,7 +73,9 @@ def _decode_stats(deployment):
     return {n: s for n, s in deployment.worker_stats().items() if not n.startswith("prefill")}
 
 
-def test_64_requests_on_a_full_pool_all_complete_without_preemption(disagg, reference):
+@pytest.mark.parametrize("pools", ["disagg", "disagg_prefix"])
+def test_64_requests_on_a_full_pool_all_complete_without_preemption(pools, request, reference):
+    disagg = request.getfixturevalue(pools)
     before = _decode_stats(disagg)
     assert all(s.total_blocks <= 16 for s in before.values())
     prompts = [TEXTS[i % len(TEXTS)] for i in range(64)]

@@ -1,11 +1,12 @@
 """A client that reads one message a second while other streams run on the
 same decode worker (local Ray, the embedded tiny model, real gRPC).
 
-The slow request's unread output in the router never passes
-``limits.max_unread_output_kb`` (the router's own accounting, also exported
-as ``tandem_unread_output_peak_bytes``); it ends with RESOURCE_EXHAUSTED
-after the chunks already sent to it; the other streams' outputs equal the
-engine alone; every worker's free blocks come back to their start.
+The slow request is cut once its unread output in the router reaches
+``limits.max_unread_output_kb`` (held up to near the bound, as exported in
+``tandem_unread_output_peak_bytes``, not cut early); it ends with
+RESOURCE_EXHAUSTED after the chunks already sent to it, which are the
+engine's own first tokens, none lost or repeated; the other streams' outputs
+equal the engine alone; every worker's free blocks come back to their start.
 """
 
 from __future__ import annotations
@@ -35,9 +36,16 @@ megabytes it has not read before the router's writes wait)."""
 MAX_SLOW_READS = 60  # the cut comes within a few; a bound on a broken router, not a timing
 
 
+SLOW_MAX_TOKENS = 1500  # far more than the bound lets the router hold
+
+
 @pytest.fixture(scope="module")
-def reference():
-    llm = LLM(None, kv_cache_memory_bytes=32 << 20)
+def llm():
+    return LLM(None, kv_cache_memory_bytes=32 << 20)
+
+
+@pytest.fixture(scope="module")
+def reference(llm):
     params = SamplingParams(**GREEDY)
     return {t: out.token_ids for t, out in zip(TEXTS, llm.generate(TEXTS, params), strict=True)}
 
@@ -56,28 +64,39 @@ def deployment(ray_cluster):
     deployment.stop()
 
 
-async def _slow_reader(deployment: Deployment) -> tuple[int, grpc.aio.AioRpcError | None]:
+async def _slow_reader(
+    deployment: Deployment,
+) -> tuple[int, list[int], grpc.aio.AioRpcError | None]:
     """Read one message a second until the router cut the request, then the
-    rest at once; (chunks read, the error the call ended with)."""
+    rest at once; (messages read, their token ids, the error the call ended with)."""
     totals = deployment.server.metrics.unread
     async with grpc.aio.insecure_channel(deployment.address, options=SMALL_WINDOW) as channel:
         stub = generate_pb2_grpc.TandemStub(channel)
         request = build_request(
-            TEXTS[0], request_id="slow", temperature=0, max_tokens=1500, ignore_eos=True
+            TEXTS[0], request_id="slow", temperature=0, max_tokens=SLOW_MAX_TOKENS, ignore_eos=True
         )
         call = stub.Generate(request)
-        read = 0
+        read, tokens = 0, []
+
+        async def one() -> bool:
+            nonlocal read
+            response = await call.read()
+            if response is grpc.aio.EOF:
+                return False
+            read += 1
+            tokens.extend(response.chunk.token_ids)
+            return True
+
         try:
             while read < MAX_SLOW_READS and not totals.cut:
-                if (await call.read()) is grpc.aio.EOF:
-                    return read, None
-                read += 1
+                if not await one():
+                    return read, tokens, None
                 await asyncio.sleep(1.0)
-            while (await call.read()) is not grpc.aio.EOF:
-                read += 1
+            while await one():
+                pass
         except grpc.aio.AioRpcError as e:
-            return read, e
-        return read, None
+            return read, tokens, e
+        return read, tokens, None
 
 
 async def _normal_streams(deployment: Deployment) -> list[list[int]]:
@@ -90,13 +109,13 @@ async def _normal_streams(deployment: Deployment) -> list[list[int]]:
 
 
 def test_a_slow_reader_is_cut_at_the_bound_and_the_other_streams_are_unaffected(
-    deployment, reference
+    deployment, reference, llm
 ):
     async def run():
         return await asyncio.gather(_slow_reader(deployment), _normal_streams(deployment))
 
     start_free = {n: s.free_blocks for n, s in deployment.worker_stats().items()}
-    (read, error), outs = asyncio.run(run())
+    (read, tokens, error), outs = asyncio.run(run())
     assert error is not None, f"the slow stream was not cut ({read} chunks read)"
     assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "the client read too slowly" in error.details()
@@ -105,7 +124,14 @@ def test_a_slow_reader_is_cut_at_the_bound_and_the_other_streams_are_unaffected(
     assert outs == [reference[t] for t in TEXTS] * 2
     totals = deployment.server.metrics.unread
     assert totals.cut == 1 and totals.timed_out == 0
-    assert 0 < totals.peak_bytes <= BOUND_KB << 10
+    # What the client got before the cut: the engine's own first tokens (none
+    # lost or repeated), far fewer than the request asked for.
+    assert 0 < len(tokens) < SLOW_MAX_TOKENS
+    alone = SamplingParams(temperature=0, max_tokens=len(tokens), ignore_eos=True)
+    assert tokens == llm.generate([TEXTS[0]], alone)[0].token_ids
+    # The router held the output up to near the bound before cutting (one
+    # delta of the tiny model is tens of bytes), not at the first delta.
+    assert totals.peak_bytes >= (BOUND_KB << 10) // 2
     metrics = deployment.server.metrics.render().decode()
     assert f"tandem_unread_output_peak_bytes {float(totals.peak_bytes)}" in metrics
     assert 'tandem_slow_client_requests_total{reason="bound"} 1.0' in metrics

@@ -40,11 +40,12 @@ def test_generate_passes_every_sampling_flag(router, capsys):
     argv += ["--min-p", "0.1", "--repetition-penalty", "1.5", "--frequency-penalty", "0.5"]
     argv += ["--presence-penalty", "-0.5", "--seed", "7", "--stop", "a", "--stop", "b"]
     argv += ["--stop-token-id", "5", "--stop-token-id", "6", "--ignore-eos", "--logprobs", "2"]
-    argv += ["--request-id", "cli-1"]
+    argv += ["--request-id", "cli-1", "--priority", "3"]
     assert main(argv) == 0
     inp = router.backend.inputs[-1]
     p = inp.params
     assert inp.request_id == "cli-1"
+    assert inp.priority == 3
     assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed) == (2, 0.5, 0.5, 7, 7)
     assert p.min_p == pytest.approx(0.1) and p.repetition_penalty == 1.5
     assert (p.frequency_penalty, p.presence_penalty) == (0.5, -0.5)
