@@ -91,12 +91,10 @@ class RayBackend:
         self.cores = cores
         # 128 random bits: a router's id is its output streams' login name.
         self.router_id = f"router-{secrets.token_hex(16)}"
-        self.colocated = config.pools.mode == "colocated"
         self.prefill = WorkerPool("prefill")
-        self.decode = WorkerPool("colocated" if self.colocated else "decode")
+        self.decode = WorkerPool("decode")
+        self._take_config(config)
         self.policy = make_policy(config.routing.policy)
-        self.model_name = config.served_name()
-        self.block_size = config.engine.block_size
         self.tokenizer = None
         self.max_model_len = 0  # these two once the workers are up
         self.vocab_size = 0
@@ -135,6 +133,15 @@ class RayBackend:
         )
         self.grants = GrantMinter(transfer.security)  # the workers' KV pushes and pulls
 
+    def _take_config(self, config: ServeConfig) -> None:
+        """What the router derives from its config: again once it joined its
+        deployment, whose pools mode, model and block size it serves."""
+        self.config = config
+        self.colocated = config.pools.mode == "colocated"
+        self.decode.role = "colocated" if self.colocated else "decode"
+        self.model_name = config.served_name()
+        self.block_size = config.engine.block_size
+
     def pool_of(self, role: str) -> WorkerPool:
         return self.prefill if role == "prefill" else self.decode
 
@@ -148,7 +155,7 @@ class RayBackend:
         if joined.refused:
             raise DeploymentMismatch(joined.refused)
         joined.config.security.adopt_secret(joined.secret)
-        self.config = joined.config
+        self._take_config(joined.config)
         self._make_streams()  # signed with the deployment's secret
         members = await self.deployment.call("members")
         if not members.workers:

@@ -30,6 +30,7 @@ import ray
 
 from benchkit.deployment import Deployment
 from engine import LLM
+from engine.default_model import default_model_path
 from protocol.sampling import SamplingParams
 from router import deployment as dep_mod
 from router.client import TandemClient
@@ -105,6 +106,36 @@ def test_attach_without_a_running_deployment_is_refused(ray_cluster):
     config = CONFIG.updated(deployment={"name": f"none-{secrets.token_hex(3)}", "attach": True})
     with pytest.raises(dep_mod.DeploymentNotFound, match="no deployment named"):
         Deployment(config)
+
+
+def test_a_bare_attach_serves_as_the_deployment(ray_cluster, reference):
+    """A router given only the name takes the deployment's mode, model, block size
+    and secret: it serves a colocated pool, lists the deployment's model, and its
+    cache salts are the first router's (the prefix cached through one hits
+    through the other)."""
+    name = f"bare-{secrets.token_hex(3)}"
+    model = str(default_model_path())  # the default model, named otherwise
+    first = CONFIG.updated(
+        engine={"model": model, "block_size": 32},
+        pools={"mode": "colocated", "decode": 1},
+        server={"http_port": 8000},
+        deployment={"name": name},
+    )
+    bare = ServeConfig(server={"http_port": 8000}, deployment={"name": name, "attach": True})
+    started = []
+    try:
+        started.append(a := Deployment(first))
+        started.append(b := Deployment(bare))
+        assert b.backend.colocated and b.backend.block_size == 32
+        assert b.backend.model_name == b.server.http.state.model_name == model
+        assert b.server.lifecycle.cache_domains.key == a.server.lifecycle.cache_domains.key
+        _serves(a, reference)
+        outs = _serves(b, reference)
+        assert outs[1].usage.cached_tokens > 0  # cached through a, same salt
+    finally:
+        for router in started:
+            router.stop()
+        dep_mod.down(name, drain_timeout_s=5)
 
 
 def test_two_routers_share_the_workers(routers, reference):
