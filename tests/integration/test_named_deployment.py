@@ -2,10 +2,11 @@
 outlive each router (router/deployment.py).
 
 One deployment (1 prefill, 1 decode worker) through the module: two routers
-serve on the same worker actors, greedy output equal to the engine alone; a
+serve on the same worker processes, greedy output equal to the engine alone; a
 router stopped leaves the workers serving the other; a new router of the
 same name attaches without starting workers and hits the prefix cached
-before; a killed worker is replaced with the default config; ``down``
+before; a killed worker is replaced with the default config (also one killed
+while no router runs: the next router starts anyway); ``down``
 removes the workers and the deployment's actor. Free blocks back to their
 start after each test.
 """
@@ -69,9 +70,12 @@ def routers(ray_cluster):
         dep_mod.down(NAME, drain_timeout_s=5)
 
 
-def _actor_ids(router: Deployment) -> dict[str, str]:
+def _actor_ids(router: Deployment) -> dict[str, int]:
+    """The router's workers' process ids, by name (a worker Ray restarted keeps
+    its actor id, not its process)."""
     b = router.backend
-    return {w.name: w.actor._actor_id.hex() for w in b.prefill.workers + b.decode.workers}
+    workers = b.prefill.workers + b.decode.workers
+    return {w.name: ray.get(w.actor.pid.remote()) for w in workers}
 
 
 async def _complete(address: str, prompts):
@@ -221,6 +225,19 @@ def test_a_killed_worker_is_replaced_by_default(routers, reference):
     routers["d"] = d = Deployment(CONFIG.updated(deployment={"attach": True}))
     assert _actor_ids(d) == _actor_ids(c)
     assert _workers_in_namespace() == {"deployment", *_actor_ids(c)}
+
+
+def test_a_worker_dead_while_no_router_runs_is_replaced_at_the_next_start(routers, reference):
+    """Every router gone, a worker dies: the next router starts anyway, reporting
+    it to the owner and taking its replacement."""
+    for key in list(routers):
+        routers.pop(key).stop()
+    ns = dep_mod.namespace_of(NAME)
+    decode = [n for n in _workers_in_namespace() if n.startswith("decode-")]
+    ray.kill(ray.get_actor(decode[0], namespace=ns), no_restart=True)
+    routers["e"] = e = Deployment(CONFIG)
+    assert [w.name for w in e.backend.decode.workers] not in ([], decode)
+    _serves(e, reference)
 
 
 def test_down_removes_the_workers_and_the_actor(routers):
