@@ -92,15 +92,21 @@ class PoolController:
 
     async def adopt(self, names: list[str]) -> Members:
         """Take over running workers (a deployment actor that Ray restarted
-        finds its workers by name); those that do not answer are left out."""
+        finds its workers by name). One that does not answer its info is
+        killed, and its role owed a replacement."""
         async with self._lock:
             found = Membership.from_names(names)
             for member in found.view().members:
+                actor = None
                 try:
                     actor = ray.get_actor(member.name, namespace=self.namespace)
                     info: WorkerInfo = await asyncio.wait_for(actor.info.remote(), 30)
                 except Exception as exc:
-                    log.warning("not adopting worker %s: %r", member.name, exc)
+                    log.warning("not adopting %s (%r): a replacement is owed", member.name, exc)
+                    if actor is not None:
+                        with contextlib.suppress(Exception):
+                            ray.kill(actor, no_restart=True)
+                    self.membership.owe(member.role)
                     continue
                 self.handles[member.name] = WorkerHandle(member.name, member.role, actor, info)
                 self._claim_cores(member.role, member.name)

@@ -156,6 +156,8 @@ class RayBackend:
             raise DeploymentMismatch(joined.refused)
         joined.config.security.adopt_secret(joined.secret)
         self._take_config(joined.config)
+        # A named deployment's workers are shared: its owner judges a lost one.
+        self.recovery.kill_lost = self.config.deployment.name is None
         self._make_streams()  # signed with the deployment's secret
         members = await self.deployment.call("members")
         if not members.workers:
@@ -297,9 +299,12 @@ class RayBackend:
         if placement_timeout_s is None:
             placement_timeout_s = self.config.pools.placement_timeout_s
         dropped = await self._drop_dead(ping_timeout_s)
-        lost, self._lost = sorted(self._lost | set(dropped)), set()
+        self._lost |= set(dropped)
+        lost = sorted(self._lost)
         if lost:
-            await self.members.sync(await self.deployment.call("lost", lost))
+            members = await self.deployment.call("lost", lost)
+            self._lost -= set(lost)  # only once the owner has them
+            await self.members.sync(members)
         await self.members.sync(await self.deployment.call("replace_owed", placement_timeout_s))
         return dropped
 
@@ -359,7 +364,7 @@ class RayBackend:
         await self.streams.unsubscribe(worker)
 
     def _worker_lost(self, worker: WorkerHandle, pool: WorkerPool) -> None:
-        """Recovery gave a worker up (and killed it): the next check
+        """Recovery gave a worker up (and killed it, if ephemeral): the next check
         (pools.worker_check_interval_s) reports it to the deployment, which
         starts a replacement where the pool's resources remain."""
         self._lost.add(worker.name)

@@ -89,3 +89,26 @@ def test_a_colocated_deployment_needs_no_prefill_worker():
     sync = MemberSync(_backend(Owner(_members("g1")), colocated=True))
     assert [h.name for h in asyncio.run(sync.connect(_members("g1", ref)))] == [ref.name]
     assert sync.generation == "g1"
+
+
+def test_lost_workers_are_kept_until_the_owner_has_them():
+    from router.ray_backend import RayBackend
+
+    class Failing:
+        async def call(self, method: str, *args):
+            raise ConnectionError("the owner is restarting")
+
+    async def run():
+        backend = RayBackend(ServeConfig())
+        backend.deployment = Failing()
+        backend._lost = {"decode-000000000001"}
+        with pytest.raises(ConnectionError):
+            await backend.replace_dead_workers()
+        assert backend._lost == {"decode-000000000001"}  # reported on the next check
+        backend.deployment = Owner(_members("g1"))
+        backend.members.generation = "g1"
+        await backend.replace_dead_workers()
+        assert backend._lost == set()
+        assert backend.deployment.calls[0] == ("lost", ["decode-000000000001"])
+
+    asyncio.run(run())

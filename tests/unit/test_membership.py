@@ -86,3 +86,9 @@ def test_an_attaching_router_takes_the_deployments_secret_or_must_match_it():
     mine = ServeConfig(security={"cluster_secret": "other"})
     with pytest.raises(ValueError, match="differs from the secret of the deployment"):
         mine.security.adopt_secret(b"s" * 32)
+
+
+def test_a_worker_a_restarted_owner_could_not_take_over_is_owed():
+    m = Membership()
+    m.owe("decode")
+    assert m.owed() == {"decode": 1}
