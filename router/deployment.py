@@ -243,20 +243,29 @@ def down(name: str, drain_timeout_s: float = 30.0) -> list[str]:
     except ValueError:
         actor = None
     removed: list[str] = []
-    if actor is not None:
-        timeout_s = drain_timeout_s + DOWN_TIMEOUT_S
-        removed = ray.get(actor.down.remote(drain_timeout_s), timeout=timeout_s)
-    # Workers the owner did not know (created by an owner that died before it
-    # recorded them) go too.
+    try:
+        if actor is not None:
+            timeout_s = drain_timeout_s + DOWN_TIMEOUT_S
+            removed = ray.get(actor.down.remote(drain_timeout_s), timeout=timeout_s)
+    finally:  # a failed drain still leaves nothing of the deployment
+        # Workers the owner did not know (created by an owner that died before it
+        # recorded them), or did not stop (its drain failed), go too.
+        removed += _kill_workers(namespace)
+        if actor is not None:
+            ray.kill(actor, no_restart=True)
+    if actor is None and not removed:
+        raise DeploymentNotFound(f"no deployment named {name!r} runs on this Ray cluster")
+    return sorted(set(removed))
+
+
+def _kill_workers(namespace: str) -> list[str]:
+    """Kill every worker actor named in ``namespace``; their names."""
+    killed = []
     for entry in ray.util.list_named_actors(all_namespaces=True):
         if entry.get("namespace") == namespace and role_of(entry["name"]) is not None:
             try:
                 ray.kill(ray.get_actor(entry["name"], namespace=namespace), no_restart=True)
             except ValueError:
                 continue
-            removed.append(entry["name"])
-    if actor is None and not removed:
-        raise DeploymentNotFound(f"no deployment named {name!r} runs on this Ray cluster")
-    if actor is not None:
-        ray.kill(actor, no_restart=True)
-    return sorted(set(removed))
+            killed.append(entry["name"])
+    return killed

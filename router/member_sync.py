@@ -93,6 +93,12 @@ class MemberSync:
         async with self._lock:
             if members.generation == self.generation:
                 return
+            if members.draining:  # going down: the requests in flight finish, no new ones
+                log.warning("the deployment is going down: its workers leave routing")
+                for pool in (self.backend.prefill, self.backend.decode):
+                    pool.workers = []
+                self.generation = members.generation
+                return
             current = {r.name for r in members.workers}
             for name in [n for n in self.known if n not in current]:
                 await self._leave(self.known.pop(name))

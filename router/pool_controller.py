@@ -52,6 +52,7 @@ class Members:
 
     generation: str
     workers: tuple[WorkerRef, ...]
+    draining: bool = False  # the deployment is going down: routers take no new request
 
 
 class PoolController:
@@ -73,17 +74,18 @@ class PoolController:
         self.actor_classes = dict(actor_classes or {})
         self.membership = Membership()
         self.handles: dict[str, WorkerHandle] = {}
+        self.draining = False  # down() began: routers leave routing
         self._lock = asyncio.Lock()
 
     # ---- what routers read ----------------------------------------------
 
     def generation(self) -> str:
-        return self.membership.generation
+        return self.membership.generation + (":draining" if self.draining else "")
 
     def members(self) -> Members:
         view = self.membership.view()
         refs = tuple(WorkerRef(m.name, m.role, self.handles[m.name].actor) for m in view.members)
-        return Members(view.generation, refs)
+        return Members(self.generation(), refs, self.draining)
 
     def view(self) -> MembershipView:
         return self.membership.view()
@@ -171,7 +173,9 @@ class PoolController:
 
     async def down(self, drain_timeout_s: float) -> list[str]:
         """Wait (up to ``drain_timeout_s``) until no worker has a request, then
-        stop and remove every one. Returns their names."""
+        stop and remove every one. Returns their names. Routers see it draining
+        (``Members.draining``) and route no new request to its workers."""
+        self.draining = True
         async with self._lock:
             workers = list(self.handles.values())
             await _drain(workers, drain_timeout_s)

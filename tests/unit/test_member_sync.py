@@ -112,3 +112,15 @@ def test_lost_workers_are_kept_until_the_owner_has_them():
         assert backend.deployment.calls[0] == ("lost", ["decode-000000000001"])
 
     asyncio.run(run())
+
+
+def test_a_deployment_going_down_leaves_routing():
+    ref = WorkerRef("decode-000000000001", "decode", Actor("d"))
+    backend = _backend(Owner(_members("g1")))
+    backend.prefill = SimpleNamespace(workers=["p"])
+    backend.decode.workers = ["d"]
+    sync = MemberSync(backend)
+    sync.generation = "g1"
+    asyncio.run(sync.sync(Members("g1:draining", (ref,), draining=True)))
+    assert backend.prefill.workers == [] and backend.decode.workers == []
+    assert sync.generation == "g1:draining"
