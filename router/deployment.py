@@ -219,9 +219,18 @@ def open_deployment(
                 get_if_exists=True,
                 max_concurrency=1000,
             )
-            .remote(name, config, secret, cores, actor_classes)
+            .remote(name, for_owner(config), secret, cores, actor_classes)
         )
     return DeploymentClient(actor, True, name)
+
+
+def for_owner(config: ServeConfig) -> ServeConfig:
+    """``config`` without the router's API and admin keys: a detached owner's
+    creation arguments stay in Ray's GCS (a restart gets them again), and it
+    needs the engine, pools, transfer and routing settings, not the keys."""
+    return config.updated(
+        security={"api_keys": [], "admin_keys": [], "api_keys_file": None, "admin_keys_file": None}
+    )
 
 
 def exists(name: str) -> bool:

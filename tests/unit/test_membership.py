@@ -92,3 +92,17 @@ def test_a_worker_a_restarted_owner_could_not_take_over_is_owed():
     m = Membership()
     m.owe("decode")
     assert m.owed() == {"decode": 1}
+
+
+def test_the_owner_is_created_without_the_routers_keys():
+    from router.deployment import for_owner
+
+    config = ServeConfig(
+        engine={"block_size": 32},
+        security={"api_keys": ["user-key-1"], "admin_keys": ["admin-key-1"]},
+        deployment={"name": "t"},
+    )
+    owned = for_owner(config)
+    assert owned.security.api_keys == [] and owned.security.admin_keys == []
+    assert owned.engine == config.engine and owned.deployment == config.deployment
+    assert "user-key-1" not in repr(owned.model_dump())
