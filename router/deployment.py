@@ -139,11 +139,26 @@ class DeploymentOwner:
         if self.name is None:  # the router that made it: its own config
             return Joined(self._secret, joining)
         diffs = differences(self.config, joining)
+        if diffs and self._unused():
+            # Its first start failed (say, a bad model): nothing runs on the old config.
+            log.warning("deployment %s has no worker: taking the new config", self.name)
+            self._retake(joining)
+            diffs = []
         if diffs:
             what = "; ".join(diffs)
             why = f"refused to attach to deployment {self.name!r}: {what}"
             return Joined(b"", None, why)
         return Joined(self._secret, adopted(self.config, joining))
+
+    def _unused(self) -> bool:
+        """No member, and no replacement owed: no worker runs on the config."""
+        membership = self.controller.membership
+        return not membership.members and not membership.owed()
+
+    def _retake(self, joining: ServeConfig) -> None:
+        config = for_owner(joining)
+        config.security.adopt_secret(self._secret)
+        self.config = self.controller.config = config
 
     async def generation(self) -> str:
         return (await self._ready()).generation()

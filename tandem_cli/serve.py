@@ -213,6 +213,13 @@ def run(config: ServeConfig) -> int:
         asyncio.run(serve(config))
     except Exception:
         log.exception("tandem serve failed")
+        name = config.deployment.name
+        if name is not None:
+            print(
+                f"tandem serve: deployment {name!r} did not start; `tandem down --deployment "
+                f"{name}` removes what is left of it",
+                file=sys.stderr,
+            )
         return 1
     return 0
 
