@@ -151,9 +151,12 @@ class DeploymentOwner:
         return Joined(self._secret, adopted(self.config, joining))
 
     def _unused(self) -> bool:
-        """No member, and no replacement owed: no worker runs on the config."""
-        membership = self.controller.membership
-        return not membership.members and not membership.owed()
+        """No member, no replacement owed, and no change under way (another
+        router's first start): no worker runs on the config."""
+        controller = self.controller
+        membership = controller.membership
+        busy = controller._lock.locked()
+        return not busy and not membership.members and not membership.owed()
 
     def _retake(self, joining: ServeConfig) -> None:
         config = for_owner(joining)
