@@ -155,7 +155,7 @@ class DeploymentOwner:
         router's first start): no worker runs on the config."""
         controller = self.controller
         membership = controller.membership
-        busy = controller._lock.locked()
+        busy = controller.busy()
         return not busy and not membership.members and not membership.owed()
 
     def _retake(self, joining: ServeConfig) -> None:

@@ -87,6 +87,10 @@ class PoolController:
         refs = tuple(WorkerRef(m.name, m.role, self.handles[m.name].actor) for m in view.members)
         return Members(self.generation(), refs, self.draining)
 
+    def busy(self) -> bool:
+        """A change (a start, a scale, a replacement) is under way."""
+        return self._lock.locked()
+
     def view(self) -> MembershipView:
         return self.membership.view()
 
