@@ -46,6 +46,9 @@ class WorkerInfo:
     eos_token_ids: tuple[int, ...] = ()
     """The engine's end-of-sequence tokens (the model's and its tokenizer's):
     the router checks a client's resumed tokens against them (router/resume.py)."""
+    started: bool = True
+    """False: its actor has not finished ``start`` (an ``info`` answer from a
+    worker being created, or one Ray restarted); a router does not route to it."""
 
 
 @dataclass(frozen=True)

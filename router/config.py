@@ -269,7 +269,8 @@ class LimitsSection(Section):
     """Largest message (MiB) the router's API and Admin service accept or send; a
     bigger request gets RESOURCE_EXHAUSTED."""
     grace_period_s: float = Field(30.0, ge=0)
-    """On SIGTERM, time given to requests in flight before the pools stop."""
+    """On SIGTERM, time given to requests in flight before the router stops (and,
+    in an ephemeral deployment, its pools; a named deployment's keep serving)."""
     max_in_flight_per_key: int = Field(256, ge=1)
     """Requests one API key may have in flight; past it RESOURCE_EXHAUSTED (HTTP 429).
     Applies only when API keys are configured."""

@@ -139,11 +139,29 @@ class DeploymentOwner:
         if self.name is None:  # the router that made it: its own config
             return Joined(self._secret, joining)
         diffs = differences(self.config, joining)
+        if diffs and self._unused():
+            # Its first start failed (say, a bad model): nothing runs on the old config.
+            log.warning("deployment %s has no worker: taking the new config", self.name)
+            self._retake(joining)
+            diffs = []
         if diffs:
             what = "; ".join(diffs)
             why = f"refused to attach to deployment {self.name!r}: {what}"
             return Joined(b"", None, why)
         return Joined(self._secret, adopted(self.config, joining))
+
+    def _unused(self) -> bool:
+        """No member, no replacement owed, and no change under way (another
+        router's first start): no worker runs on the config."""
+        controller = self.controller
+        membership = controller.membership
+        busy = controller.busy()
+        return not busy and not membership.members and not membership.owed()
+
+    def _retake(self, joining: ServeConfig) -> None:
+        config = for_owner(joining)
+        config.security.adopt_secret(self._secret)
+        self.config = self.controller.config = config
 
     async def generation(self) -> str:
         return (await self._ready()).generation()
@@ -219,9 +237,18 @@ def open_deployment(
                 get_if_exists=True,
                 max_concurrency=1000,
             )
-            .remote(name, config, secret, cores, actor_classes)
+            .remote(name, for_owner(config), secret, cores, actor_classes)
         )
     return DeploymentClient(actor, True, name)
+
+
+def for_owner(config: ServeConfig) -> ServeConfig:
+    """``config`` without the router's API and admin keys: a detached owner's
+    creation arguments stay in Ray's GCS (a restart gets them again), and it
+    needs the engine, pools, transfer and routing settings, not the keys."""
+    return config.updated(
+        security={"api_keys": [], "admin_keys": [], "api_keys_file": None, "admin_keys_file": None}
+    )
 
 
 def exists(name: str) -> bool:
@@ -243,20 +270,29 @@ def down(name: str, drain_timeout_s: float = 30.0) -> list[str]:
     except ValueError:
         actor = None
     removed: list[str] = []
-    if actor is not None:
-        timeout_s = drain_timeout_s + DOWN_TIMEOUT_S
-        removed = ray.get(actor.down.remote(drain_timeout_s), timeout=timeout_s)
-    # Workers the owner did not know (created by an owner that died before it
-    # recorded them) go too.
+    try:
+        if actor is not None:
+            timeout_s = drain_timeout_s + DOWN_TIMEOUT_S
+            removed = ray.get(actor.down.remote(drain_timeout_s), timeout=timeout_s)
+    finally:  # a failed drain still leaves nothing of the deployment
+        # Workers the owner did not know (created by an owner that died before it
+        # recorded them), or did not stop (its drain failed), go too.
+        removed += _kill_workers(namespace)
+        if actor is not None:
+            ray.kill(actor, no_restart=True)
+    if actor is None and not removed:
+        raise DeploymentNotFound(f"no deployment named {name!r} runs on this Ray cluster")
+    return sorted(set(removed))
+
+
+def _kill_workers(namespace: str) -> list[str]:
+    """Kill every worker actor named in ``namespace``; their names."""
+    killed = []
     for entry in ray.util.list_named_actors(all_namespaces=True):
         if entry.get("namespace") == namespace and role_of(entry["name"]) is not None:
             try:
                 ray.kill(ray.get_actor(entry["name"], namespace=namespace), no_restart=True)
             except ValueError:
                 continue
-            removed.append(entry["name"])
-    if actor is None and not removed:
-        raise DeploymentNotFound(f"no deployment named {name!r} runs on this Ray cluster")
-    if actor is not None:
-        ray.kill(actor, no_restart=True)
-    return sorted(set(removed))
+            killed.append(entry["name"])
+    return killed

@@ -6,7 +6,13 @@ a replacement): each router polls it (``MEMBERSHIP_POLL_S``, one cheap call)
 and, when it moved, takes the members: new workers are asked their info (a
 running worker is not started again), subscribed to and put in routing;
 workers gone leave routing, the index and the streams. A new worker that
-does not answer yet is tried again on the next poll.
+does not answer yet, or has not finished starting, is tried again on the
+next poll; one Ray reports dead for good is reported to the owner, which
+judges it and owes a replacement.
+
+A router starts on the members that answer and are started: it fails only
+when a role it needs has none (after reporting the dead ones, whose
+replacements the owner starts first).
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from typing import TYPE_CHECKING
+
+import ray
 
 from router.pool_controller import Members, WorkerRef
 from router.pool_manager import WorkerHandle
@@ -39,14 +47,42 @@ class MemberSync:
         return sum(1 for w in self.known.values() if w.role == role)
 
     async def connect(self, members: Members) -> list[WorkerHandle]:
-        """The first members, with their info, before the backend has its index:
-        ``join_all`` then puts them in routing."""
-        handles = await asyncio.gather(*(_handle(r) for r in members.workers))
-        if not handles:
-            raise RuntimeError("the deployment has no worker")
-        self.known = {h.name: h for h in handles}
-        self.generation = members.generation
-        return list(handles)
+        """The first members that answer and are started, with their info, before
+        the backend has its index (``join_all`` then puts them in routing). Dead
+        ones are reported to the owner, and its replacements taken; the others
+        are left to the poll. RuntimeError when a role the router needs has no
+        usable worker."""
+        handles, dead = await _usable(members.workers)
+        if dead:
+            members = await self._report_lost(dead)
+            more, _ = await _usable([r for r in members.workers if r.name not in handles])
+            handles.update(more)
+        roles = {h.role for h in handles.values()}
+        missing = [r for r in self._needed_roles() if r not in roles]
+        if missing:
+            name = self.backend.config.deployment.name
+            raise RuntimeError(
+                f"deployment {name!r} has no usable {' or '.join(missing)} worker (of "
+                f"{len(members.workers)} members, {len(handles)} answer and are started): "
+                f"wait for its replacements, or `tandem down --deployment {name}` and start again"
+            )
+        self.known = handles
+        complete = len(handles) == len(members.workers)
+        self.generation = members.generation if complete else None  # else the poll syncs
+        return list(handles.values())
+
+    def _needed_roles(self) -> list[str]:
+        backend = self.backend
+        return [backend.decode.role] + ([] if backend.colocated else ["prefill"])
+
+    async def _report_lost(self, dead: list[str]) -> Members:
+        """Report ``dead`` to the owner (it checks them itself), and start the
+        replacements it owes. The members afterwards."""
+        deployment = self.backend.deployment
+        log.warning("workers dead for good: %s; reporting them to the deployment", dead)
+        await deployment.call("lost", dead)
+        timeout_s = self.backend.config.pools.placement_timeout_s
+        return await deployment.call("replace_owed", timeout_s)
 
     async def join_all(self) -> None:
         for worker in self.known.values():
@@ -57,6 +93,12 @@ class MemberSync:
         async with self._lock:
             if members.generation == self.generation:
                 return
+            if members.draining:  # going down: the requests in flight finish, no new ones
+                log.warning("the deployment is going down: its workers leave routing")
+                for pool in (self.backend.prefill, self.backend.decode):
+                    pool.workers = []
+                self.generation = members.generation
+                return
             current = {r.name for r in members.workers}
             for name in [n for n in self.known if n not in current]:
                 await self._leave(self.known.pop(name))
@@ -65,6 +107,8 @@ class MemberSync:
             complete = True
             for ref, worker in zip(new, made, strict=True):
                 try:
+                    if isinstance(worker, ray.exceptions.ActorDiedError):
+                        self.backend._lost.add(ref.name)  # the next check reports it
                     if isinstance(worker, BaseException):
                         raise worker
                     await self._enter(worker)
@@ -99,6 +143,28 @@ class MemberSync:
         await self.backend._worker_down(worker)
 
 
+class NotStarted(RuntimeError):
+    """A member whose actor has not finished starting."""
+
+
 async def _handle(ref: WorkerRef) -> WorkerHandle:
     info = await asyncio.wait_for(ref.actor.info.remote(), INFO_TIMEOUT_S)
+    if not info.started:
+        raise NotStarted(f"worker {ref.name} has not finished starting")
     return WorkerHandle(ref.name, ref.role, ref.actor, info)
+
+
+async def _usable(refs) -> tuple[dict[str, WorkerHandle], list[str]]:
+    """The members of ``refs`` that answer and are started, by name, and the
+    names of those Ray reports dead for good."""
+    made = await asyncio.gather(*(_handle(r) for r in refs), return_exceptions=True)
+    usable: dict[str, WorkerHandle] = {}
+    dead: list[str] = []
+    for ref, worker in zip(refs, made, strict=True):
+        if isinstance(worker, WorkerHandle):
+            usable[ref.name] = worker
+            continue
+        if isinstance(worker, ray.exceptions.ActorDiedError):
+            dead.append(ref.name)
+        log.warning("worker %s not taken: %r", ref.name, worker)
+    return usable, dead

@@ -115,6 +115,11 @@ class Membership:
             self.counter += 1
         return lost
 
+    def owe(self, role: str) -> None:
+        """A replacement of ``role`` owed for a worker that was never a member
+        here (one a restarted owner could not take over)."""
+        self.missing[role] = self.missing.get(role, 0) + 1
+
     def owed(self) -> dict[str, int]:
         """Replacements owed, by role."""
         return {role: n for role, n in self.missing.items() if n > 0}

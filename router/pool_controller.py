@@ -52,6 +52,7 @@ class Members:
 
     generation: str
     workers: tuple[WorkerRef, ...]
+    draining: bool = False  # the deployment is going down: routers take no new request
 
 
 class PoolController:
@@ -73,17 +74,22 @@ class PoolController:
         self.actor_classes = dict(actor_classes or {})
         self.membership = Membership()
         self.handles: dict[str, WorkerHandle] = {}
+        self.draining = False  # down() began: routers leave routing
         self._lock = asyncio.Lock()
 
     # ---- what routers read ----------------------------------------------
 
     def generation(self) -> str:
-        return self.membership.generation
+        return self.membership.generation + (":draining" if self.draining else "")
 
     def members(self) -> Members:
         view = self.membership.view()
         refs = tuple(WorkerRef(m.name, m.role, self.handles[m.name].actor) for m in view.members)
-        return Members(view.generation, refs)
+        return Members(self.generation(), refs, self.draining)
+
+    def busy(self) -> bool:
+        """A change (a start, a scale, a replacement) is under way."""
+        return self._lock.locked()
 
     def view(self) -> MembershipView:
         return self.membership.view()
@@ -92,15 +98,21 @@ class PoolController:
 
     async def adopt(self, names: list[str]) -> Members:
         """Take over running workers (a deployment actor that Ray restarted
-        finds its workers by name); those that do not answer are left out."""
+        finds its workers by name). One that does not answer its info is
+        killed, and its role owed a replacement."""
         async with self._lock:
             found = Membership.from_names(names)
             for member in found.view().members:
+                actor = None
                 try:
                     actor = ray.get_actor(member.name, namespace=self.namespace)
                     info: WorkerInfo = await asyncio.wait_for(actor.info.remote(), 30)
                 except Exception as exc:
-                    log.warning("not adopting worker %s: %r", member.name, exc)
+                    log.warning("not adopting %s (%r): a replacement is owed", member.name, exc)
+                    if actor is not None:
+                        with contextlib.suppress(Exception):
+                            ray.kill(actor, no_restart=True)
+                    self.membership.owe(member.role)
                     continue
                 self.handles[member.name] = WorkerHandle(member.name, member.role, actor, info)
                 self._claim_cores(member.role, member.name)
@@ -165,7 +177,9 @@ class PoolController:
 
     async def down(self, drain_timeout_s: float) -> list[str]:
         """Wait (up to ``drain_timeout_s``) until no worker has a request, then
-        stop and remove every one. Returns their names."""
+        stop and remove every one. Returns their names. Routers see it draining
+        (``Members.draining``) and route no new request to its workers."""
+        self.draining = True
         async with self._lock:
             workers = list(self.handles.values())
             await _drain(workers, drain_timeout_s)

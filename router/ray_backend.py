@@ -94,12 +94,10 @@ class RayBackend:
         self.cores = cores
         # 128 random bits: a router's id is its output streams' login name.
         self.router_id = f"router-{secrets.token_hex(16)}"
-        self.colocated = config.pools.mode == "colocated"
         self.prefill = WorkerPool("prefill")
-        self.decode = WorkerPool("colocated" if self.colocated else "decode")
+        self.decode = WorkerPool("decode")
+        self._take_config(config)
         self.policy = make_policy(config.routing.policy)
-        self.model_name = config.served_name()
-        self.block_size = config.engine.block_size
         self.tokenizer = None
         self.max_model_len = 0  # these two once the workers are up
         self.vocab_size = 0
@@ -138,6 +136,15 @@ class RayBackend:
         )
         self.grants = GrantMinter(transfer.security)  # the workers' KV pushes and pulls
 
+    def _take_config(self, config: ServeConfig) -> None:
+        """What the router derives from its config: again once it joined its
+        deployment, whose pools mode, model and block size it serves."""
+        self.config = config
+        self.colocated = config.pools.mode == "colocated"
+        self.decode.role = "colocated" if self.colocated else "decode"
+        self.model_name = config.served_name()
+        self.block_size = config.engine.block_size
+
     def pool_of(self, role: str) -> WorkerPool:
         return self.prefill if role == "prefill" else self.decode
 
@@ -151,7 +158,9 @@ class RayBackend:
         if joined.refused:
             raise DeploymentMismatch(joined.refused)
         joined.config.security.adopt_secret(joined.secret)
-        self.config = joined.config
+        self._take_config(joined.config)
+        # A named deployment's workers are shared: its owner judges a lost one.
+        self.recovery.kill_lost = self.config.deployment.name is None
         self._make_streams()  # signed with the deployment's secret
         members = await self.deployment.call("members")
         if not members.workers:
@@ -293,9 +302,12 @@ class RayBackend:
         if placement_timeout_s is None:
             placement_timeout_s = self.config.pools.placement_timeout_s
         dropped = await self._drop_dead(ping_timeout_s)
-        lost, self._lost = sorted(self._lost | set(dropped)), set()
+        self._lost |= set(dropped)
+        lost = sorted(self._lost)
         if lost:
-            await self.members.sync(await self.deployment.call("lost", lost))
+            members = await self.deployment.call("lost", lost)
+            self._lost -= set(lost)  # only once the owner has them
+            await self.members.sync(members)
         await self.members.sync(await self.deployment.call("replace_owed", placement_timeout_s))
         return dropped
 
@@ -358,7 +370,7 @@ class RayBackend:
         await self.streams.unsubscribe(worker)
 
     def _worker_lost(self, worker: WorkerHandle, pool: WorkerPool) -> None:
-        """Recovery gave a worker up (and killed it): the next check
+        """Recovery gave a worker up (and killed it, if ephemeral): the next check
         (pools.worker_check_interval_s) reports it to the deployment, which
         starts a replacement where the pool's resources remain."""
         self._lost.add(worker.name)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -141,6 +142,14 @@ class TandemService(generate_pb2_grpc.TandemServicer):
         return ModelInfo.of(self.backend).to_proto()
 
 
+@dataclass(frozen=True)
+class Settled:
+    """What a router serves as once its backend joined its deployment."""
+
+    model_name: str  # what /v1/models lists and requests must name
+    cache_domains: CacheDomains
+
+
 def check_keys(api_keys: ApiKeys, admin_keys: ApiKeys, domains: CacheDomains) -> None:
     """Raises ValueError when a key is both an API key and an admin key, or when
     each API key should be a cache domain and there are none."""
@@ -175,11 +184,16 @@ class RouterServer:
         tls_cert: Path | None = None,
         tls_key: Path | None = None,
         limits: RequestLimits | None = None,
+        settle: Callable[[], Settled] | None = None,
     ) -> None:
         """With ``tls_cert`` and ``tls_key`` (PEM files) the port serves TLS only.
         ``admin_keys`` open the Admin service (none: it refuses every call); no key
         may be both an API key and an admin key. ``max_pool_workers`` bounds the
-        sizes Admin.Scale accepts. Raises ValueError for keys that do not fit."""
+        sizes Admin.Scale accepts. ``settle``, called once the backend started,
+        gives the model name and cache domains of what it joined (a named
+        deployment's, not this router's own config's). Raises ValueError for
+        keys that do not fit."""
+        self._settle = settle
         self.backend = backend
         self.api_keys = api_keys or ApiKeys()
         self.admin_keys = admin_keys or ApiKeys()
@@ -279,6 +293,8 @@ class RouterServer:
             if self.http is not None:
                 await self.http.start()
             await self.backend.start()
+            if self._settle is not None:
+                self._take(self._settle())
         except BaseException:
             self._stopped = True
             await self._server.stop(None)
@@ -289,6 +305,12 @@ class RouterServer:
             raise
         self.lifecycle.unavailable = None
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+
+    def _take(self, settled: Settled) -> None:
+        check_keys(self.api_keys, self.admin_keys, settled.cache_domains)
+        self.lifecycle.cache_domains = settled.cache_domains
+        if self.http is not None:
+            self.http.state.model_name = settled.model_name
 
     async def stop(self, grace_s: float = 30.0) -> None:
         """Drain: NOT_SERVING, new calls get UNAVAILABLE, calls in flight get up

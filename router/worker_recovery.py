@@ -13,8 +13,11 @@ for its health until it answers:
   health check, and goes back with its new addresses;
 - no answer before ``recovery_timeout_s``, or Ray reports the actor dead for
   good (no restarts left, or its node is gone with ``max_restarts`` 0): it is
-  forgotten (and killed), and ``on_lost`` tells the backend, which may start a
-  replacement where the pool's resources remain.
+  forgotten, and ``on_lost`` tells the backend, which reports it to the
+  deployment's owner; the owner starts a replacement where the pool's
+  resources remain. With ``kill_lost`` (an ephemeral deployment: this router
+  owns its workers) the worker is killed first; a named deployment's workers
+  are shared, so the owner judges them with its own health check instead.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ class WorkerRecovery:
         recovery_timeout_s: float = 120.0,
         health_timeout_s: float = 10.0,
         poll_s: float = 0.5,
+        kill_lost: bool = True,
     ) -> None:
         self.pools = pools
         self.on_down = on_down
@@ -56,6 +60,7 @@ class WorkerRecovery:
         self.recovery_timeout_s = recovery_timeout_s
         self.health_timeout_s = health_timeout_s
         self.poll_s = poll_s
+        self.kill_lost = kill_lost
         self.down: dict[WorkerHandle, asyncio.Task] = {}
 
     def is_down(self, worker: WorkerHandle) -> bool:
@@ -108,7 +113,8 @@ class WorkerRecovery:
                 await asyncio.sleep(self.poll_s)
             else:
                 log.error("worker %s did not come back; forgetting it", worker.name)
-            ray.kill(worker.actor)
+            if self.kill_lost:
+                ray.kill(worker.actor)
             if self.on_lost is not None:
                 self.on_lost(worker, pool)
         except asyncio.CancelledError:

@@ -6,8 +6,6 @@ pools (router/deployment.py, ``down``), then stop the local Ray cluster
 from __future__ import annotations
 
 import argparse
-import asyncio
-import inspect
 import os
 import sys
 
@@ -88,13 +86,6 @@ def _down_pools(
     try:
         from router.deployment import down
 
-        result = down(name, drain_timeout_s)
-        if inspect.isawaitable(result):
-            result = asyncio.run(_wait(result))
-        return result
+        return down(name, drain_timeout_s)
     finally:
         ray.shutdown()
-
-
-async def _wait(awaitable):
-    return await awaitable

@@ -21,7 +21,7 @@ from router.auth import ADMIN_KEYS_ENV, ApiKeys
 from router.backend import Backend
 from router.config import ServeConfig, describe_errors
 from router.limits import TRANSPORT_BYTES_PER_TOKEN, generate_message_limit
-from router.service import HttpSettings, RouterServer, check_keys
+from router.service import HttpSettings, RouterServer, Settled, check_keys
 from router.tenancy import CacheDomains
 from tandem_cli import ray_auth
 from tandem_cli.ray_init import init_ray, ray_is_up
@@ -162,7 +162,21 @@ def server_for(config: ServeConfig, backend: Backend, *, local: bool = False) ->
         max_pool_workers=config.pools.max_workers,
         http=http_settings(config, local=local),
         limits=config.limits.request_limits(),
+        settle=lambda: settled(joined_config(backend, config)),
     )
+
+
+def joined_config(backend: Backend, config: ServeConfig) -> ServeConfig:
+    """The config a started backend serves with (a RayBackend's: its deployment's
+    shared settings and secret), else ``config``."""
+    joined = getattr(backend, "config", None)
+    return joined if isinstance(joined, ServeConfig) else config
+
+
+def settled(config: ServeConfig) -> Settled:
+    """The model name and cache domains of the config a backend joined: a named
+    deployment's model, its salts keyed by the deployment's cluster secret."""
+    return Settled(model_name(config), cache_domains(config))
 
 
 def plan_cores(config: ServeConfig) -> CoreLayout | None:
@@ -199,6 +213,13 @@ def run(config: ServeConfig) -> int:
         asyncio.run(serve(config))
     except Exception:
         log.exception("tandem serve failed")
+        name = config.deployment.name
+        if name is not None:
+            print(
+                f"tandem serve: deployment {name!r} did not start; `tandem down --deployment "
+                f"{name}` removes what is left of it",
+                file=sys.stderr,
+            )
         return 1
     return 0
 
@@ -244,12 +265,8 @@ async def serve(
             auth = f", {len(server.api_keys)} API keys" if server.api_keys.enabled else ""
             if server.admin_keys.enabled:
                 auth += f", {len(server.admin_keys)} admin keys"
-            pools = config.pools
-            print(
-                f"tandem: serving {config.engine.model or 'the default model'} on {server.address}"
-                f"{http} (prefill {pools.prefill}, decode {pools.decode}, {pools.mode}{auth})",
-                flush=True,
-            )
+            model, pools = _served(backend, config)
+            print(f"tandem: serving {model} on {server.address}{http} ({pools}{auth})", flush=True)
             try:
                 await stop.wait()
             finally:
@@ -259,6 +276,17 @@ async def serve(
                 import ray
 
                 ray.shutdown()
+
+
+def _served(backend: Backend, config: ServeConfig) -> tuple[str, str]:
+    """The model and the pools the backend serves: a joined deployment's."""
+    joined = joined_config(backend, config)
+    pools = joined.pools
+    prefill, decode = pools.prefill, pools.decode
+    if hasattr(backend, "prefill") and hasattr(backend, "decode"):
+        prefill, decode = len(backend.prefill.workers), len(backend.decode.workers)
+    model = joined.engine.model or "the default model"
+    return model, f"prefill {prefill}, decode {decode}, {pools.mode}"
 
 
 @contextlib.contextmanager

@@ -45,7 +45,7 @@ class RouterProcess:
 
     process: subprocess.Popen
     address: str
-    workers: dict[str, str]  # the worker actors it attached to, as actor_ids()
+    workers: dict[str, int]  # the workers it attached to: {name: process id}
 
     def kill(self) -> None:
         if self.process.poll() is None:

@@ -7,6 +7,7 @@ and only the actor's own process builds the worker (and loads the model).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -79,8 +80,11 @@ class WorkerActor:
 
     async def info(self) -> WorkerInfo:
         """What ``start`` returned, without starting anything (a router
-        attaching to running workers asks it)."""
-        return self.worker.describe()
+        attaching to running workers asks it); ``started`` says whether
+        ``start`` has finished."""
+        done = self._starting is not None and self._starting.done()
+        started = done and not self._starting.cancelled() and self._starting.exception() is None
+        return dataclasses.replace(self.worker.describe(), started=started)
 
     async def abort(self, request_id: str) -> bool:
         return await self.worker.abort(request_id)

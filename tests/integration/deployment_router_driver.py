@@ -2,7 +2,7 @@
 tests/integration/test_named_deployment.py to SIGKILL.
 
 argv: the Ray cluster's GCS address, the deployment's name. It attaches
-(deployment.attach), prints {"address": ..., "workers": {name: actor id}}
+(deployment.attach), prints {"address": ..., "workers": {name: process id}}
 as one JSON line, then serves until it is killed.
 """
 
@@ -29,7 +29,8 @@ def main() -> None:
     )
     router = Deployment(config)
     b = router.backend
-    ids = {w.name: w.actor._actor_id.hex() for w in b.prefill.workers + b.decode.workers}
+    workers = b.prefill.workers + b.decode.workers
+    ids = {w.name: ray.get(w.actor.pid.remote()) for w in workers}
     print(json.dumps({"address": router.address, "workers": ids}), flush=True)
     threading.Event().wait()
 

@@ -2,10 +2,11 @@
 outlive each router (router/deployment.py).
 
 One deployment (1 prefill, 1 decode worker) through the module: two routers
-serve on the same worker actors, greedy output equal to the engine alone; a
+serve on the same worker processes, greedy output equal to the engine alone; a
 router stopped leaves the workers serving the other; a new router of the
 same name attaches without starting workers and hits the prefix cached
-before; a killed worker is replaced with the default config; ``down``
+before; a killed worker is replaced with the default config (also one killed
+while no router runs: the next router starts anyway); ``down``
 removes the workers and the deployment's actor. Free blocks back to their
 start after each test.
 """
@@ -23,11 +24,12 @@ import ray
 
 from benchkit.deployment import Deployment
 from engine import LLM
+from engine.default_model import default_model_path
 from protocol.sampling import SamplingParams
 from router import deployment as dep_mod
 from router.client import TandemClient
 from router.config import ServeConfig
-from tests.deployment_helpers import actor_ids, router_process, worker_processes
+from tests.deployment_helpers import router_process, worker_processes
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -60,8 +62,12 @@ def routers(ray_cluster):
         dep_mod.down(NAME, drain_timeout_s=5)
 
 
-def _actor_ids(router: Deployment) -> dict[str, str]:
-    return actor_ids(router.backend)
+def _actor_ids(router: Deployment) -> dict[str, int]:
+    """The router's workers' process ids, by name (a worker Ray restarted keeps
+    its actor id, not its process)."""
+    b = router.backend
+    workers = b.prefill.workers + b.decode.workers
+    return {w.name: ray.get(w.actor.pid.remote()) for w in workers}
 
 
 async def _complete(address: str, prompts):
@@ -96,6 +102,36 @@ def test_attach_without_a_running_deployment_is_refused(ray_cluster):
     config = CONFIG.updated(deployment={"name": f"none-{secrets.token_hex(3)}", "attach": True})
     with pytest.raises(dep_mod.DeploymentNotFound, match="no deployment named"):
         Deployment(config)
+
+
+def test_a_bare_attach_serves_as_the_deployment(ray_cluster, reference):
+    """A router given only the name takes the deployment's mode, model, block size
+    and secret: it serves a colocated pool, lists the deployment's model, and its
+    cache salts are the first router's (the prefix cached through one hits
+    through the other)."""
+    name = f"bare-{secrets.token_hex(3)}"
+    model = str(default_model_path())  # the default model, named otherwise
+    first = CONFIG.updated(
+        engine={"model": model, "block_size": 32},
+        pools={"mode": "colocated", "decode": 1},
+        server={"http_port": 8000},
+        deployment={"name": name},
+    )
+    bare = ServeConfig(server={"http_port": 8000}, deployment={"name": name, "attach": True})
+    started = []
+    try:
+        started.append(a := Deployment(first))
+        started.append(b := Deployment(bare))
+        assert b.backend.colocated and b.backend.block_size == 32
+        assert b.backend.model_name == b.server.http.state.model_name == model
+        assert b.server.lifecycle.cache_domains.key == a.server.lifecycle.cache_domains.key
+        _serves(a, reference)
+        outs = _serves(b, reference)
+        assert outs[1].usage.cached_tokens > 0  # cached through a, same salt
+    finally:
+        for router in started:
+            router.stop()
+        dep_mod.down(name, drain_timeout_s=5)
 
 
 def test_two_routers_share_the_workers(routers, reference):
@@ -176,6 +212,19 @@ def test_a_killed_worker_is_replaced_by_default(routers, reference):
     routers["d"] = d = Deployment(CONFIG.updated(deployment={"attach": True}))
     assert _actor_ids(d) == _actor_ids(c)
     assert _workers_in_namespace() == {"deployment", *_actor_ids(c)}
+
+
+def test_a_worker_dead_while_no_router_runs_is_replaced_at_the_next_start(routers, reference):
+    """Every router gone, a worker dies: the next router starts anyway, reporting
+    it to the owner and taking its replacement."""
+    for key in list(routers):
+        routers.pop(key).stop()
+    ns = dep_mod.namespace_of(NAME)
+    decode = [n for n in _workers_in_namespace() if n.startswith("decode-")]
+    ray.kill(ray.get_actor(decode[0], namespace=ns), no_restart=True)
+    routers["e"] = e = Deployment(CONFIG)
+    assert [w.name for w in e.backend.decode.workers] not in ([], decode)
+    _serves(e, reference)
 
 
 def test_down_removes_the_workers_and_the_actor(routers):

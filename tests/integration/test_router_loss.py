@@ -131,7 +131,8 @@ def test_streams_survive_the_sigkill_of_their_router(deployment, reference, kind
     assert deployment.wait_no_leaks() == {}
 
     with router_process(NAME) as victim:
-        assert victim.workers == workers  # it attached to the same workers
+        # it attached to the same workers, in the same processes
+        assert victim.workers == {name: pid for name, (pid, _) in processes.items()}
         [first] = asyncio.run(_uninterrupted(victim.address, kind, PROMPTS[:1]))
         assert first.token_ids == expected[0].token_ids  # and serves (now warm)
         streams = asyncio.run(_streams_through_a_lost_router(victim, deployment.address, kind))

@@ -86,3 +86,44 @@ def test_an_attaching_router_takes_the_deployments_secret_or_must_match_it():
     mine = ServeConfig(security={"cluster_secret": "other"})
     with pytest.raises(ValueError, match="differs from the secret of the deployment"):
         mine.security.adopt_secret(b"s" * 32)
+
+
+def test_a_worker_a_restarted_owner_could_not_take_over_is_owed():
+    m = Membership()
+    m.owe("decode")
+    assert m.owed() == {"decode": 1}
+
+
+def test_the_owner_is_created_without_the_routers_keys():
+    from router.deployment import for_owner
+
+    config = ServeConfig(
+        engine={"block_size": 32},
+        security={"api_keys": ["user-key-1"], "admin_keys": ["admin-key-1"]},
+        deployment={"name": "t"},
+    )
+    owned = for_owner(config)
+    assert owned.security.api_keys == [] and owned.security.admin_keys == []
+    assert owned.engine == config.engine and owned.deployment == config.deployment
+    assert "user-key-1" not in repr(owned.model_dump())
+
+
+def test_an_owner_without_workers_takes_the_config_of_the_next_start():
+    """A first start that failed (a bad model) must not hold the name: an owner
+    with no member and nothing owed takes the next router's config; one with
+    workers refuses another model."""
+    import asyncio
+    import secrets
+
+    from router.deployment import DeploymentOwner
+
+    def config(block_size: int) -> ServeConfig:
+        return ServeConfig(engine={"block_size": block_size}, deployment={"name": "t"})
+
+    owner = DeploymentOwner("t", config(32), secrets.token_bytes(32))
+    owner._adopted = True  # no Ray here: nothing to adopt
+    joined = asyncio.run(owner.join(config(16)))
+    assert not joined.refused and joined.config.engine.block_size == 16
+    assert owner.config.engine.block_size == owner.controller.config.engine.block_size == 16
+    owner.controller.membership.add(["decode-000000000001"])
+    assert "engine.block_size" in asyncio.run(owner.join(config(32))).refused

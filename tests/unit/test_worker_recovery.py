@@ -134,6 +134,24 @@ def test_a_worker_that_never_answers_is_forgotten(monkeypatch):
     asyncio.run(run())
 
 
+def test_a_shared_worker_given_up_is_reported_not_killed(monkeypatch):
+    """A named deployment's worker serves other routers: this router's view
+    failing is no reason to kill it; the owner judges what it is told."""
+    killed, lost = [], []
+    monkeypatch.setattr("router.worker_recovery.ray.kill", killed.append)
+
+    async def run():
+        recovery, pool, wa, wb, _ = _setup()
+        recovery.kill_lost, recovery.recovery_timeout_s = False, 0.1
+        recovery.on_lost = lambda worker, p: lost.append(worker.name)
+        wa.actor.state = "dead"
+        recovery.suspect(wa, "its stream broke")
+        await recovery.wait_all(5)
+        assert pool.workers == [wb] and killed == [] and lost == ["a"]
+
+    asyncio.run(run())
+
+
 def test_a_worker_dead_for_good_is_given_up_at_once_and_reported(monkeypatch):
     killed, lost = [], []
     monkeypatch.setattr("router.worker_recovery.ray.kill", killed.append)
