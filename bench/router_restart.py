@@ -34,6 +34,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+# The embedded tiny model, as the figures in docs/benchmarks.md were measured
+# (and in the `tandem serve` this starts); TANDEM_DEFAULT_MODEL=... measures another.
+os.environ.setdefault("TANDEM_DEFAULT_MODEL", "tandem-tiny-llama")
 sys.path.insert(0, str(ROOT))
 
 from router.client import generate_sync
