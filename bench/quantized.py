@@ -8,7 +8,11 @@ rounds measure them in turn and keep each figure's best; the ratios are
 float32's time over the setting's. The last line is one JSON
 object with the figures and ratios.
 
+With ``--model PATH`` (a .gguf file, e.g. SmolLM2's) the model's own weights
+load instead, and ``as_stored`` is a setting worth timing.
+
   python bench/quantized.py [--threads 2] [--settings none,int8,q4] [--rounds 2]
+                            [--model PATH]
 """
 
 from __future__ import annotations
@@ -93,17 +97,19 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--settings", default="none,int8,q4")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--model", default=None, help="a checkpoint or .gguf file's weights")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     settings = args.settings.split(",")
-    results: dict = {"threads": args.threads, "model": "smollm2-135m-shaped, random weights"}
+    label = args.model or "smollm2-135m-shaped, random weights"
+    results: dict = {"threads": args.threads, "model": label}
     with tempfile.TemporaryDirectory() as tmp:
-        path = smol_dir(Path(tmp) / "smol")
+        path = args.model or smol_dir(Path(tmp) / "smol")
         engines = {
             setting: LLMEngine(
                 EngineConfig(
                     model=str(path),
-                    load_format="dummy",
+                    load_format="auto" if args.model else "dummy",
                     quantization=setting,
                     kv_cache_memory_bytes=256 << 20,
                     max_num_batched_tokens=2048,

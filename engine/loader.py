@@ -17,13 +17,19 @@ import struct
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors.torch import load_file
 
 from engine.config import DEFAULT_MODEL_NAME, EngineConfig, ModelSpec
+from engine.gguf import StoredTensor
 from engine.packaged_model import DEFAULT_MODEL_ENV, SMOLLM2_NAME, smollm2_path
+from engine.quant import QuantFormat, QuantWeight
 
 log = logging.getLogger(__name__)
+
+# GGUF tensor types that ``quantization: as_stored`` keeps as stored (engine/quant.py).
+GGUF_FORMATS = {"Q8_0": QuantFormat.Q8_0, "Q4_0": QuantFormat.Q4_0, "Q4_1": QuantFormat.Q4_1}
 
 
 @functools.cache
@@ -179,11 +185,31 @@ def dummy_state_dict(spec: ModelSpec, hf_config: Any, seed: int) -> dict[str, to
 
 def load_weights(
     config: EngineConfig, model_dir: Path, spec: ModelSpec, hf_config: Any
-) -> dict[str, torch.Tensor]:
+) -> dict[str, torch.Tensor | QuantWeight]:
+    """The state dict by Hugging Face name: random (dummy), a GGUF file's (float32;
+    with ``as_stored`` its Q8_0/Q4_0/Q4_1 matrices as QuantWeight) or safetensors'."""
     if config.load_format == "dummy":
         return dummy_state_dict(spec, hf_config, config.seed)
-    from engine.gguf_model import gguf_table, load_gguf_state
+    from engine.gguf_model import gguf_table, load_gguf_state, stored_weights
 
-    if gguf_table(model_dir) is not None:
-        return load_gguf_state(model_dir)  # dequantized to float32
-    return load_state_dict(model_dir)
+    if gguf_table(model_dir) is None:
+        return load_state_dict(model_dir)
+    if config.quantization == "as_stored":
+        return as_stored_state(stored_weights(model_dir))
+    return load_gguf_state(model_dir)  # dequantized to float32 (int8/q4 quantize it)
+
+
+def as_stored_state(tensors: dict[str, StoredTensor]) -> dict[str, torch.Tensor | QuantWeight]:
+    """A GGUF file's matrices in a format the quant kernels run (Q8_0, Q4_0, Q4_1)
+    as ``QuantWeight`` over their stored bytes (q/k rows already in the Hugging
+    Face order: the permutation moves whole rows, so every block stays whole);
+    every other tensor dequantized to float32."""
+    state: dict[str, torch.Tensor | QuantWeight] = {}
+    for name, t in tensors.items():
+        fmt = GGUF_FORMATS.get(t.ggml_type)
+        if fmt is None or len(t.shape) != 2:
+            state[name] = t.dequantize()
+            continue
+        raw = torch.from_numpy(np.array(t.data, dtype=np.uint8, copy=True))  # off the mmap
+        state[name] = QuantWeight.from_gguf(fmt, raw, t.shape[1])
+    return state

@@ -3,8 +3,9 @@
 ``write_gguf(checkpoint_dir, out, quantize=...)``: the checkpoint's config, its
 tokenizer (a byte-level BPE ``tokenizer.json``) and chat template as llama.cpp
 metadata, and its weights with the q/k rows permuted the way
-convert_hf_to_gguf.py permutes them; matrices in ``quantize`` (a ggml type name)
-are stored quantized with gguf-py, the rest as F32.
+convert_hf_to_gguf.py permutes them; matrices are stored in the ggml type
+``quantize`` names for them (one for all, or by name), quantized with gguf-py,
+the rest as F32.
 """
 
 from __future__ import annotations
@@ -69,7 +70,17 @@ def _tokenizer_metadata(writer, ckpt: Path, cfg: dict) -> None:
         writer.add_chat_template(template)
 
 
-def write_gguf(ckpt: Path, out: Path, quantize: str | None = "Q8_0") -> Path:
+def _type_of(name: str, quantize: str | dict[str, str] | None) -> str | None:
+    """The ggml type of matrix ``name``: ``quantize`` itself, or the value of the
+    first key of it that ``name`` contains (None: F32)."""
+    if not isinstance(quantize, dict):
+        return quantize
+    return next((t for part, t in quantize.items() if part in name), None)
+
+
+def write_gguf(ckpt: Path, out: Path, quantize: str | dict[str, str] | None = "Q8_0") -> Path:
+    """``quantize``: one ggml type for every matrix, or types by part of the
+    Hugging Face name (``{"self_attn": "Q8_0", "mlp": "Q4_0"}``), None for F32."""
     import gguf
 
     cfg = json.loads((ckpt / "config.json").read_text())
@@ -88,8 +99,9 @@ def write_gguf(ckpt: Path, out: Path, quantize: str | None = "Q8_0") -> Path:
     writer.add_rope_dimension_count(cfg["hidden_size"] // heads)
     _tokenizer_metadata(writer, ckpt, cfg)
     state = load_file(str(ckpt / "model.safetensors"))
-    qtype = gguf.GGMLQuantizationType[quantize] if quantize else None
     for name in sorted(state):
+        kind = _type_of(name, quantize)
+        qtype = gguf.GGMLQuantizationType[kind] if kind else None
         w = state[name].astype(np.float32)
         if name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):
             w = llama_cpp_permute(w, heads)

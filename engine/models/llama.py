@@ -150,13 +150,20 @@ class LlamaModel:
             stored = [p for p in parts if isinstance(p, QuantWeight)]
             kinds = {(p.format, p.in_features) for p in stored}
             if quantization == "as_stored" and len(stored) == len(parts) and len(kinds) == 1:
-                return QuantWeight.cat(stored).to(device)
+                # one part: its own tensors (a tied head shares the embedding's bytes)
+                return (stored[0] if len(stored) == 1 else QuantWeight.cat(stored)).to(device)
             w = cat(names)
             if fmt is not None:
                 return QuantWeight.quantize(w, fmt)
             return w.t().contiguous()
 
-        self.embed = take("model.embed_tokens.weight")
+        self.dtype = dtype
+        embed = state["model.embed_tokens.weight"]
+        # as_stored keeps a quantized table as it is: a lookup dequantizes its rows
+        keep = quantization == "as_stored" and isinstance(embed, QuantWeight)
+        self.embed: torch.Tensor | QuantWeight = (
+            embed.to(device) if keep else take("model.embed_tokens.weight")
+        )
         head = "model.embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"
         self.lm_head = matrix([head])
         self.norm = take("model.norm.weight")
@@ -198,6 +205,15 @@ class LlamaModel:
                     w.gate_up = PackedWeight.pack_gate_up(w.gate_up)
                     w.gate_up_bias = PackedWeight.pad_gate_up_bias(w.gate_up_bias)
 
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The embeddings of ``input_ids``, [N, hidden], a fresh tensor."""
+        table = self.embed
+        if isinstance(table, torch.Tensor):
+            return table[input_ids]
+        scales = None if table.scales is None else table.scales[input_ids]
+        rows = QuantWeight(table.format, table.data[input_ids], scales, table.in_features)
+        return rows.dequantize(self.dtype)
+
     @property
     def fused(self) -> bool:
         """Whether forward takes metadata built with ``fused=True``."""
@@ -217,7 +233,7 @@ class LlamaModel:
         eps, d = spec.rms_norm_eps, spec.head_dim
         q_size, kv_size = spec.num_heads * d, spec.num_kv_heads * d
         cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]
-        h = self.embed[input_ids]
+        h = self._embed(input_ids)
         for i, w in enumerate(self.layers):
             x = _rms_norm(h, w.input_norm, eps)
             qkv = _linear(x, w.qkv, w.qkv_bias)
@@ -260,7 +276,7 @@ class LlamaModel:
                 return w.apply(x, bias, ops)
             return ops.linear(x, w.panels, w.out_features, bias)
 
-        h = self.embed[input_ids]  # a fresh tensor: the residual stream, updated in place
+        h = self._embed(input_ids)  # a fresh tensor: the residual stream, updated in place
         x = ops.rms_norm(h, self.layers[0].input_norm, eps)
         for i, w in enumerate(self.layers):
             qkv = linear(x, w.qkv, w.qkv_bias)
