@@ -26,6 +26,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from tandem_cli.local_cluster import session_pids
+
 # The `ray` of this interpreter's environment, so nodes run the same Ray and
 # import the same project as the test.
 RAY = str(Path(sys.executable).with_name("ray"))
@@ -41,23 +43,8 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-def _session_pids(sid: int) -> list[int]:
-    """Processes of a session (our node's raylet, agents and workers)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[0] != "Z" and int(fields[3]) == sid:  # state, ..., session id
-            pids.append(int(entry.name))
-    return pids
-
-
 def _signal_session(sid: int, sig: int) -> None:
-    for pid in _session_pids(sid):
+    for pid in session_pids(sid):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, sig)
 
@@ -69,7 +56,7 @@ class Node:
 
     @property
     def alive(self) -> bool:
-        return bool(_session_pids(self.process.pid))
+        return bool(session_pids(self.process.pid))
 
 
 class LocalRayCluster:
@@ -173,7 +160,7 @@ class LocalRayCluster:
         sid = node.process.pid
         _signal_session(sid, signal.SIGKILL)
         deadline = time.monotonic() + timeout_s
-        while _session_pids(sid) and time.monotonic() < deadline:
+        while session_pids(sid) and time.monotonic() < deadline:
             time.sleep(0.1)
         node.process.wait(timeout=5)
 
