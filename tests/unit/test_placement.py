@@ -51,6 +51,7 @@ def test_the_engine_section_is_the_workers_engine_config():
         "cpu_kernels": "off",
         "greedy_screen": False,
         "cuda_graphs": True,
+        "quantization": "int8",
     }
     config = ServeConfig(
         engine=engine,
@@ -194,7 +195,7 @@ class _Owned:
 
     async def start(self, decode: int) -> None:
         b = self.backend
-        members = await b.deployment.call("ensure", {"decode": decode}, None)
+        members = await b.deployment.call("ensure", {"prefill": 1, "decode": decode}, None)
         await b.members.connect(members)
         await b.members.join_all()
         self.subscribed.clear()
