@@ -170,9 +170,10 @@ class RayBackend:
                     f"(deployment.attach is set)"
                 )
             pools = self.config.pools
-            sizes = {self.decode.role: pools.decode}
-            if not self.colocated:
-                sizes["prefill"] = pools.prefill
+            # Prefill first, as Ray places them in this order: decode workers then
+            # land on the emptier nodes where both pools may run.
+            sizes = {} if self.colocated else {"prefill": pools.prefill}
+            sizes[self.decode.role] = pools.decode
             members = await self.deployment.call("ensure", sizes, None)
         refs = await self.members.connect(members)
         workers = refs
