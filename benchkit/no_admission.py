@@ -10,12 +10,19 @@ from __future__ import annotations
 from decode_pool.actor import DecodeActor
 from router.admission import Admitted
 from router.ray_backend import RayBackend
+from router.route_admission import RouteAdmission
+
+
+class RetryRoutes(RouteAdmission):
+    async def admit(self, inp, tokens, avoid):
+        plan = self.plan(tokens, inp.cache_salt, avoid)
+        return Admitted(plan, plan.decode.name, 0)
 
 
 class RetryBackend(RayBackend):
-    async def _admit(self, inp, tokens, avoid):
-        plan = self._plan(tokens, inp.cache_salt, avoid)
-        return Admitted(plan, plan.decode.name, 0)
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.routes = RetryRoutes(self)
 
 
 class RefusingDecodeActor(DecodeActor):

@@ -108,7 +108,7 @@ class MemberSync:
             for ref, worker in zip(new, made, strict=True):
                 try:
                     if isinstance(worker, ray.exceptions.ActorDiedError):
-                        self.backend._lost.add(ref.name)  # the next check reports it
+                        self.backend.changes.lost.add(ref.name)  # the next check reports it
                     if isinstance(worker, BaseException):
                         raise worker
                     await self._enter(worker)
@@ -140,7 +140,7 @@ class MemberSync:
         log.warning("worker %s left the deployment", worker.name)
         self.backend.pool_of(worker.role).remove([worker])
         self.backend.recovery.forget(worker)
-        await self.backend._worker_down(worker)
+        await self.backend.changes.worker_down(worker)
 
 
 class NotStarted(RuntimeError):

@@ -32,7 +32,7 @@ import contextlib
 import logging
 import secrets
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import grpc
 
@@ -40,13 +40,11 @@ from block_index import BlockIndex, InMemoryIndex, KVEvent
 from engine.hashing import root_hash
 from net.grants import PULL, PUSH, GrantMinter, pull_digest, push_digest
 from protocol.requests import DecodeRequest, PrefillRequest, PrefillResult
-from protos.tandem.v1 import worker_pb2
 from router import health
-from router.admission import Admitted, Admitter, Room, blocks_for, fits_room, longest_blocks
+from router.admission import Admitter
 from router.backend import (
     GenerateInput,
     GenerateResult,
-    PlacementTimeout,
     TokenDelta,
     WorkerReport,
 )
@@ -74,8 +72,10 @@ from router.policies import make_policy
 from router.pool_manager import WorkerHandle, WorkerPool
 from router.prefix_routing import PrefixRouter, RoutePlan
 from router.progress import Progress
+from router.route_admission import RouteAdmission
 from router.tokenizer import RouterTokenizer
 from router.watchdog import Watchdog
+from router.worker_changes import WorkerChanges
 from router.worker_recovery import WorkerRecovery
 from router.worker_streams import CUT, LOST, DeltaQueue, Item, WorkerStreams, merge_queued
 from worker.cpu_binding import CoreLayout
@@ -105,34 +105,34 @@ class RayBackend:
         self.retry = RetryPolicy(config.tuning.max_attempts)
         self.failover = FailoverStats()
         self.admission = Admitter(config.limits.max_waiting_requests)
+        self.routes = RouteAdmission(self)
+        self.changes = WorkerChanges(self)
         self._make_streams()
         self.recovery = WorkerRecovery(
             [self.prefill, self.decode],
-            self._worker_down,
-            self._worker_back,
+            self.changes.worker_down,
+            self.changes.worker_back,
             self.failover,
             recovery_timeout_s=config.pools.worker_recovery_timeout_s,
             health_timeout_s=config.tuning.health_timeout_s,
-            on_lost=self._worker_lost,
+            on_lost=self.changes.worker_lost,
         )
         self.watchdog = Watchdog(
             self.recovery,
             stall_check_s=config.tuning.stall_check_s,
             health_timeout_s=config.tuning.health_timeout_s,
         )
-        self._scale_lock = asyncio.Lock()
         self.index: BlockIndex | None = None
         self.routing: PrefixRouter | None = None
         self.deployment: DeploymentClient | None = None  # the owner of the workers
         self.members = MemberSync(self)
         self._tasks: list[asyncio.Task] = []
-        self._lost: set[str] = set()  # workers recovery gave up, not reported yet
         self._cut_aborts: set[asyncio.Task] = set()  # aborts of tries their clients fell behind
 
     def _make_streams(self) -> None:
         transfer = self.config.transfer_config()
         self.streams = WorkerStreams(
-            self.router_id, self._apply_events, self._suspect, transfer, self._on_room
+            self.router_id, self._apply_events, self._suspect, transfer, self.routes.on_room
         )
         self.grants = GrantMinter(transfer.security)  # the workers' KV pushes and pulls
 
@@ -197,7 +197,7 @@ class RayBackend:
         self._tasks.append(asyncio.create_task(self.members.poll(MEMBERSHIP_POLL_S)))
         if self.config.pools.worker_check_interval_s > 0:
             self._tasks.append(
-                asyncio.create_task(self._watch_workers(self.config.pools.worker_check_interval_s))
+                asyncio.create_task(self.changes.watch(self.config.pools.worker_check_interval_s))
             )
 
     def _load_tokenizer(self, worker_model_dir: str) -> RouterTokenizer | None:
@@ -248,47 +248,10 @@ class RayBackend:
     async def scale(
         self, prefill: int | None, decode: int | None, drain_timeout_s: float = 30.0
     ) -> tuple[int, int]:
-        """Resize the pools through the deployment; workers removed drain this
-        router's requests before they stop. Returns (prefill, decode) afterwards."""
-        self.config.pools.resized(prefill, decode)  # a ValueError for sizes the config refuses
-        assert self.deployment is not None, "backend not started"
-        async with self._scale_lock:
-            for pool, n in ((self.prefill, prefill), (self.decode, decode)):
-                if n is None or (self.colocated and pool is self.prefill):
-                    continue
-                count = self.members.count(pool.role)
-                if n > count:
-                    members = await self._grow(pool, n)
-                elif n < count:
-                    gone = pool.take_out(min(count - n, len(pool.workers)))
-                    await WorkerPool.drain(gone, drain_timeout_s)
-                    for worker in gone:
-                        await self._worker_down(worker)
-                    names = [w.name for w in gone]
-                    members = await self.deployment.call("shrink", pool.role, names)
-                else:
-                    continue
-                await self.members.sync(members)
-            return len(self.prefill.workers), len(self.decode.workers)
-
-    async def _grow(self, pool: WorkerPool, n: int):
-        """The deployment grows ``pool`` to ``n`` within ``pools.placement_timeout_s``;
-        past it the new workers are gone and PlacementTimeout says so."""
-        timeout_s = self.config.pools.placement_timeout_s
-        try:
-            return await self.deployment.call("grow", pool.role, n, timeout_s)
-        except Exception as exc:
-            if not isinstance(exc, TimeoutError | asyncio.TimeoutError) and not isinstance(
-                getattr(exc, "cause", None), TimeoutError
-            ):
-                raise
-            added = n - self.members.count(pool.role)
-            raise PlacementTimeout(
-                f"{added} new {pool.role} workers were not placed and started within "
-                f"pools.placement_timeout_s ({timeout_s:g} s): no node has room for their "
-                f"resources, or they start slowly; they were removed, and the pools are "
-                f"prefill {len(self.prefill.workers)}, decode {len(self.decode.workers)}"
-            ) from None
+        """Resize the pools through the deployment (router/worker_changes.py);
+        workers removed drain this router's requests before they stop.
+        Returns (prefill, decode) afterwards."""
+        return await self.changes.scale(prefill, decode, drain_timeout_s)
 
     async def replace_dead_workers(
         self, ping_timeout_s: float = 10.0, placement_timeout_s: float | None = None
@@ -300,40 +263,7 @@ class RayBackend:
         pool's resources; replacements not placed within ``placement_timeout_s``
         (None: ``pools.placement_timeout_s``) are tried again on the next call.
         Returns the names dropped here."""
-        if placement_timeout_s is None:
-            placement_timeout_s = self.config.pools.placement_timeout_s
-        dropped = await self._drop_dead(ping_timeout_s)
-        self._lost |= set(dropped)
-        lost = sorted(self._lost)
-        if lost:
-            members = await self.deployment.call("lost", lost)
-            self._lost -= set(lost)  # only once the owner has them
-            await self.members.sync(members)
-        await self.members.sync(await self.deployment.call("replace_owed", placement_timeout_s))
-        return dropped
-
-    async def _drop_dead(self, ping_timeout_s: float) -> list[str]:
-        """Take the workers that died for good out of routing. Returns their names."""
-        dropped: list[str] = []
-        for pool in (self.prefill, self.decode):
-            found = await pool.find_dead(ping_timeout_s)
-            dead = [w for w in found if w in pool.workers]  # not taken out by a scale meanwhile
-            if not dead:
-                continue
-            log.warning("%s workers died: %s", pool.role, [w.name for w in dead])
-            pool.remove(dead)
-            dropped += [w.name for w in dead]
-            for worker in dead:
-                await self._worker_down(worker)
-        return dropped
-
-    async def _watch_workers(self, interval_s: float) -> None:
-        while True:
-            await asyncio.sleep(interval_s)
-            try:
-                await self.replace_dead_workers()
-            except Exception:
-                log.exception("replacing dead workers failed; trying again in %.1f s", interval_s)
+        return await self.changes.replace_dead_workers(ping_timeout_s, placement_timeout_s)
 
     async def worker_reports(self) -> list[WorkerReport]:
         """The workers in routing and their stats (a worker that fails to
@@ -355,32 +285,6 @@ class RayBackend:
     def _suspect(self, worker: WorkerHandle, why: str) -> None:
         """A worker's output stream broke (the streams exist before recovery)."""
         self.recovery.suspect(worker, why)
-
-    def _on_room(self, worker: WorkerHandle, room: worker_pb2.KVRoom) -> None:
-        """A decode worker reported its KV room: waiting requests may fit now."""
-        self.admission.report(worker.name, Room(room.free_blocks, room.total_blocks))
-
-    async def _worker_down(self, worker: WorkerHandle) -> None:
-        """A worker left routing: forget its blocks, its room and its output
-        stream; wake the waiting requests (they may fit elsewhere, or find no
-        worker in routing and fail over or end now, not at their deadline)."""
-        self.admission.rooms.forget(worker.name)
-        self.admission.wake()
-        if self.index is not None:
-            self.index.drop_worker(worker.name)
-        await self.streams.unsubscribe(worker)
-
-    def _worker_lost(self, worker: WorkerHandle, pool: WorkerPool) -> None:
-        """Recovery gave a worker up (and killed it, if ephemeral): the next check
-        (pools.worker_check_interval_s) reports it to the deployment, which
-        starts a replacement where the pool's resources remain."""
-        self._lost.add(worker.name)
-
-    async def _worker_back(self, worker: WorkerHandle) -> None:
-        """A worker passed its health check: listen to it again."""
-        if self.index is not None:
-            self.index.drop_worker(worker.name)  # a restarted worker starts empty
-        await self.streams.subscribe(worker)
 
     # ---- requests -------------------------------------------------------
 
@@ -447,7 +351,7 @@ class RayBackend:
         rid = f"{inp.request_id}#{uuid.uuid4().hex[:12]}"
         assert self.routing is not None, "backend not started"
         streamed = list(progress.token_ids)
-        admitted = await self._admit(inp, inp.prompt_token_ids + streamed, avoid)
+        admitted = await self.routes.admit(inp, inp.prompt_token_ids + streamed, avoid)
         plan = admitted.route
         d, p = plan.decode, plan.prefill
         progress.attempt(p.name if p is not None else d.name, d.name)
@@ -542,58 +446,6 @@ class RayBackend:
         finally:
             if not waiter.done():
                 _drop(waiter)
-
-    async def _admit(
-        self, inp: GenerateInput, tokens: list[int], avoid: set[WorkerHandle]
-    ) -> Admitted[RoutePlan]:
-        """A route to a decode worker with KV room for the request, once one
-        has it (router/admission.py); INVALID_ARGUMENT if none ever could."""
-        bs = self.block_size
-        totals = [self.admission.rooms.total(w.name) for w in self.decode.workers]
-        largest = max((t for t in totals if t is not None), default=None)
-        if largest is not None and blocks_for(len(tokens) + 1, bs) > largest:
-            raise RequestError(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"the request needs {blocks_for(len(tokens) + 1, bs)} KV blocks; the largest "
-                f"decode worker holds {largest} (engine.kv_cache_memory_mb)",
-            )
-        longest = longest_blocks(
-            len(inp.prompt_token_ids), inp.params.max_tokens, self.max_model_len, bs
-        )
-        rooms = self.admission.rooms
-
-        def fits(w: WorkerHandle, cached: int) -> bool:
-            return fits_room(longest, rooms.total(w.name), rooms.free(w.name))[0]
-
-        def route() -> Admitted[RoutePlan] | None:
-            plan = self._plan(tokens, inp.cache_salt, avoid, fits)
-            if plan is None:
-                return None
-            d = plan.decode
-            blocks = fits_room(longest, rooms.total(d.name), rooms.free(d.name))[1]
-            rooms.promise(d.name, blocks)
-            return Admitted(plan, d.name, blocks)
-
-        return await self.admission.admit(route, inp.priority)
-
-    def _plan(
-        self,
-        tokens: list[int],
-        salt: bytes,
-        avoid: set[WorkerHandle],
-        fits: Callable[[WorkerHandle, int], bool] | None = None,
-    ) -> RoutePlan | None:
-        """Route among workers in routing, preferring those no failed try used
-        (but taking an avoided decode worker with room over waiting for a
-        preferred one); None: the request ``fits`` on no decode worker now."""
-        pools = [self.prefill.workers, self.decode.workers]
-        if (not self.colocated and not pools[0]) or not pools[1]:
-            raise NoWorkerAvailable("no worker of a pool is in routing")
-        prefill, decode = ([w for w in ws if w not in avoid] or ws for ws in pools)
-        plan = self.routing.plan(tokens, prefill, decode, self.colocated, salt, fits)
-        if plan is None and len(decode) < len(pools[1]):
-            plan = self.routing.plan(tokens, prefill, pools[1], self.colocated, salt, fits)
-        return plan
 
     async def _prefill(
         self, rid: str, inp: GenerateInput, plan: RoutePlan, streamed: list[int]

@@ -101,14 +101,14 @@ def test_lost_workers_are_kept_until_the_owner_has_them():
     async def run():
         backend = RayBackend(ServeConfig())
         backend.deployment = Failing()
-        backend._lost = {"decode-000000000001"}
+        backend.changes.lost = {"decode-000000000001"}
         with pytest.raises(ConnectionError):
             await backend.replace_dead_workers()
-        assert backend._lost == {"decode-000000000001"}  # reported on the next check
+        assert backend.changes.lost == {"decode-000000000001"}  # reported on the next check
         backend.deployment = Owner(_members("g1"))
         backend.members.generation = "g1"
         await backend.replace_dead_workers()
-        assert backend._lost == set()
+        assert backend.changes.lost == set()
         assert backend.deployment.calls[0] == ("lost", ["decode-000000000001"])
 
     asyncio.run(run())

@@ -190,7 +190,7 @@ class _Owned:
         async def no_prefill_deaths(timeout_s):
             return []
 
-        b._worker_down, b.streams.subscribe = worker_down, subscribe
+        b.changes.worker_down, b.streams.subscribe = worker_down, subscribe
         b.decode.find_dead, b.prefill.find_dead = find_dead, no_prefill_deaths
 
     async def start(self, decode: int) -> None:

@@ -1,9 +1,9 @@
 """The router's tries against admission by KV room (router/ray_backend.py
-``generate``, ``_admit``, ``_plan``, ``_worker_down``): a push that found no
-room is not a failed try, a lost worker wakes the requests waiting for room,
-and a request after a failed try takes an avoided worker with room rather
-than wait for another. Fake actors and streams, as in
-tests/unit/test_request_tries.py."""
+``generate``, router/route_admission.py, router/worker_changes.py
+``worker_down``): a push that found no room is not a failed try, a lost
+worker wakes the requests waiting for room, and a request after a failed
+try takes an avoided worker with room rather than wait for another. Fake
+actors and streams, as in tests/unit/test_request_tries.py."""
 
 from __future__ import annotations
 
@@ -79,7 +79,7 @@ def test_a_worker_leaving_routing_wakes_the_requests_waiting_for_room():
             await asyncio.sleep(0)
         for w in setup.decode:  # both leave routing (the last one down wakes the queue)
             backend.decode.workers.remove(w)
-            await backend._worker_down(w)
+            await backend.changes.worker_down(w)
         with pytest.raises(RequestError) as err:
             await task  # not at its deadline: now
         return err.value
