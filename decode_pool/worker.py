@@ -64,6 +64,7 @@ class DecodeWorker(EngineWorker):
         self._aborted: dict[str, float] = {}
         self.reserve = PushReserve(self.engine, self.transfer.lease_s)
         self.pool_store.admit = self.reserve.admit
+        self.pool_store.on_held = self.reserve.held
         self.loop.after_pass = self._report_room
         self._room: int | None = None  # as last reported (engine thread)
 
@@ -107,7 +108,12 @@ class DecodeWorker(EngineWorker):
         rid = push.request_id
         start = DecodeStart.decode(push.decode_start)  # checked at the header
         if self._was_aborted(rid) or not self._own(rid, start.router_id):
-            self._on_engine(lambda e: e.block_pool.release_held([push.blocks]))
+
+            def drop(engine) -> None:
+                self.reserve.settled(rid)  # its blocks leave the push's lease here
+                engine.block_pool.release_held([push.blocks])
+
+            self._on_engine(drop)
             return
         tokens = push.token_ids + push.next_token_ids
         prompt, outputs = tokens[: start.num_prompt_tokens], tokens[start.num_prompt_tokens :]
@@ -125,7 +131,7 @@ class DecodeWorker(EngineWorker):
 
         def begin(engine) -> None:
             out = first
-            self.reserve.started(rid)  # the scheduler counts it from here
+            self.reserve.settled(rid)  # the scheduler counts it from here
             try:
                 if first.finished:
                     engine.block_pool.release_held([push.blocks])

@@ -7,7 +7,8 @@ bytes flow, and a dead peer or an abandoned transfer frees its blocks after
 paths and cancels the lease; ``on_expire`` runs only if that never happens.
 
 The blocks themselves are held in the pool by a "lease" holder per
-transfer (``lease_holder``), whatever the timer does.
+transfer (``lease_holder``, a ``LeaseHolder``: the transfer's role and
+request id as fields), whatever the timer does.
 """
 
 from __future__ import annotations
@@ -15,16 +16,29 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
 
 from engine.block_pool import Holder
 
 _transfer_ids = itertools.count()
 
+TransferRole = Literal["send", "recv"]
 
-def lease_holder(role: str, request_id: str) -> Holder:
+
+@dataclass(frozen=True, slots=True)
+class LeaseHolder(Holder):
+    """The holder of one transfer's blocks; its ``id`` ("<role>:<request
+    id>#<n>") is unique to the transfer, the fields say what it is for."""
+
+    role: TransferRole
+    request_id: str
+
+
+def lease_holder(role: TransferRole, request_id: str) -> LeaseHolder:
     """A new holder for the blocks of one transfer: ``role`` ("send" or
     "recv"), the request it is for, and a number no other transfer has."""
-    return Holder("lease", f"{role}:{request_id}#{next(_transfer_ids)}")
+    return LeaseHolder("lease", f"{role}:{request_id}#{next(_transfer_ids)}", role, request_id)
 
 
 class Lease:

@@ -57,6 +57,9 @@ class PoolBlockStore:
         self.admit: Callable[[Holder, int], bool] | None = None
         """When set (a decode worker's reserve), ``reserve`` takes blocks only
         if ``admit(holder, n)``, called under ``lock``."""
+        self.on_held: Callable[[Holder], None] | None = None
+        """When set (a decode worker's reserve): called under ``lock`` after
+        ``reserve``, ``hold_prefix`` or ``release`` changed what a holder holds."""
 
     @property
     def num_free(self) -> int:
@@ -73,7 +76,9 @@ class PoolBlockStore:
         with self.lock:
             if self.admit is not None and not self.admit(holder, n):
                 return None
-            return self.pool.allocate(holder, n)
+            blocks = self.pool.allocate(holder, n)
+            self._changed(holder)
+            return blocks
 
     def write(self, block_ids: Sequence[int], layer_start: int, data: memoryview) -> None:
         idx, src = self._index(block_ids), self._layers_view(block_ids, data)
@@ -103,11 +108,18 @@ class PoolBlockStore:
         token_blocks = [token_ids[i * bs : (i + 1) * bs] for i in range(len(block_hashes))]
         hashes = [BlockHash(h) for h in block_hashes]
         with self.lock:
-            return self.pool.match_prefix(holder, hashes, token_blocks)
+            blocks = self.pool.match_prefix(holder, hashes, token_blocks)
+            self._changed(holder)
+            return blocks
 
     def release(self, holder: Holder, block_ids: Sequence[int] | None = None) -> None:
         with self.lock:
             self.pool.release(holder, block_ids)
+            self._changed(holder)
+
+    def _changed(self, holder: Holder) -> None:
+        if self.on_held is not None:
+            self.on_held(holder)
 
     # BlockSource
 
