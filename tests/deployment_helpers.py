@@ -1,6 +1,8 @@
-"""Helpers for the tests of named deployments: which worker actors (and
-processes) a router uses, and a router of a deployment in a process of its
-own (tests/integration/deployment_router_driver.py) for a test to SIGKILL."""
+"""Helpers for the integration tests' deployments: one in this process that
+ends with the leak check (``deployed``), and for the tests of named
+deployments, which worker actors (and processes) a router uses, and a router
+of a deployment in a process of its own
+(tests/integration/deployment_router_driver.py) for a test to SIGKILL."""
 
 from __future__ import annotations
 
@@ -11,15 +13,36 @@ import select
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import ray
 from ray._private import state as ray_state
 
+from benchkit.deployment import Deployment
+from router.config import ServeConfig
+from router.ray_backend import RayBackend
+
 ROOT = Path(__file__).resolve().parents[1]
 DRIVER = ROOT / "tests" / "integration" / "deployment_router_driver.py"
+
+
+@contextlib.contextmanager
+def deployed(
+    config: ServeConfig,
+    actor_classes: Mapping[str, type] | None = None,
+    backend_cls: type[RayBackend] = RayBackend,
+) -> Iterator[Deployment]:
+    """A Deployment of ``config`` (its arguments as ``Deployment``'s) for a
+    fixture or a test: yielded, then checked to have leaked no block (not
+    when the body failed: its own error counts), then stopped."""
+    deployment = Deployment(config, actor_classes, backend_cls)
+    try:
+        yield deployment
+        assert deployment.wait_no_leaks() == {}
+    finally:
+        deployment.stop()
 
 
 def actor_ids(backend) -> dict[str, str]:

@@ -9,11 +9,11 @@ import asyncio
 
 import pytest
 
-from benchkit.deployment import Deployment
 from engine import LLM
 from protocol.sampling import SamplingParams
 from router.client import TandemClient
 from router.config import ServeConfig
+from tests.deployment_helpers import deployed
 
 pytestmark = [
     pytest.mark.integration,
@@ -48,18 +48,13 @@ def reference():
 
 @pytest.fixture(scope="module")
 def deployment(ray_cluster):
-    d = Deployment(
-        ServeConfig(
-            engine={"kv_cache_memory_mb": 32},
-            routing={"local_prefill_tokens": 0},
-            security={"api_keys": [KEY_A, KEY_B], "cache_domain": "per_api_key"},
-        )
+    config = ServeConfig(
+        engine={"kv_cache_memory_mb": 32},
+        routing={"local_prefill_tokens": 0},
+        security={"api_keys": [KEY_A, KEY_B], "cache_domain": "per_api_key"},
     )
-    yield d
-    try:
-        assert d.wait_no_leaks() == {}
-    finally:
-        d.stop()
+    with deployed(config) as d:
+        yield d
 
 
 def test_a_key_never_hits_another_keys_prompt(deployment, reference):

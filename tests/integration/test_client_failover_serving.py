@@ -17,6 +17,7 @@ from router.backend import GenerateInput
 from router.client import TandemClient, collect
 from router.config import ServeConfig
 from router.service import RouterServer
+from tests.deployment_helpers import deployed
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -58,12 +59,8 @@ class SharedBackend:
 
 @pytest.fixture(scope="module")
 def deployment(ray_cluster):
-    deployment = Deployment(CONFIG)
-    yield deployment
-    try:
-        assert deployment.wait_no_leaks() == {}
-    finally:
-        deployment.stop()
+    with deployed(CONFIG) as deployment:
+        yield deployment
 
 
 @pytest.fixture(scope="module")

@@ -26,13 +26,13 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from benchkit.deployment import Deployment
 from kv_transfer import GrpcKVClient, TransferError
 from net.security import ClusterSecurity
 from protos.tandem.v1 import generate_pb2 as pb
 from router.client import TandemClient
 from router.config import ServeConfig
 from router.limits import MESSAGE_HEADROOM_BYTES
+from tests.deployment_helpers import deployed
 from tests.kv_harness import make_store
 from tests.tls_certs import make_certs, openssl_available
 
@@ -66,12 +66,8 @@ def hardened(ray_cluster, certs):
             "cluster_secret": SECRET,
         },
     )
-    deployment = Deployment(config)
-    yield deployment
-    try:
-        assert deployment.wait_no_leaks() == {}
-    finally:
-        deployment.stop()
+    with deployed(config) as deployment:
+        yield deployment
 
 
 async def _call(

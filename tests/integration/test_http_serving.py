@@ -22,6 +22,7 @@ from benchkit.deployment import Deployment
 from router.client import TandemClient
 from router.config import ServeConfig
 from tandem_cli.main import main
+from tests.deployment_helpers import deployed
 from tests.http_helpers import metric_samples
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
@@ -42,12 +43,8 @@ def dep(ray_cluster):
         server={"http_port": 0},
         security={"api_keys": [KEY]},
     )
-    deployment = Deployment(config)
-    yield deployment
-    try:
-        assert deployment.wait_no_leaks() == {}
-    finally:
-        deployment.stop()
+    with deployed(config) as deployment:
+        yield deployment
 
 
 def _sdk(dep: Deployment, key: str = KEY) -> openai.OpenAI:

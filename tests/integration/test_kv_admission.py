@@ -10,11 +10,11 @@ import time
 
 import pytest
 
-from benchkit.deployment import Deployment
 from engine import LLM
 from protocol.sampling import SamplingParams
 from router.client import TandemClient
 from router.config import ServeConfig
+from tests.deployment_helpers import deployed
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -43,30 +43,26 @@ def reference():
     return {t: out.token_ids for t, out in zip(TEXTS, llm.generate(TEXTS, params), strict=True)}
 
 
-def _deploy(**sections):
-    deployment = Deployment(TINY.updated(**sections))
-    yield deployment
-    try:
-        assert deployment.wait_no_leaks() == {}
-    finally:
-        deployment.stop()
-
-
 @pytest.fixture(scope="module")
 def disagg(ray_cluster):
-    yield from _deploy(pools={"prefill": 1, "decode": 2}, routing={"prefix_routing": False})
+    config = TINY.updated(pools={"prefill": 1, "decode": 2}, routing={"prefix_routing": False})
+    with deployed(config) as d:
+        yield d
 
 
 @pytest.fixture(scope="module")
 def disagg_prefix(ray_cluster):
     # Prefix routing on: repeated prompts meet their prefix cached on a decode
     # worker, which the router must not count as room twice.
-    yield from _deploy(pools={"prefill": 1, "decode": 2}, routing={"prefix_routing": True})
+    config = TINY.updated(pools={"prefill": 1, "decode": 2}, routing={"prefix_routing": True})
+    with deployed(config) as d:
+        yield d
 
 
 @pytest.fixture(scope="module")
 def colocated(ray_cluster):
-    yield from _deploy(pools={"mode": "colocated", "decode": 1})
+    with deployed(TINY.updated(pools={"mode": "colocated", "decode": 1})) as d:
+        yield d
 
 
 def _decode_stats(deployment):

@@ -20,6 +20,7 @@ from engine import LLM
 from protocol.sampling import SamplingParams
 from router.client import TandemClient
 from router.config import ServeConfig
+from tests.deployment_helpers import deployed
 from tests.redis_server import RedisServer
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
@@ -58,19 +59,14 @@ def deployment(ray_cluster):
     # prefill side's reuse and the decode side's "only the blocks it lacks" show.
     # A long lease: pinned and pushed blocks must come back through the request's
     # own paths, not the lease.
-    d = Deployment(
-        ServeConfig(
-            pools={"prefill": 2, "decode": 2},
-            engine={"kv_cache_memory_mb": 32},
-            routing={"local_prefill_tokens": 0},
-            transfer={"lease_s": 120},
-        )
+    config = ServeConfig(
+        pools={"prefill": 2, "decode": 2},
+        engine={"kv_cache_memory_mb": 32},
+        routing={"local_prefill_tokens": 0},
+        transfer={"lease_s": 120},
     )
-    yield d
-    try:
-        assert d.wait_no_leaks() == {}
-    finally:
-        d.stop()
+    with deployed(config) as d:
+        yield d
 
 
 def test_shared_prefix_is_cached_and_output_unchanged(deployment, llm):

@@ -13,11 +13,11 @@ import grpc
 import httpx
 import pytest
 
-from benchkit.deployment import Deployment
 from engine import LLM
 from protocol.sampling import SamplingParams
 from router.client import TandemClient
 from router.config import ServeConfig
+from tests.deployment_helpers import deployed
 from tests.faults import NAN_LATE_PROMPT, NAN_PROMPT, FaultyDecodeActor, FaultyPrefillActor
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
@@ -35,12 +35,8 @@ def dep(ray_cluster):
         server={"http_port": 0},
     )
     actors = {"prefill": FaultyPrefillActor, "decode": FaultyDecodeActor}
-    deployment = Deployment(config, actor_classes=actors)
-    yield deployment
-    try:
-        assert deployment.wait_no_leaks() == {}
-    finally:
-        deployment.stop()
+    with deployed(config, actor_classes=actors) as deployment:
+        yield deployment
 
 
 @pytest.fixture(scope="module")

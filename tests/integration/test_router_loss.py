@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from benchkit.deployment import Deployment
 from engine import LLM
 from protocol.sampling import SamplingParams
 from router import deployment as dep_mod
@@ -26,7 +25,13 @@ from router.backend import GenerateInput
 from router.client import TandemClient, collect
 from router.config import ServeConfig
 from router.ray_backend import RayBackend
-from tests.deployment_helpers import RouterProcess, actor_ids, router_process, worker_processes
+from tests.deployment_helpers import (
+    RouterProcess,
+    actor_ids,
+    deployed,
+    router_process,
+    worker_processes,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -68,13 +73,11 @@ class RecordingBackend(RayBackend):
 @pytest.fixture(scope="module")
 def deployment(ray_cluster):
     """The deployment's pools and the router that survives, in this process."""
-    deployment = Deployment(CONFIG, backend_cls=RecordingBackend)
-    deployment.backend.resumed = {}
     try:
-        yield deployment
-        assert deployment.wait_no_leaks() == {}
+        with deployed(CONFIG, backend_cls=RecordingBackend) as deployment:
+            deployment.backend.resumed = {}
+            yield deployment
     finally:
-        deployment.stop()
         if dep_mod.exists(NAME):
             dep_mod.down(NAME, drain_timeout_s=5)
 

@@ -14,11 +14,11 @@ import contextlib
 import grpc
 import pytest
 
-from benchkit.deployment import Deployment
 from engine import LLM
 from protocol.sampling import SamplingParams
 from router.client import TandemClient
 from router.config import ServeConfig
+from tests.deployment_helpers import deployed
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -48,27 +48,19 @@ def reference():
     return {t: out for t, out in zip(TEXTS, llm.generate(TEXTS, params), strict=True)}
 
 
-def _deployment(**sections):
-    """A deployment of CONFIG with ``sections`` changed, for a module fixture;
-    no leaks once its tests are done."""
-    deployment = Deployment(CONFIG.updated(**sections))
-    yield deployment
-    try:
-        assert deployment.wait_no_leaks() == {}
-    finally:
-        deployment.stop()
-
-
 @pytest.fixture(scope="module")
 def disagg(ray_cluster):
     # Plain disaggregation: every request prefilled on the prefill pool
     # (KV-aware routing and local prefill have their own tests).
-    yield from _deployment(pools={"prefill": 2, "decode": 2}, routing={"prefix_routing": False})
+    config = CONFIG.updated(pools={"prefill": 2, "decode": 2}, routing={"prefix_routing": False})
+    with deployed(config) as d:
+        yield d
 
 
 @pytest.fixture(scope="module")
 def colocated(ray_cluster):
-    yield from _deployment(pools={"mode": "colocated", "decode": 1})
+    with deployed(CONFIG.updated(pools={"mode": "colocated", "decode": 1})) as d:
+        yield d
 
 
 async def _complete_all(address: str, prompts, **sampling):
