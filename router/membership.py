@@ -1,7 +1,9 @@
 """The membership of a deployment: which workers it has, of which role, and a
 generation that changes with every change, so that routers polling it see
 one. Plain Python (no Ray): the deployment's controller
-(router/pool_controller.py) keeps one, and tests drive it directly.
+(router/pool_controller.py) keeps one, and tests drive it directly; what
+routers get of it is the controller's snapshot (``Members``: each member
+with its actor handle, at one generation).
 
 Worker names are ``<role>-<12 hex digits>``: random, so that two routers, or
 a deployment actor that restarted, never make the same name twice. The
@@ -24,17 +26,6 @@ NAME_RE = re.compile(r"^(prefill|decode|colocated)-([0-9a-f]{12})$")
 class Member:
     name: str
     role: str
-
-
-@dataclass(frozen=True)
-class MembershipView:
-    """A copy of the membership at one generation."""
-
-    generation: str
-    members: tuple[Member, ...]
-
-    def names(self, role: str | None = None) -> list[str]:
-        return [m.name for m in self.members if role is None or m.role == role]
 
 
 def new_worker_name(role: str) -> str:
@@ -75,14 +66,11 @@ class Membership:
     def generation(self) -> str:
         return f"{self.epoch}:{self.counter}"
 
-    def view(self) -> MembershipView:
-        return MembershipView(self.generation, tuple(self.members.values()))
-
     def count(self, role: str) -> int:
         return sum(1 for m in self.members.values() if m.role == role)
 
-    def names(self, role: str) -> list[str]:
-        return [m.name for m in self.members.values() if m.role == role]
+    def names(self, role: str | None = None) -> list[str]:
+        return [m.name for m in self.members.values() if role is None or m.role == role]
 
     def has(self, name: str) -> bool:
         return name in self.members

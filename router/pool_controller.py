@@ -22,7 +22,7 @@ import ray
 from protocol.workers import WorkerInfo
 from router import health
 from router.config import ServeConfig
-from router.membership import Membership, MembershipView, new_worker_name
+from router.membership import Membership, new_worker_name
 from router.pool_manager import (
     WorkerHandle,
     actor_class,
@@ -48,7 +48,8 @@ class WorkerRef:
 
 @dataclass(frozen=True)
 class Members:
-    """The membership at one generation, with the members' actor handles."""
+    """The membership (router/membership.py) at one generation, with the
+    members' actor handles: the one snapshot of it routers and tests get."""
 
     generation: str
     workers: tuple[WorkerRef, ...]
@@ -83,16 +84,13 @@ class PoolController:
         return self.membership.generation + (":draining" if self.draining else "")
 
     def members(self) -> Members:
-        view = self.membership.view()
-        refs = tuple(WorkerRef(m.name, m.role, self.handles[m.name].actor) for m in view.members)
+        members = self.membership.members.values()
+        refs = tuple(WorkerRef(m.name, m.role, self.handles[m.name].actor) for m in members)
         return Members(self.generation(), refs, self.draining)
 
     def busy(self) -> bool:
         """A change (a start, a scale, a replacement) is under way."""
         return self._lock.locked()
-
-    def view(self) -> MembershipView:
-        return self.membership.view()
 
     # ---- changes, one at a time -----------------------------------------
 
@@ -102,7 +100,7 @@ class PoolController:
         killed, and its role owed a replacement."""
         async with self._lock:
             found = Membership.from_names(names)
-            for member in found.view().members:
+            for member in found.members.values():
                 actor = None
                 try:
                     actor = ray.get_actor(member.name, namespace=self.namespace)

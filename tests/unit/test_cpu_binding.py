@@ -81,7 +81,7 @@ def test_a_pool_whose_actor_cannot_be_created_frees_its_cores(monkeypatch):
     monkeypatch.setattr(pool_manager.ray, "kill", killed.append)
     with pytest.raises(RuntimeError, match="no actor"):
         asyncio.run(controller.ensure({"decode": 2}, None))
-    assert created == [(2,)] and len(killed) == 1 and controller.view().members == ()
+    assert created == [(2,)] and len(killed) == 1 and controller.members().workers == ()
     assert controller.cores["decode"].claim("d-next") == (2,)
     assert controller.cores["decode"].claim("d-after") == (3,)
 

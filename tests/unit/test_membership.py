@@ -33,7 +33,7 @@ def test_every_change_moves_the_generation_and_only_a_change():
     assert m.remove([b]) == [b]
     seen.append(m.generation)
     assert len(set(seen)) == 3
-    assert m.view().names() == [a]
+    assert m.names() == [a]
 
 
 def test_a_lost_worker_is_owed_one_replacement_however_often_reported():
@@ -55,7 +55,7 @@ def test_rebuilt_from_names_keeps_workers_and_never_repeats_a_generation():
     names = [new_worker_name("prefill"), new_worker_name("colocated")]
     m.add(names)
     again = Membership.from_names([*names, "deployment", "something-else"])
-    assert sorted(again.view().names()) == sorted(names)
+    assert sorted(again.names()) == sorted(names)
     assert again.names("colocated") == [names[1]]
     assert again.generation != m.generation
 
@@ -127,3 +127,35 @@ def test_an_owner_without_workers_takes_the_config_of_the_next_start():
     assert owner.config.engine.block_size == owner.controller.config.engine.block_size == 16
     owner.controller.membership.add(["decode-000000000001"])
     assert "engine.block_size" in asyncio.run(owner.join(config(32))).refused
+
+
+def test_a_restarted_owner_adopts_the_workers_that_answer(monkeypatch):
+    """PoolController.adopt: a worker found by name that answers its info is a
+    member in the snapshot routers get (``Members``); one that does not is
+    killed, and its role owed a replacement; other names are ignored."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from protocol.workers import WorkerInfo
+    from router import pool_controller
+    from router.pool_controller import PoolController
+
+    live, dead = new_worker_name("decode"), new_worker_name("prefill")
+
+    async def info(name):
+        if name == dead:
+            raise ConnectionError("actor died")
+        return WorkerInfo(name, 64, 100, "fp", "inc", "/m")
+
+    actors = {
+        n: SimpleNamespace(info=SimpleNamespace(remote=lambda n=n: info(n))) for n in (live, dead)
+    }
+    killed = []
+    monkeypatch.setattr(pool_controller.ray, "get_actor", lambda name, namespace: actors[name])
+    monkeypatch.setattr(pool_controller.ray, "kill", lambda a, no_restart: killed.append(a))
+    controller = PoolController(ServeConfig(), namespace="ns")
+    members = asyncio.run(controller.adopt([live, dead, "deployment"]))
+    assert [(w.name, w.role, w.actor) for w in members.workers] == [(live, "decode", actors[live])]
+    assert members.generation == controller.generation() and not members.draining
+    assert killed == [actors[dead]] and controller.membership.owed() == {"prefill": 1}
+    assert controller.membership.names() == [live]
