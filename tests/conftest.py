@@ -45,3 +45,22 @@ def llama_dir(checkpoint_factory) -> Path:
 
 # A throwaway redis-server per test (tests that stop or restart Redis use it).
 from tests.redis_server import redis_server  # noqa: E402, F401
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test carries its folder's marker (tests/unit: ``unit``,
+    tests/integration: ``integration``), and not the other: the Makefile's
+    tiers select by marker, so an unmarked unit test would leave the fast
+    tier unnoticed."""
+    wrong = []
+    for item in items:
+        folder = Path(str(item.fspath)).parent.name
+        other = {"unit": "integration", "integration": "unit"}.get(folder)
+        if other is None:
+            continue
+        if item.get_closest_marker(folder) is None or item.get_closest_marker(other):
+            wrong.append(item.nodeid)
+    if wrong:
+        raise pytest.UsageError(
+            f"tests not marked as their folder says (pytestmark = pytest.mark.<folder>): {wrong}"
+        )

@@ -15,6 +15,8 @@ from router.config import ServeConfig
 from router.member_sync import MemberSync
 from router.pool_controller import Members, WorkerRef
 
+pytestmark = pytest.mark.unit
+
 
 class Actor:
     def __init__(self, name: str, started: bool = True, dead: bool = False) -> None:
