@@ -45,15 +45,8 @@ def reference():
 
 @pytest.fixture(scope="module")
 def disagg(ray_cluster):
-    config = TINY.updated(pools={"prefill": 1, "decode": 2}, routing={"prefix_routing": False})
-    with deployed(config) as d:
-        yield d
-
-
-@pytest.fixture(scope="module")
-def disagg_prefix(ray_cluster):
-    # Prefix routing on: repeated prompts meet their prefix cached on a decode
-    # worker, which the router must not count as room twice.
+    # One deployment for both cases of the 64-request test: each sets the
+    # router's prefix routing (PrefixRouter.enabled) itself.
     config = TINY.updated(pools={"prefill": 1, "decode": 2}, routing={"prefix_routing": True})
     with deployed(config) as d:
         yield d
@@ -69,10 +62,15 @@ def _decode_stats(deployment):
     return {n: s for n, s in deployment.worker_stats().items() if not n.startswith("prefill")}
 
 
-@pytest.mark.parametrize("pools", ["disagg", "disagg_prefix"])
-def test_64_requests_on_a_full_pool_all_complete_without_preemption(pools, request, reference):
-    disagg = request.getfixturevalue(pools)
+# Prefix routing off, then on: repeated prompts meet their prefix cached on a
+# decode worker, which the router must not count as room twice.
+@pytest.mark.parametrize("prefix_routing", [False, True], ids=["disagg", "disagg_prefix"])
+def test_64_requests_on_a_full_pool_all_complete_without_preemption(
+    disagg, prefix_routing, reference
+):
+    disagg.backend.routing.enabled = prefix_routing
     before = _decode_stats(disagg)
+    queued = disagg.backend.admission.num_queued
     assert all(s.total_blocks <= 16 for s in before.values())
     prompts = [TEXTS[i % len(TEXTS)] for i in range(64)]
 
@@ -80,9 +78,12 @@ def test_64_requests_on_a_full_pool_all_complete_without_preemption(pools, reque
         async with TandemClient(disagg.address) as client:
             return await asyncio.gather(*(client.complete(p, **GREEDY) for p in prompts))
 
-    outs = asyncio.run(run())  # any failure (UNAVAILABLE, RESOURCE_EXHAUSTED) raises here
+    try:
+        outs = asyncio.run(run())  # any failure (UNAVAILABLE, RESOURCE_EXHAUSTED) raises here
+    finally:
+        disagg.backend.routing.enabled = True
     assert [o.token_ids for o in outs] == [reference[p] for p in prompts]
-    assert disagg.backend.admission.num_queued > 0  # the pool was full: requests waited
+    assert disagg.backend.admission.num_queued > queued  # the pool was full: requests waited
     after = _decode_stats(disagg)
     for name, stats in after.items():
         assert stats.num_preemptions == before[name].num_preemptions, name
