@@ -22,7 +22,11 @@ Tokens do not depend on the sampling parameters.
 
 Each step waits, asleep, until the profile's time for the step has passed
 since the step began (``begin_step`` .. ``pace``): a worker uses no CPU
-while it "computes".
+while it "computes". When a step begins within one step's time of the
+previous one's end (the engine kept busy), it begins at that end instead:
+the worker's work between two steps (publishing outputs) then overlaps the
+step, as a GPU engine's CPU work overlaps its kernels, so back-to-back steps
+keep the profile's pace rather than adding this machine's overhead to it.
 """
 
 from __future__ import annotations
@@ -126,19 +130,25 @@ class SimulatedModel:
         self.clock: Callable[[], float] = time.perf_counter
         self.sleep: Callable[[float], None] = time.sleep
         self._started = self.clock()
-        self.step_s = 0.0  # the profile's time for the step in flight
+        self._deadline = float("-inf")  # when the previous step's time was up
+        self.step_s = 0.0  # the profile's time for the step in flight (then the last one)
 
     # ---- timing -----------------------------------------------------------
 
     def begin_step(self) -> None:
-        self._started = self.clock()
+        now = self.clock()
+        busy = now - self._deadline <= self.step_s  # right after the previous step
+        self._started = self._deadline if busy else now
 
     def pace(self) -> None:
-        """Sleep until the profile's time for this step has passed since
-        ``begin_step`` (no wait when the step really took longer)."""
-        left = self._started + self.step_s - self.clock()
+        """Sleep until the profile's time for this step has passed since it
+        began (no wait when the step really took longer)."""
+        self._deadline = self._started + self.step_s
+        left = self._deadline - self.clock()
         if left > 0:
             self.sleep(left)
+        else:
+            self._deadline = self.clock()
 
     def _step_time(self, meta: AttentionMetadata) -> float:
         lengths = [p.num_tokens for p in meta.prefills]

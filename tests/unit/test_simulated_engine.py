@@ -13,7 +13,7 @@ import torch
 
 from engine import LLM, EngineConfig, LLMEngine
 from planner import published
-from planner.profile import Profile
+from planner.profile import Profile, fit_decode, fit_prefill
 from planner.profiles import load_profile, profile_names
 from protocol.sampling import SamplingParams
 from router.config import ServeConfig
@@ -105,12 +105,34 @@ def test_a_resumed_request_goes_on_with_the_same_tokens(reference):
     assert _run(engine)["r"] == reference[2][5:]
 
 
+class FakeTime:
+    """A clock that only sleeping moves (and ``spend``)."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+        self.asked: list[float] = []
+
+    def clock(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.asked.append(seconds)
+        self.now += seconds
+
+    def spend(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def _timed_engine() -> tuple[LLMEngine, FakeTime]:
+    engine, fake = LLMEngine(EngineConfig(**SMALL)), FakeTime()
+    assert engine.simulated is not None
+    engine.simulated.clock, engine.simulated.sleep = fake.clock, fake.sleep
+    return engine, fake
+
+
 def test_each_step_asks_for_the_profiles_time():
-    engine = LLMEngine(EngineConfig(**SMALL))
-    asked: list[float] = []
-    model = engine.simulated
-    assert model is not None
-    model.sleep, model.clock = asked.append, lambda: 100.0  # a step takes no time
+    engine, fake = _timed_engine()
+    asked = fake.asked
     engine.add_request("a", PROMPTS[2], GREEDY)
     engine.add_request("b", PROMPTS[3], GREEDY)
     engine.step()  # both prompts in one step
@@ -121,6 +143,20 @@ def test_each_step_asks_for_the_profiles_time():
     _run(engine)
     contexts = [(41 + i + 124 + i) / 2 for i in range(GREEDY.max_tokens - 1)]
     assert asked[1:] == [pytest.approx(profile.decode_step_s(2, c)) for c in contexts]
+
+
+def test_work_between_busy_steps_counts_in_the_next_one():
+    engine, fake = _timed_engine()
+    profile = load_profile(PROFILE)
+    engine.add_request("a", PROMPTS[2], GREEDY)
+    engine.step()
+    fake.spend(0.001)  # publishing the outputs, less than a step
+    engine.step()
+    assert fake.asked[1] == pytest.approx(profile.decode_step_s(1, 41) - 0.001)
+    fake.spend(1.0)  # idle: the next step starts afresh
+    engine.step()
+    assert fake.asked[2] == pytest.approx(profile.decode_step_s(1, 42))
+    engine.abort("a")
 
 
 def test_the_pool_holds_the_profiled_models_tokens():
@@ -163,6 +199,27 @@ def test_a_version_1_profile_loads_and_simulates(tmp_path):
     assert len(out.token_ids) == 12 and all(0 <= t < 500 for t in out.token_ids)
 
 
+def test_what_the_profiler_saves_runs_simulated(tmp_path):
+    """The path of `tandem plan --profile-out`: fitted samples, Profile.save."""
+    prefill, r2p = fit_prefill([([32], 0.01), ([256], 0.05), ([32] * 4, 0.03), ([1024], 0.3)])
+    decode, r2d = fit_decode([(1, 64, 0.01), (16, 64, 0.02), (1, 1024, 0.015), (16, 1024, 0.05)])
+    measured = Profile(prefill, decode, kv_bytes_per_token=4096, vocab_size=300, model="m")
+    measured.fit_quality = {"prefill_r2": r2p, "decode_r2": r2d}
+    path = tmp_path / "profile.json"
+    measured.save(path)
+    assert load_profile(path) == measured
+    llm = LLM(simulate=str(path), num_kv_blocks=32)
+    (out,) = llm.generate([[1, 2, 3]], GREEDY)
+    assert len(out.token_ids) == 12 and all(0 <= t < 300 for t in out.token_ids)
+
+
+def test_the_shipped_measured_profile_runs_simulated():
+    profile = load_profile("smollm2-135m-cpu")
+    assert profile.source.startswith("measured") and profile.prefill_samples
+    (out,) = LLM(simulate="smollm2-135m-cpu", num_kv_blocks=16).generate([[5, 6]], GREEDY)
+    assert all(0 <= t < profile.vocab_size for t in out.token_ids)
+
+
 def test_a_newer_format_is_refused(tmp_path):
     path = tmp_path / "future.json"
     data = json.loads(load_profile(PROFILE).to_json())
@@ -179,7 +236,7 @@ def test_an_unknown_name_lists_the_shipped_ones():
 
 def test_the_shipped_profiles_are_what_their_derivation_gives():
     names = profile_names()
-    assert {p().name for p in published.PUBLISHED} <= set(names)
+    assert {p().name for p in published.PUBLISHED} | {"smollm2-135m-cpu"} == set(names)
     for make in published.PUBLISHED:
         derived = make()
         shipped = load_profile(derived.name)
