@@ -167,34 +167,19 @@ class LLMEngine(RequestFaults):
         return num_blocks, kernels
 
     def _build_simulated(self, config: EngineConfig) -> int:
-        """The simulated model of ``config.simulate``'s profile; the pool's block
-        count (its KV memory at the profiled model's bytes per token)."""
-        from engine.simulated import simulated_blocks, simulated_setup
-        from planner.profiles import load_profile, profile_path
+        """The simulated model of ``config.simulate``'s profile (engine/simulated.py);
+        the pool's block count (its KV memory at the profiled model's bytes a token)."""
+        from engine.simulated_setup import simulated_setup
 
-        profile = load_profile(config.simulate)
-        self.model_dir = profile_path(config.simulate)
         self.tokenizer = load_tokenizer(config.tokenizer) if config.tokenizer else None
-        vocab = len(self.tokenizer) if self.tokenizer is not None else None
-        setup = simulated_setup(profile, vocab)
-        self.spec = spec = setup.spec
-        self.kv_layout = KVLayout(
-            model_fingerprint=setup.fingerprint,
-            dtype=config.dtype,
-            num_layers=spec.num_layers,
-            block_size=config.block_size,
-            num_kv_heads=spec.num_kv_heads,
-            head_dim=spec.head_dim,
-        )
-        num_blocks = config.num_kv_blocks or simulated_blocks(
-            profile, config.kv_cache_memory_bytes, config.block_size
-        )
-        self.max_model_len = self._model_len(config, spec, num_blocks)
-        eos = set() if self.tokenizer is None else {self.tokenizer.eos_token_id} - {None}
-        self.model = self.simulated = SimulatedModel(
-            profile, spec.vocab_size, eos, config.block_size
-        )
-        return num_blocks
+        vocab, eos = None, set()
+        if self.tokenizer is not None:
+            vocab, eos = len(self.tokenizer), {self.tokenizer.eos_token_id} - {None}
+        setup = simulated_setup(config, vocab, eos)
+        self.model_dir, self.spec, self.kv_layout = setup.profile_path, setup.spec, setup.kv_layout
+        self.max_model_len = self._model_len(config, setup.spec, setup.num_blocks)
+        self.model = self.simulated = setup.model
+        return setup.num_blocks
 
     @staticmethod
     def _model_len(config: EngineConfig, spec: ModelSpec, num_blocks: int) -> int:

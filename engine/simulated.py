@@ -31,73 +31,23 @@ keep the profile's pace rather than adding this machine's overhead to it.
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
 
 import torch
 
 from engine.attention import AttentionMetadata
-from engine.config import ModelSpec
 from engine.kv_cache import KVCache
 from engine.sampling import SampledToken, SampleRequest
 from planner.profile import Profile
 
-SIM_ARCHITECTURE = "SimulatedForCausalLM"
 SIM_LAYERS = 1
 SIM_KV_HEADS = 1
 SIM_HEAD_DIM = 4
-SIM_DTYPE = "float32"
-DEFAULT_MAX_MODEL_LEN = 32768  # when the profile does not say
 _HALF = 24
 _LOW = (1 << _HALF) - 1
 _MASK = (1 << (2 * _HALF)) - 1
 _MULTIPLIERS = (0x9E3779B97F4A, 0xBF58476D1CE4, 0x94D049BB1331)
-
-
-@dataclass(frozen=True)
-class SimulatedSetup:
-    """What the engine builds around a simulated model."""
-
-    profile: Profile
-    spec: ModelSpec
-    fingerprint: str
-
-
-def simulated_setup(profile: Profile, vocab_size: int | None = None) -> SimulatedSetup:
-    """The spec and KV fingerprint of a simulated model of ``profile``
-    (``vocab_size``: a tokenizer's, else the profile's)."""
-    vocab = vocab_size or profile.vocab_size
-    spec = ModelSpec(
-        architecture=SIM_ARCHITECTURE,
-        vocab_size=vocab,
-        hidden_size=SIM_HEAD_DIM,
-        intermediate_size=SIM_HEAD_DIM,
-        num_layers=SIM_LAYERS,
-        num_heads=SIM_KV_HEADS,
-        num_kv_heads=SIM_KV_HEADS,
-        head_dim=SIM_HEAD_DIM,
-        rms_norm_eps=1e-6,
-        max_position_embeddings=profile.max_model_len or DEFAULT_MAX_MODEL_LEN,
-        tie_word_embeddings=False,
-        qkv_bias=False,
-        o_bias=False,
-        mlp_bias=False,
-        qk_norm=False,
-        sliding_window=None,
-        eos_token_ids=(),
-    )
-    identity = f"simulated:v1:{vocab}:{profile.to_json()}".encode()
-    return SimulatedSetup(profile, spec, hashlib.sha256(identity).hexdigest()[:32])
-
-
-def simulated_blocks(profile: Profile, memory_bytes: int, block_size: int) -> int:
-    """Blocks of a pool of ``memory_bytes`` of the real model's KV (its
-    ``kv_bytes_per_token``): a simulated worker holds as many tokens as the
-    real one would."""
-    per_token = profile.kv_bytes_per_token or SIM_LAYERS * 2 * SIM_KV_HEADS * SIM_HEAD_DIM * 4
-    return max(1, memory_bytes // (per_token * block_size))
 
 
 def _mix(x: torch.Tensor) -> torch.Tensor:
