@@ -8,7 +8,8 @@ Starts a local Ray cluster on loopback and the deployment in this process
 (benchkit/deployment.py), then sends requests one at a time (batch 1) and
 then all at once. Prints the start-up time, each worker process's resident
 and proportional memory (RSS counts shared pages in every process, PSS
-splits them), and the measured TTFT and TPOT of the one-at-a-time requests
+splits them), the CPU time a worker took to start and what the idle
+workers use, and the measured TTFT and TPOT of the one-at-a-time requests
 against the profile's prefill and decode step times (ratio measured /
 profile: the simulation's overhead on this machine); then one JSON line.
 """
@@ -47,6 +48,13 @@ def _memory_kib(pid: int) -> tuple[int, int]:
             elif line.startswith("Pss:"):
                 pss = int(line.split()[1])
     return rss, pss
+
+
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) a process has used."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _worker_pids(deployment: Deployment) -> list[int]:
@@ -104,7 +112,9 @@ def main() -> None:
     deployment = Deployment(config)
     start_s = time.perf_counter() - t1
     try:
-        memory = [_memory_kib(pid) for pid in _worker_pids(deployment)]
+        pids = _worker_pids(deployment)
+        memory = [_memory_kib(pid) for pid in pids]
+        start_cpu = [_cpu_s(pid) for pid in pids]
         rng = random.Random(0)
         vocab = profile.vocab_size
         prompts = [
@@ -120,6 +130,9 @@ def main() -> None:
         )
         burst_s = time.perf_counter() - t2
         leaks = deployment.wait_no_leaks()
+        idle_before = [_cpu_s(pid) for pid in pids]
+        time.sleep(5)
+        idle_cpu = sum(_cpu_s(pid) for pid in pids) - sum(idle_before)
     finally:
         deployment.stop()
         ray.shutdown()
@@ -135,7 +148,11 @@ def main() -> None:
         f"per worker: RSS {statistics.mean(rss):.0f} MiB (max {max(rss):.0f}), "
         f"PSS {statistics.mean(pss):.0f} MiB; all workers: PSS {sum(pss) / 1024:.2f} GiB"
     )
-    print(f"TTFT {ttft * 1e3:.1f} ms (profile {want_ttft * 1e3:.1f}); ")
+    print(
+        f"CPU to start a worker: {statistics.mean(start_cpu):.1f} s; "
+        f"all workers idle: {idle_cpu / 5:.3f} cores"
+    )
+    print(f"TTFT {ttft * 1e3:.1f} ms (profile {want_ttft * 1e3:.1f})")
     print(f"TPOT {tpot * 1e3:.2f} ms (profile {want_tpot * 1e3:.2f})")
     tokens = sum(len(o.token_ids) for o in burst)
     print(f"{args.burst} requests at once: {burst_s:.1f} s, {tokens / burst_s:.0f} tokens/s")
@@ -145,6 +162,8 @@ def main() -> None:
                 "workers": len(memory),
                 "start_s": round(start_s, 2),
                 "ray_init_s": round(ray_s, 2),
+                "worker_start_cpu_s": round(statistics.mean(start_cpu), 2),
+                "idle_cores": round(idle_cpu / 5, 3),
                 "worker_rss_mib": round(statistics.mean(rss), 1),
                 "worker_pss_mib": round(statistics.mean(pss), 1),
                 "workers_pss_gib": round(sum(pss) / 1024, 3),
