@@ -103,3 +103,22 @@ def test_a_disaggregated_request_equals_a_colocated_one(sixteen, colocated, refe
     local = asyncio.run(_complete_all(colocated.address, PROMPTS, **GREEDY))
     assert [o.token_ids for o in disagg] == [o.token_ids for o in local] == reference
     assert colocated.wait_no_leaks() == {}
+
+
+def test_a_resumed_request_goes_on_with_the_same_tokens(sixteen, reference):
+    """A client's resume after a lost router (resume_token_ids): the rest of
+    the output is the uninterrupted one's."""
+    resumed = [ref[:5] for ref in reference[:4]]
+    outs = asyncio.run(_complete_resumed(sixteen.address, PROMPTS[:4], resumed))
+    assert [o.token_ids for o in outs] == [ref[5:] for ref in reference[:4]]
+    assert sixteen.wait_no_leaks() == {}
+
+
+async def _complete_resumed(address: str, prompts, resumed):
+    async with TandemClient(address) as client:
+        return await asyncio.gather(
+            *(
+                client.complete(p, resume_token_ids=r, **GREEDY)
+                for p, r in zip(prompts, resumed, strict=True)
+            )
+        )
