@@ -249,3 +249,21 @@ def test_a_mixed_step_counts_the_fixed_cost_once():
     mixed = p.step_s([100], [0], 4, 500.0)
     assert mixed == pytest.approx(p.prefill_s([100]) + p.decode_step_s(4, 500.0) - p.decode["d"])
     assert p.prefill_s([10], [90]) > p.prefill_s([10])  # a chunk after cached context
+
+
+def test_plan_lists_the_shipped_profiles(capsys):
+    from tandem_cli.main import main
+
+    assert main(["plan", "--profiles"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split("\t")[0] for line in lines] == profile_names()
+    assert all("https://" in line or "measured" in line for line in lines)
+
+
+def test_serve_takes_simulate_from_its_flag():
+    from tandem_cli.main import build_parser
+    from tandem_cli.serve import SERVE_FLAGS
+
+    args = build_parser().parse_args(["serve", "--simulate", PROFILE])
+    flags = {path: getattr(args, dest) for dest, path in SERVE_FLAGS.items()}
+    assert ServeConfig.load(None, flags).engine.simulate == PROFILE
