@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from planner.simulator import DecodeCost, PrefillCost, SimResult, SystemConfig, Workload, simulate
+from planner.trace import Trace
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,7 @@ class Plan:
 
 
 def evaluate(
-    workload: Workload,
+    workload: Workload | Trace,
     system: SystemConfig,
     prefill_cost: PrefillCost,
     decode_cost: DecodeCost,
@@ -57,7 +58,7 @@ def naive_split(total: int) -> tuple[int, int]:
 
 
 def search(
-    workload: Workload,
+    workload: Workload | Trace,
     prefill_cost: PrefillCost,
     decode_cost: DecodeCost,
     *,
