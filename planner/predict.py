@@ -14,7 +14,9 @@ Torch-free: numpy and the standard library only.
     split.prefill_workers, split.decode_workers, split.prediction  # or None
 
 ``profile`` is anything with ``prefill_s(lengths)`` and
-``decode_step_s(batch, ctx)`` (planner.profile.Profile). ``system``
+``decode_step_s(batch, ctx)`` (planner.profile.Profile), and where it has
+one, ``step_s(lengths, contexts, decode_batch, decode_ctx)`` for a whole
+engine step (chunks after cached tokens, mixed steps). ``system``
 (planner.simulator.SystemConfig) carries the serving settings (token
 budgets, block size, KV pool sizes, transfer bandwidth and latency); its
 pool sizes are replaced by the arguments. ``predict_trace`` runs an exact
@@ -128,6 +130,7 @@ def predict_trace(
         profile.decode_step_s,
         ttft_slo_s=slo.ttft_s if slo else float("inf"),
         tpot_slo_s=slo.tpot_s if slo else float("inf"),
+        step_cost=getattr(profile, "step_s", None),
     )
     return Prediction.of(res)
 

@@ -42,7 +42,7 @@ import numpy as np
 
 from planner.blocks import blocks_for
 from planner.trace import Trace, TraceRequest, independent
-from planner.workers import DecodeCost, PrefillCost, Seq, StepCost, WorkerModel
+from planner.workers import DecodeCost, PrefillCost, Seq, StepCost, StepFn, WorkerModel
 
 __all__ = [
     "DecodeCost", "PrefillCost", "SimResult", "SystemConfig", "Workload",
@@ -184,9 +184,12 @@ def simulate(
     ttft_slo_s: float = float("inf"),
     tpot_slo_s: float = float("inf"),
     seed: int = 0,
+    step_cost: StepFn | None = None,
 ) -> SimResult:
     """Run the model to the last request's end. A ``Workload`` is drawn with
-    ``seed`` (prompts share nothing); a ``Trace`` runs as it is."""
+    ``seed`` (prompts share nothing); a ``Trace`` runs as it is.
+    ``step_cost(lengths, contexts, decode batch, decode context)``: one
+    engine step's seconds (``Profile.step_s``), else the two costs added."""
     if system.num_prefill < 1 or system.num_decode < 1:
         raise ValueError("need at least one prefill and one decode worker")
     if isinstance(workload, Trace):
@@ -198,7 +201,7 @@ def simulate(
     seqs = [
         Seq(i, r.arrival_s, r.prompt, r.output_len, system.block_size) for i, r in enumerate(reqs)
     ]
-    model = _Model(system, StepCost(prefill_cost, decode_cost))
+    model = _Model(system, StepCost(prefill_cost, decode_cost, step_cost))
     end = model.run(seqs)
     return SimResult(seqs, ttft_slo_s, tpot_slo_s, makespan_s=end)
 
@@ -336,7 +339,8 @@ class _Model:
             return
         ctx = sum(x.prompt_len + x.generated for x in decodes) / len(decodes) if decodes else 0.0
         w.busy = True
-        w.step_end = now + self.cost.step_s([n for _, n in chunks], len(decodes), ctx)
+        lengths, contexts = [n for _, n in chunks], [x.computed for x, _ in chunks]
+        w.step_end = now + self.cost.step_s(lengths, contexts, len(decodes), ctx)
         self.steps[w] = (chunks, decodes)
         self.at(w.step_end, _STEP_END, w)
 

@@ -21,15 +21,26 @@ PrefillCost = Callable[[Sequence[int]], float]
 DecodeCost = Callable[[int, float], float]
 
 
+StepFn = Callable[[Sequence[int], Sequence[int], int, float], float]
+
+
 @dataclass(frozen=True)
 class StepCost:
-    """Seconds of one engine step. A step with prompt chunks and decodes
-    costs both parts (the simulated engine adds them the same way)."""
+    """Seconds of one engine step: prompt chunks (their lengths and the
+    tokens cached before each) and a decode batch (its mean context).
+    ``step``: the profile's own rule for a step (planner/profile.py
+    ``Profile.step_s``, what the simulated engine waits); without it a mixed
+    step costs both parts."""
 
     prefill: PrefillCost
     decode: DecodeCost
+    step: StepFn | None = None
 
-    def step_s(self, chunks: Sequence[int], batch: int, mean_ctx: float) -> float:
+    def step_s(
+        self, chunks: Sequence[int], contexts: Sequence[int], batch: int, mean_ctx: float
+    ) -> float:
+        if self.step is not None:
+            return self.step(chunks, contexts, batch, mean_ctx)
         t = self.prefill(chunks) if chunks else 0.0
         if batch:
             t += self.decode(batch, mean_ctx)
