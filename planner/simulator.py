@@ -91,7 +91,9 @@ class SystemConfig:
     kv_bandwidth_Bps: float = 10e9
     kv_latency_s: float = 0.0005  # a push's or pull's fixed cost (handshake, commit)
     rpc_latency_s: float = 0.0  # router to worker: the Ray call
+    local_latency_s: float | None = None  # the same, prefilled on the decode worker (None: rpc's)
     stream_latency_s: float = 0.0  # decode worker's stream to the client
+    step_overhead_s: float = 0.0  # an engine step's time beyond the profile's (the loop, outputs)
     prefix_routing: bool = True
     local_prefill_tokens: int = 256
     load_weight_blocks: float = 4.0
@@ -306,7 +308,8 @@ class _Model:
         tail = s.prompt_len - d_blocks * s.block_size
         if d_blocks and self.s.local_prefill_tokens and tail <= self.s.local_prefill_tokens:
             s.local = True
-            self.at(now + self.s.rpc_latency_s, _AT_DECODE, (s, d))
+            lat = self.s.rpc_latency_s if self.s.local_latency_s is None else self.s.local_latency_s
+            self.at(now + lat, _AT_DECODE, (s, d))
             return
         p = self.best(self.prefill, cached)
         p.in_flight += 1
@@ -340,7 +343,9 @@ class _Model:
         ctx = sum(x.prompt_len + x.generated for x in decodes) / len(decodes) if decodes else 0.0
         w.busy = True
         lengths, contexts = [n for _, n in chunks], [x.computed for x, _ in chunks]
-        w.step_end = now + self.cost.step_s(lengths, contexts, len(decodes), ctx)
+        w.step_end = (
+            now + self.s.step_overhead_s + self.cost.step_s(lengths, contexts, len(decodes), ctx)
+        )
         self.steps[w] = (chunks, decodes)
         self.at(w.step_end, _STEP_END, w)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -27,6 +27,7 @@ class Measured:
     ttft_s: list[float]
     tpot_s: list[float]
     errors: int
+    index: list[int] = field(default_factory=list)  # trace position of each measurement
 
     def attainment(self, ttft_slo_s: float, tpot_slo_s: float) -> float:
         total = len(self.ttft_s) + self.errors
@@ -132,4 +133,4 @@ async def replay(target: str, trace: Trace, *, timeout_s: float = 300) -> Measur
 
         await asyncio.gather(*(fire(i) for i in range(n)))
     ok = [i for i in range(n) if not math.isnan(ttft[i])]
-    return Measured([ttft[i] for i in ok], [tpot[i] for i in ok], failed)
+    return Measured([ttft[i] for i in ok], [tpot[i] for i in ok], failed, ok)
