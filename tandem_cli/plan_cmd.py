@@ -48,6 +48,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", metavar="ID_OR_PATH", help="model to profile (default: embedded)")
     p.add_argument("--profile", metavar="FILE", help="use a saved profile; skips profiling")
     p.add_argument("--profile-out", metavar="FILE", help="save the measured profile here")
+    p.add_argument(
+        "--profiles",
+        action="store_true",
+        help="list the shipped profiles (for --simulate) and exit",
+    )
     p.add_argument("--quick", action="store_true", help="profile a reduced grid (seconds)")
     p.add_argument("--num-threads", type=int, default=1, help="torch threads when profiling")
     p.add_argument("--rate", type=float, default=2.0, help="requests per second (%(default)s)")
@@ -88,6 +93,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         " and --output-len",
     )
     p.add_argument("--trace", metavar="FILE", help="plan on this saved trace")
+    p.add_argument(
+        "--verify-simulate",
+        action="store_true",
+        help="--verify: start simulated workers running --profile (engine.simulate)",
+    )
+    p.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="verify: measure the serving path's fixed costs on an idle probe first",
+    )
     p.add_argument("--trace-out", metavar="FILE", help="save the trace planned on")
     p.add_argument(
         "--verify-pools",
@@ -102,6 +117,8 @@ def command(args: argparse.Namespace) -> int:
     from planner.simulator import SystemConfig, Workload
 
     err = sys.stderr
+    if args.profiles:
+        return _list_profiles()
     profile = _profile(args)
     if profile is None:
         return 2
@@ -180,12 +197,13 @@ def command(args: argparse.Namespace) -> int:
 
 
 def _profile(args):
-    from planner.profile import Profile, run_profile
+    from planner.profile import run_profile
+    from planner.profiles import load_profile
 
     err = sys.stderr
     if args.profile:
         try:
-            profile = Profile.load(args.profile)
+            profile = load_profile(args.profile)
         except (OSError, ValueError, TypeError) as e:
             print(f"tandem plan: cannot read profile {args.profile}: {e}", file=err)
             return None
@@ -228,24 +246,29 @@ def _describe(args, trace) -> str:
 
 
 def _verify_local(args, label, pools, profile, trace, base, ttft_s, tpot_s) -> None:
-    """Start the pools on a local Ray cluster and replay against them."""
+    """Start the pools on a local Ray cluster (simulated workers with
+    --verify-simulate) and replay against them; the model takes the
+    deployment's settings."""
     import ray
 
     from benchkit.deployment import Deployment
+    from planner.settings import system_for
     from router.config import ServeConfig
     from tandem_cli.ray_init import init_ray
 
+    engine = {"simulate": args.profile} if args.verify_simulate else {"model": args.model}
     config = ServeConfig(
-        engine={"model": args.model},
+        engine=engine,
         pools={"prefill": pools[0], "decode": pools[1]},
         server={"port": 0},
     )
+    system = system_for(config, profile.kv_bytes_per_token, simulated=args.verify_simulate)
     started = init_ray(config)
     deployment = Deployment(config)
     try:
         args.verify_target = deployment.address
         print(f"verify {label}: prefill={pools[0]} decode={pools[1]}")
-        _verify(args, profile, trace, base, pools, ttft_s, tpot_s)
+        _verify(args, profile, trace, system, pools, ttft_s, tpot_s)
     finally:
         args.verify_target = None
         deployment.stop()
@@ -260,6 +283,15 @@ def _verify(args, profile, trace, base, pools, ttft_s, tpot_s) -> int:
     from planner.trace import Trace
     from planner.verify import compare, replay
 
+    if args.calibrate:
+        from planner.calibrate import fit, probe_trace
+
+        probe = probe_trace(profile.vocab_size, args.seed)
+        cal = fit(base, profile, probe, asyncio.run(replay(args.verify_target, probe)))
+        base = cal.apply(base)
+        print(
+            f"calibration: {cal.fixed_s * 1e3:.1f} ms a request, {cal.step_s * 1e3:.2f} ms a step"
+        )
     short = Trace(trace.name, trace.requests[: args.verify_requests])
     predicted = predict_trace(profile, short, *pools, base, SLO(ttft_s, tpot_s))
     print(
@@ -274,4 +306,14 @@ def _verify(args, profile, trace, base, pools, ttft_s, tpot_s) -> int:
     )
     if measured.ttft_s:
         print(compare(short.name, predicted, measured).table())
+    return 0
+
+
+def _list_profiles() -> int:
+    """One line per shipped profile: its name, what it is of, where it comes from."""
+    from planner.profiles import load_profile, profile_names
+
+    for name in profile_names():
+        profile = load_profile(name)
+        print(f"{name}\t{profile.model or '?'} on {profile.hardware or '?'}\t{profile.source}")
     return 0
