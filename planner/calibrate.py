@@ -54,12 +54,18 @@ class Calibration:
         )
 
 
-def probe_trace(vocab: int, seed: int = 0, gap_s: float = 1.0, output_len: int = 24) -> Trace:
+def probe_trace(
+    vocab: int,
+    seed: int = 0,
+    gap_s: float = 1.0,
+    output_len: int = 24,
+    lengths: tuple[int, ...] = PROBE_LENGTHS,
+) -> Trace:
     """Requests far enough apart that each runs alone: each prompt, then the
     same prompt with a short tail."""
     rng = random.Random(seed)
     reqs = []
-    for n in PROBE_LENGTHS:
+    for n in lengths:
         prompt = tuple(rng.choices(range(1, vocab), k=n))
         tail = tuple(rng.choices(range(1, vocab), k=PROBE_TAIL))
         for p in (prompt, prompt + tail):
