@@ -102,6 +102,7 @@ def main() -> None:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     ray.init(num_cpus=16, _node_ip_address="127.0.0.2", include_dashboard=False,
              log_to_driver=False)  # fmt: skip
+    load_before = os.getloadavg()[0]  # the machine is shared: say how busy it was
     deployment = Deployment(config)
     results: dict[str, dict] = {}
     try:
@@ -141,8 +142,10 @@ def main() -> None:
         "pools": f"{args.prefill}+{args.decode}",
         "calibration_ms": {
             "fixed": round(cal.fixed_s * 1e3, 2),
+            "local": None if cal.local_s is None else round(cal.local_s * 1e3, 2),
             "step": round(cal.step_s * 1e3, 3),
         },
+        "load_average": [round(x, 1) for x in (load_before, os.getloadavg()[0])],
         "leaked_blocks": leaks,
         "workloads": results,
     }
