@@ -122,8 +122,9 @@ def main() -> None:
             res = simulate(trace, system, profile.prefill_s, profile.decode_step_s,
                            step_cost=profile.step_s)  # fmt: skip
             predicted = Prediction.of(res)
-            print(f"{name}: {len(trace.requests)} requests at {rate:g}/s,"
-                  f" {trace.stats().prefix_share:.0%} shared prefix", flush=True)  # fmt: skip
+            st = trace.stats()
+            print(f"{name}: {len(trace.requests)} requests, {st.rate:.2f}/s over the trace,"
+                  f" {st.prefix_share:.0%} shared prefix", flush=True)  # fmt: skip
             measured = asyncio.run(replay(deployment.address, trace))  # a loop of its own
             c = compare(name, predicted, measured)
             print(c.table())

@@ -188,8 +188,9 @@ def multi_turn(
     think_s: float = 3.0,
 ) -> Trace:
     """Conversations start at ``rate / mean turns`` a second (so requests
-    arrive at about ``rate``); the next turn follows an exponential think
-    time after the previous one's arrival plus its expected length."""
+    arrive at ``rate`` once conversations overlap; a short trace's ends ramp
+    up and down); the next turn follows an exponential think time (mean
+    ``think_s``) after the previous one's arrival."""
     rng = random.Random(seed)
     system = _tokens(rng, system_len, vocab)
     mean_turns = (turns[0] + turns[1]) / 2

@@ -187,3 +187,26 @@ def test_predict_trace_matches_simulate():
     p = predict_trace(Cost(), t, 2, 2)
     res = simulate(t, SystemConfig(2, 2), Cost().prefill_s, Cost().decode_step_s)
     assert p.ttft_p90 == pytest.approx(res.summary()["ttft_p90_ms"] / 1e3)
+
+
+def test_calibration_recovers_the_path_costs_of_a_probe():
+    from planner.calibrate import Calibration, fit, probe_trace
+    from planner.verify import Measured
+
+    class Cost:
+        def prefill_s(self, lengths):
+            return 0.01 + 1e-4 * sum(lengths)
+
+        def decode_step_s(self, batch, ctx):
+            return 0.02 + 1e-3 * batch
+
+    probe = probe_trace(vocab=500, lengths=(64, 1024))
+    truth = Calibration(fixed_s=0.025, step_s=0.0015, local_s=0.008)
+    base = SystemConfig(1, 1)
+    real = simulate(probe, truth.apply(base), Cost().prefill_s, Cost().decode_step_s)
+    assert [r.local for r in real.requests] == [False, True, False, True]
+    measured = Measured(list(real.ttft), list(real.tpot), 0, list(range(len(probe.requests))))
+    got = fit(base, Cost(), probe, measured)
+    assert got.fixed_s == pytest.approx(0.025)
+    assert got.step_s == pytest.approx(0.0015)
+    assert got.local_s == pytest.approx(0.008)
