@@ -5,11 +5,11 @@ conversations sharing prefixes), each a seeded trace, run twice: through
 the planner's model (planner/simulator.py) and replayed against a local
 deployment of simulated workers (the real router, Ray workers, scheduler,
 prefix caches and KV transfer; the forward pass replaced by the profile's
-step time, engine/simulated.py). First an idle probe measures the
-serving path's costs outside the profile's step times (planner/calibrate.py:
-a fixed cost per request and one per engine step); the model then counts
-them on every trace. Per workload it prints predicted against
-measured p50 and p90 TTFT and TPOT with the relative error, and the
+step time, engine/simulated.py). Before each workload an idle
+probe measures the serving path's costs outside the profile's step times
+(planner/calibrate.py: a fixed cost per request, by path, and one per
+engine step); the model then counts them on that workload's trace. Per
+workload it prints predicted against measured p50 and p90 TTFT and TPOT with the relative error, and the
 per-request differences (the same requests, in the same order, so the
 model's mistakes show where they are). Last line: a JSON object with
 ``max_p50_error`` and ``max_p90_error`` (fractions, over the workloads and
@@ -32,7 +32,7 @@ import os
 
 import numpy as np
 
-from planner.calibrate import fit, probe_trace
+from planner.calibrate import Calibration, fit, probe_trace
 from planner.predict import Prediction
 from planner.settings import system_for
 from planner.trace import WORKLOADS, Trace
@@ -78,6 +78,18 @@ def per_request(name: str, pred_res, measured) -> dict[str, float]:
     return out
 
 
+def calibrate(deployment, system, profile, seed: int) -> Calibration:
+    """The path's costs outside the steps, on an idle probe just before a
+    workload (the shared machine's load drifts)."""
+    probe = probe_trace(profile.vocab_size, seed, lengths=(64, 512, 2048))
+    cal = fit(system, profile, probe, asyncio.run(replay(deployment.address, probe)))
+    local = f"{cal.local_s * 1e3:.1f}" if cal.local_s is not None else "-"
+    print(f"calibration (idle probe): {cal.fixed_s * 1e3:.1f} ms a request ({local} ms"
+          f" prefilled on its decode worker), {cal.step_s * 1e3:.2f} ms a step beyond"
+          " the profile", flush=True)  # fmt: skip
+    return cal
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--profile", default=DEFAULT_PROFILE)
@@ -98,25 +110,23 @@ def main() -> None:
 
     profile = load_profile(args.profile)
     config = serve_config(args.profile, args.prefill, args.decode, args.kv_cache_mb)
-    system = system_for(config, profile.kv_bytes_per_token, simulated=True)
+    base = system_for(config, profile.kv_bytes_per_token, simulated=True)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     ray.init(num_cpus=16, _node_ip_address="127.0.0.2", include_dashboard=False,
              log_to_driver=False)  # fmt: skip
     load_before = os.getloadavg()[0]  # the machine is shared: say how busy it was
     deployment = Deployment(config)
     results: dict[str, dict] = {}
+    cals: dict[str, Calibration] = {}
     try:
-        probe = probe_trace(profile.vocab_size, args.seed)
-        cal = fit(system, profile, probe, asyncio.run(replay(deployment.address, probe)))
-        local = f"{cal.local_s * 1e3:.1f}" if cal.local_s is not None else "-"
-        print(f"calibration (idle probe): {cal.fixed_s * 1e3:.1f} ms a request ({local} ms"
-              f" prefilled on its decode worker), {cal.step_s * 1e3:.2f} ms a step beyond"
-              " the profile", flush=True)  # fmt: skip
-        system = cal.apply(system)
-        for name in args.workloads.split(","):
+        for k, name in enumerate(args.workloads.split(",")):
             rate, n = LOADS[name]
             trace: Trace = WORKLOADS[name](rate, max(4, round(n * args.scale)),
                                            profile.vocab_size, args.seed)  # fmt: skip
+            # Prompts of their own each time: a probe the caches know would not be idle.
+            cal = calibrate(deployment, base, profile, args.seed + 1000 * (k + 1))
+            system = cal.apply(base)
+            cals[name] = cal
             if args.save_traces:
                 trace.save(Path(args.save_traces) / f"{name}.json")
             res = simulate(trace, system, profile.prefill_s, profile.decode_step_s,
@@ -141,11 +151,7 @@ def main() -> None:
         "max_p90_error": max(r["max_p90_error"] for r in results.values()),
         "profile": args.profile,
         "pools": f"{args.prefill}+{args.decode}",
-        "calibration_ms": {
-            "fixed": round(cal.fixed_s * 1e3, 2),
-            "local": None if cal.local_s is None else round(cal.local_s * 1e3, 2),
-            "step": round(cal.step_s * 1e3, 3),
-        },
+        "calibration_ms": {name: cal.as_ms() for name, cal in cals.items()},
         "load_average": [round(x, 1) for x in (load_before, os.getloadavg()[0])],
         "leaked_blocks": leaks,
         "workloads": results,

@@ -8,8 +8,8 @@ scheduler, sampling, writing the step's outputs). The probe measures them:
 a few requests, each alone on the deployment (nothing queues, no batch),
 prompts of several lengths. Then
 
-- ``step_s``: the mean of measured TPOT less the model's (without overheads);
-- ``fixed_s``: the mean of measured TTFT less the model's, with ``step_s``
+- ``step_s``: the median of measured TPOT less the model's (without overheads);
+- ``fixed_s``: the median of measured TTFT less the model's, with ``step_s``
   already counted in the prefill steps, over the requests a prefill worker
   prefills (call, push);
 - ``local_s``: the same over requests whose decode worker prefills a short
@@ -42,6 +42,13 @@ class Calibration:
     fixed_s: float  # per request, outside every engine step
     step_s: float  # per engine step, beyond the profile's time
     local_s: float | None = None  # per request prefilled on its decode worker
+
+    def as_ms(self) -> dict[str, float | None]:
+        return {
+            "fixed": round(self.fixed_s * 1e3, 2),
+            "local": None if self.local_s is None else round(self.local_s * 1e3, 2),
+            "step": round(self.step_s * 1e3, 3),
+        }
 
     def apply(self, system: SystemConfig) -> SystemConfig:
         return replace(
@@ -91,12 +98,12 @@ def fit(system: SystemConfig, profile, trace: Trace, measured: Measured) -> Cali
 
     idx = measured.index
     reqs = model(bare)
-    step = float(np.mean([m - reqs[i].tpot for i, m in zip(idx, measured.tpot_s, strict=True)]))
+    step = float(np.median([m - reqs[i].tpot for i, m in zip(idx, measured.tpot_s, strict=True)]))
     stepped = model(replace(bare, step_overhead_s=max(0.0, step)))
     gaps = {True: [], False: []}
     for i, m in zip(idx, measured.ttft_s, strict=True):
         gaps[stepped[i].local].append(m - stepped[i].ttft)
     if not gaps[False]:
         raise ValueError("calibration probe: no request went through a prefill worker")
-    local = float(np.mean(gaps[True])) if gaps[True] else None
-    return Calibration(fixed_s=float(np.mean(gaps[False])), step_s=step, local_s=local)
+    local = float(np.median(gaps[True])) if gaps[True] else None
+    return Calibration(fixed_s=float(np.median(gaps[False])), step_s=step, local_s=local)
