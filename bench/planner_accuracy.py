@@ -9,8 +9,8 @@ step time, engine/simulated.py). Before each workload an idle
 probe measures the serving path's costs outside the profile's step times
 (planner/calibrate.py: a fixed cost per request, by path, and one per
 engine step); the model then counts them on that workload's trace. Per
-workload it prints predicted against measured p50 and p90 TTFT and TPOT with the relative error, and the
-per-request differences (the same requests, in the same order, so the
+workload it prints predicted against measured p50 and p90 TTFT and TPOT
+with the relative error, and the per-request differences (the same requests, in the same order, so the
 model's mistakes show where they are). Last line: a JSON object with
 ``max_p50_error`` and ``max_p90_error`` (fractions, over the workloads and
 both metrics) and the per-workload figures.
