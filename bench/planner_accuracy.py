@@ -5,15 +5,16 @@ conversations sharing prefixes), each a seeded trace, run twice: through
 the planner's model (planner/simulator.py) and replayed against a local
 deployment of simulated workers (the real router, Ray workers, scheduler,
 prefix caches and KV transfer; the forward pass replaced by the profile's
-step time, engine/simulated.py). Before each workload an idle
-probe measures the serving path's costs outside the profile's step times
+step time, engine/simulated.py). Before each workload an idle probe
+measures the serving path's costs outside the profile's step times
 (planner/calibrate.py: a fixed cost per request, by path, and one per
 engine step); the model then counts them on that workload's trace. Per
 workload it prints predicted against measured p50 and p90 TTFT and TPOT
-with the relative error, and the per-request differences (the same requests, in the same order, so the
-model's mistakes show where they are). Last line: a JSON object with
-``max_p50_error`` and ``max_p90_error`` (fractions, over the workloads and
-both metrics) and the per-workload figures.
+with the relative error, and the per-request differences (the same
+requests, in the same order, so the model's mistakes show where they
+are). Last line: a JSON object with ``max_p50_error`` and
+``max_p90_error`` (fractions, over the workloads and both metrics), the
+machine's load average, and the per-workload figures.
 
   python bench/planner_accuracy.py [--profile NAME] [--prefill 2 --decode 2]
 """
