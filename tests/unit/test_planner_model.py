@@ -210,3 +210,24 @@ def test_calibration_recovers_the_path_costs_of_a_probe():
     assert got.fixed_s == pytest.approx(0.025)
     assert got.step_s == pytest.approx(0.0015)
     assert got.local_s == pytest.approx(0.008)
+
+
+def test_the_run_time_model_imports_no_torch_nor_the_engine():
+    # The router's autoscaler calls it; only planner/profile.py's profiler
+    # may load the engine (inside the function that profiles).
+    import ast
+    from pathlib import Path
+
+    folder = Path(__file__).resolve().parents[2] / "planner"
+    model = ["blocks", "calibrate", "predict", "search", "settings", "simulator", "trace",
+             "verify", "workers"]  # fmt: skip
+    for name in model:
+        tree = ast.parse((folder / f"{name}.py").read_text())
+        for node in ast.walk(tree):
+            mods = []
+            if isinstance(node, ast.Import):
+                mods = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                mods = [node.module]
+            for m in mods:
+                assert m.split(".")[0] not in {"torch", "engine", "transformers", "ray"}, (name, m)
