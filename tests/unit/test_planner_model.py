@@ -219,8 +219,8 @@ def test_the_run_time_model_imports_no_torch_nor_the_engine():
     from pathlib import Path
 
     folder = Path(__file__).resolve().parents[2] / "planner"
-    model = ["blocks", "calibrate", "predict", "search", "settings", "simulator", "trace",
-             "verify", "workers"]  # fmt: skip
+    model = ["blocks", "calibrate", "cluster", "predict", "search", "settings", "simulator",
+             "trace", "verify", "workers"]  # fmt: skip
     for name in model:
         tree = ast.parse((folder / f"{name}.py").read_text())
         for node in ast.walk(tree):
