@@ -86,6 +86,12 @@ class WorkerCollector(Collector):
         running = GaugeMetricFamily("tandem_running_sequences", "Sequences running on all workers")
         running.add_metric([], sum(s.running for s in self.samples))
         yield running
+        pools = GaugeMetricFamily(
+            "tandem_pool_workers", "Workers in routing, by pool (role)", labels=["pool"]
+        )
+        for role in sorted({s.role for s in self.samples}):
+            pools.add_metric([role], sum(1 for s in self.samples if s.role == role))
+        yield pools
 
     @staticmethod
     def _used(s: WorkerSample) -> int:
@@ -188,6 +194,31 @@ class RouterMetrics:
         )
         self.auth_refused = Counter(
             "tandem_auth_refused", "Calls refused for a missing or invalid API key", registry=r
+        )
+        self.pool_target = Gauge(
+            "tandem_pool_target_workers",
+            "Workers the autoscaler wants in each pool (router/autoscaler.py)",
+            ["pool"],
+            registry=r,
+        )
+        self.autoscale_latency = Gauge(
+            "tandem_autoscaler_latency_seconds",
+            "The autoscaler's latency at its quantile: predicted at the current sizes "
+            "(corrected) or observed, for ttft and tpot",
+            ["kind", "source"],
+            registry=r,
+        )
+        self.autoscale_correction = Gauge(
+            "tandem_autoscaler_correction",
+            "Observed over predicted latency the autoscaler applies to its model",
+            ["kind"],
+            registry=r,
+        )
+        self.autoscale_decisions = Counter(
+            "tandem_autoscaler_decisions",
+            "Pool size changes the autoscaler made, by pool and direction (up, down)",
+            ["pool", "direction"],
+            registry=r,
         )
         self.workers = WorkerCollector()
         r.register(self.workers)

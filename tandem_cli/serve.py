@@ -56,7 +56,10 @@ SERVE_FLAGS = {
     "grace_period_s": "limits.grace_period_s",
     "deployment": "deployment.name",
     "attach": "deployment.attach",
+    "autoscale": "autoscale.enabled",
 }
+# `--slo ttft_ms=T,tpot_ms=P` (a dict from tandem_cli.plan_cmd's parser): the keys it sets.
+SLO_FLAG_KEYS = {"ttft_ms": "autoscale.ttft_ms", "tpot_ms": "autoscale.tpot_ms"}
 
 
 def command(args: argparse.Namespace) -> int:
@@ -72,6 +75,8 @@ def command(args: argparse.Namespace) -> int:
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
     """``--config`` YAML plus the flags that were given (flags win)."""
     flags = {path: getattr(args, dest) for dest, path in SERVE_FLAGS.items()}
+    slo = getattr(args, "slo", None) or {}
+    flags.update({SLO_FLAG_KEYS[key]: value for key, value in slo.items()})
     config = ServeConfig.load(args.config, flags)
     ray_auth.check_token_file()
     check_keys(api_keys(config), admin_keys(config), cache_domains(config))
