@@ -8,7 +8,7 @@ sequences, bytes moved) come from the workers' ``stats`` calls, pulled when
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -222,6 +222,8 @@ class RouterMetrics:
         )
         self.workers = WorkerCollector()
         r.register(self.workers)
+        # Called with every finished result and its e2e time (the autoscaler's observer).
+        self.result_listeners: list[Callable[[GenerateResult, float], None]] = []
         self.unread = UnreadTotals()
         r.register(UnreadCollector(self.unread))
 
@@ -243,6 +245,8 @@ class RouterMetrics:
         if result.kv_transfer_s is not None:
             self.transfer_seconds.observe(result.kv_transfer_s)
             self.transfer_bytes.inc(result.kv_transfer_bytes)
+        for listener in self.result_listeners:
+            listener(result, e2e_s)
 
     def set_workers(self, reports: list[WorkerReport]) -> None:
         self.workers.samples = [WorkerSample.of(r) for r in sorted(reports, key=lambda r: r.name)]

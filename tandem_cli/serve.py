@@ -272,15 +272,39 @@ async def serve(
                 auth += f", {len(server.admin_keys)} admin keys"
             model, pools = _served(backend, config)
             print(f"tandem: serving {model} on {server.address}{http} ({pools}{auth})", flush=True)
+            autoscaling = start_autoscaler(config, backend, server)
             try:
                 await stop.wait()
             finally:
+                if autoscaling is not None:
+                    autoscaling.cancel()
+                    await asyncio.gather(autoscaling, return_exceptions=True)
                 await server.stop(config.limits.grace_period_s)  # shuts the backend down too
         finally:
             if started_ray:
                 import ray
 
                 ray.shutdown()
+
+
+def start_autoscaler(
+    config: ServeConfig, backend: Backend, server: RouterServer
+) -> asyncio.Task | None:
+    """The autoscaler's loop (router/autoscaler_runner.py) when autoscale.enabled."""
+    if not config.autoscale.enabled:
+        return None
+    from router.autoscaler_model import model_for
+    from router.autoscaler_runner import AutoscaleRunner
+
+    joined = joined_config(backend, config)
+    model = model_for(config.autoscale.profile, joined.engine.max_num_batched_tokens)
+
+    def in_flight() -> int:
+        return server.lifecycle.stats.in_flight
+
+    runner = AutoscaleRunner(backend, server.metrics, in_flight, model)  # type: ignore[arg-type]
+    log.info("autoscaling: %s", config.autoscale.model_dump())
+    return asyncio.create_task(runner.run())
 
 
 def _served(backend: Backend, config: ServeConfig) -> tuple[str, str]:

@@ -1,0 +1,106 @@
+"""The latency model the autoscaler sizes pools with: the planner's
+simulator (planner/simulator.py, pure python and numpy) run on the load the
+router observes.
+
+``LatencyModel`` is the one interface the decision logic uses
+(router/autoscaler.py); ``PlannerModel`` implements it with the planner, so a
+new planner API is one change here. A prediction replays the queue the
+pools have now (``Load.backlog``, arriving at once) and then the observed
+rate for ``horizon_s``: the TTFT it predicts counts the time those requests
+queue, so a growing queue asks for more prefill workers before it is long.
+Prompt lengths are what prefill computes: the prompt less its prefix hits.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+import numpy as np
+
+from planner.profile import Profile
+from planner.simulator import Request, SystemConfig, Workload, simulate
+from router.autoscaler_observe import Load
+
+MIN_REQUESTS = 60  # a prediction simulates at least this many requests
+MAX_REQUESTS = 600  # and at most this many (a decision stays well under a second)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Latencies at one quantile for one pool size."""
+
+    ttft_s: float
+    tpot_s: float
+
+
+class LatencyModel(Protocol):
+    def predict(self, load: Load, prefill: int, decode: int, quantile: float) -> Prediction:
+        """TTFT and TPOT at ``quantile`` with ``prefill`` and ``decode`` workers."""
+        ...
+
+
+class PlannerModel:
+    """``LatencyModel`` by the planner's discrete-event simulation of a profile."""
+
+    def __init__(
+        self,
+        profile: Profile,
+        system: SystemConfig | None = None,
+        horizon_s: float = 30.0,
+        seed: int = 0,
+    ) -> None:
+        self.profile = profile
+        self.system = system or SystemConfig(1, 1, kv_bytes_per_token=profile.kv_bytes_per_token)
+        self.horizon_s = horizon_s
+        self.seed = seed
+
+    def predict(self, load: Load, prefill: int, decode: int, quantile: float) -> Prediction:
+        requests = self._requests(load)
+        if not requests:
+            return Prediction(0.0, 0.0)
+        result = simulate(
+            Workload(rate=max(load.rate_rps, 1e-3)),
+            replace(self.system, num_prefill=prefill, num_decode=decode),
+            self.profile.prefill_s,
+            self.profile.decode_step_s,
+            requests=requests,
+        )
+        q = quantile * 100
+        tpot = result.tpot[result.tpot > 0]
+        return Prediction(
+            float(np.percentile(result.ttft, q)),
+            float(np.percentile(tpot, q)) if tpot.size else 0.0,
+        )
+
+    def _requests(self, load: Load) -> list[Request]:
+        """The backlog at t=0, then Poisson arrivals at the load's rate (fixed
+        lengths: the load's means; the same seed for every size compared)."""
+        prompt = max(1, round(load.prompt_tokens * (1.0 - load.hit_rate)))
+        output = max(1, round(load.output_tokens))
+        arrivals = min(MAX_REQUESTS, max(MIN_REQUESTS, round(load.rate_rps * self.horizon_s)))
+        if load.rate_rps <= 0:
+            arrivals = 0
+        rng = random.Random(self.seed)
+        out = [Request(i, 0.0, prompt, output) for i in range(min(load.backlog, MAX_REQUESTS))]
+        t = 0.0
+        for _ in range(arrivals):
+            t += rng.expovariate(load.rate_rps)
+            out.append(Request(len(out), t, prompt, output))
+        return out
+
+
+def model_for(profile: str | None, prefill_token_budget: int = 512) -> PlannerModel:
+    """The planner's model of ``profile``: a profile file (``tandem plan
+    --profile-out``)."""
+    if profile is None:
+        raise ValueError("autoscale.profile: give a profile file (tandem plan --profile-out)")
+    loaded = Profile.load(profile)
+    system = SystemConfig(
+        1,
+        1,
+        prefill_token_budget=prefill_token_budget,
+        kv_bytes_per_token=loaded.kv_bytes_per_token,
+    )
+    return PlannerModel(loaded, system)
