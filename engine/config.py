@@ -176,6 +176,11 @@ class EngineConfig:
     cuda_graphs: bool = False
     """Replay decode-only steps as CUDA graphs captured at fixed batch sizes (CUDA only;
     ignored on other devices). One KV block is set aside for padding rows."""
+    simulate: str | None = None
+    """A profile file or a shipped profile's name (planner/profiles/): the simulated
+    model (engine/simulated.py) replaces the model's forward pass by the profile's
+    step time, slept, and deterministic tokens; model and load_format are then not
+    used, kv_cache_memory_bytes counts the profiled model's KV bytes per token."""
 
     def __post_init__(self) -> None:
         checks = {
@@ -190,3 +195,14 @@ class EngineConfig:
         for name, ok in checks.items():
             if not ok:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        if self.simulate is not None:
+            self._check_simulated()
+
+    def _check_simulated(self) -> None:
+        """What a simulated model cannot do (engine/simulated.py)."""
+        if self.speculative is not None:
+            raise ValueError("simulate: speculative decoding is not simulated")
+        if self.dtype != "float32":
+            raise ValueError("simulate: the simulated KV cache is float32 (dtype float32)")
+        if self.kv_transfer_dtype != "auto":
+            raise ValueError("simulate: KV moves as stored (kv_transfer_dtype auto)")

@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -48,6 +49,7 @@ from engine.sampling import (
 )
 from engine.scheduler import ScheduledSeq, Scheduler
 from engine.sequence import SeqStatus, Sequence
+from engine.simulated import SimulatedModel
 from engine.spec import SpecDecoder
 from protocol.outputs import RequestOutput, TokenLogprobs
 from protocol.sampling import SamplingParams
@@ -96,38 +98,13 @@ class LLMEngine(RequestFaults):
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
-        model_dir = resolve_model_dir(config.model)
-        hf_config = load_hf_config(model_dir)
-        self.spec = spec = ModelSpec.from_hf_config(hf_config)
-        self.model_dir = model_dir
-        self.tokenizer = self._load_tokenizer(config, model_dir)
-        dtype = getattr(torch, config.dtype)
-        device = resolve_device(config.device)
-        fingerprint = model_fingerprint(model_dir, hf_config, config.load_format, config.seed)
-        if config.quantization != "none":  # other weights, other KV: no sharing with floats
-            tagged = f"{fingerprint}:{config.quantization}".encode()
-            fingerprint = hashlib.sha256(tagged).hexdigest()[:32]
-        self.kv_layout = KVLayout(
-            model_fingerprint=fingerprint,
-            dtype=config.dtype,
-            num_layers=spec.num_layers,
-            block_size=config.block_size,
-            num_kv_heads=spec.num_kv_heads,
-            head_dim=spec.head_dim,
-        )
-        num_blocks = config.num_kv_blocks or KVCache.blocks_for_budget(
-            self.kv_layout, config.kv_cache_memory_bytes
-        )
-        limits = [spec.max_position_embeddings, num_blocks * config.block_size]
-        limits += [x for x in (config.max_model_len, spec.sliding_window) if x]
-        self.max_model_len = min(limits)
-        state = load_weights(config, model_dir, spec, hf_config)
-        kernels = select_kernels(config.cpu_kernels, device, dtype)
-        self.model = LlamaModel(
-            spec, state, hf_config, self.max_model_len, dtype, device, kernels,
-            greedy_screen=config.greedy_screen, quantization=config.quantization,
-        )  # fmt: skip
-        del state
+        device = torch.device("cpu") if config.simulate else resolve_device(config.device)
+        self.simulated: SimulatedModel | None = None  # the model, when it is simulated
+        if config.simulate is not None:
+            num_blocks, kernels = self._build_simulated(config), None
+        else:
+            num_blocks, kernels = self._build_model(config, device)
+        spec, fingerprint = self.spec, self.kv_layout.model_fingerprint
         self.block_pool = BlockPool(num_blocks, config.block_size)
         self.kv_cache = KVCache(self.kv_layout, num_blocks, device)
         self.root_hash = root_hash(fingerprint, config.block_size)
@@ -155,6 +132,75 @@ class LLMEngine(RequestFaults):
         self.decode_graphs: DecodeGraphRunner | None = None
         if config.cuda_graphs and device.type == "cuda":
             self.enable_decode_graphs(use_graphs=True)
+
+    def _build_model(self, config: EngineConfig, device: torch.device) -> tuple[int, Any]:
+        """Load the checkpoint's model; the pool's block count and the kernels."""
+        model_dir = resolve_model_dir(config.model)
+        hf_config = load_hf_config(model_dir)
+        self.spec = spec = ModelSpec.from_hf_config(hf_config)
+        self.model_dir = model_dir
+        self.tokenizer = self._load_tokenizer(config, model_dir)
+        dtype = getattr(torch, config.dtype)
+        fingerprint = model_fingerprint(model_dir, hf_config, config.load_format, config.seed)
+        if config.quantization != "none":  # other weights, other KV: no sharing with floats
+            tagged = f"{fingerprint}:{config.quantization}".encode()
+            fingerprint = hashlib.sha256(tagged).hexdigest()[:32]
+        self.kv_layout = KVLayout(
+            model_fingerprint=fingerprint,
+            dtype=config.dtype,
+            num_layers=spec.num_layers,
+            block_size=config.block_size,
+            num_kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+        )
+        num_blocks = config.num_kv_blocks or KVCache.blocks_for_budget(
+            self.kv_layout, config.kv_cache_memory_bytes
+        )
+        self.max_model_len = self._model_len(config, spec, num_blocks)
+        state = load_weights(config, model_dir, spec, hf_config)
+        kernels = select_kernels(config.cpu_kernels, device, dtype)
+        self.model = LlamaModel(
+            spec, state, hf_config, self.max_model_len, dtype, device, kernels,
+            greedy_screen=config.greedy_screen, quantization=config.quantization,
+        )  # fmt: skip
+        del state
+        return num_blocks, kernels
+
+    def _build_simulated(self, config: EngineConfig) -> int:
+        """The simulated model of ``config.simulate``'s profile; the pool's block
+        count (its KV memory at the profiled model's bytes per token)."""
+        from engine.simulated import simulated_blocks, simulated_setup
+        from planner.profiles import load_profile, profile_path
+
+        profile = load_profile(config.simulate)
+        self.model_dir = profile_path(config.simulate)
+        self.tokenizer = load_tokenizer(config.tokenizer) if config.tokenizer else None
+        vocab = len(self.tokenizer) if self.tokenizer is not None else None
+        setup = simulated_setup(profile, vocab)
+        self.spec = spec = setup.spec
+        self.kv_layout = KVLayout(
+            model_fingerprint=setup.fingerprint,
+            dtype=config.dtype,
+            num_layers=spec.num_layers,
+            block_size=config.block_size,
+            num_kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+        )
+        num_blocks = config.num_kv_blocks or simulated_blocks(
+            profile, config.kv_cache_memory_bytes, config.block_size
+        )
+        self.max_model_len = self._model_len(config, spec, num_blocks)
+        eos = set() if self.tokenizer is None else {self.tokenizer.eos_token_id} - {None}
+        self.model = self.simulated = SimulatedModel(
+            profile, spec.vocab_size, eos, config.block_size
+        )
+        return num_blocks
+
+    @staticmethod
+    def _model_len(config: EngineConfig, spec: ModelSpec, num_blocks: int) -> int:
+        limits = [spec.max_position_embeddings, num_blocks * config.block_size]
+        limits += [x for x in (config.max_model_len, spec.sliding_window) if x]
+        return min(limits)
 
     def enable_decode_graphs(self, use_graphs: bool = True) -> None:
         """Run decode-only steps at fixed shapes (see cuda_graphs.py), as CUDA
@@ -319,6 +365,8 @@ class LLMEngine(RequestFaults):
         alone fail, the others go on; if none runs even alone, they are all
         aborted and the step counts in ``failed_steps`` (the fault is then not
         known to be one request's; engine/request_faults.py, docs/failures.md)."""
+        if self.simulated is not None:
+            self.simulated.begin_step()
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
@@ -352,6 +400,8 @@ class LLMEngine(RequestFaults):
             sample_rows, spec_rows, hidden = self._forward(batch)
             sampled = self._sample(to_sample, hidden[sample_rows]) if to_sample else []
             spec_logits = self.model.logits(hidden[spec_rows]) if spec_rows else None
+            if self.simulated is not None:
+                self.simulated.pace()  # asleep, to the profile's step time
         failed = {s.request_id for s, t in zip(to_sample, sampled, strict=True) if t.error}
         speculated = []
         outputs: list[RequestOutput] = []
@@ -383,6 +433,8 @@ class LLMEngine(RequestFaults):
             SampleRequest(s.params, s.prompt_token_ids, s.output_token_ids, s.generator)
             for s in seqs
         ]
+        if self.simulated is not None:
+            return self.simulated.sample(hidden, requests)
         broken = nonfinite_rows(hidden)
         if broken:  # the head and the sampler see zeros there, so no kernel meets a NaN
             hidden = hidden.clone()

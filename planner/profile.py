@@ -2,6 +2,15 @@
 
 prefill_s(lengths) = a + b * sum(L) + c * sum(L^2)   (one batch of prompts)
 decode_step_s(batch, ctx) = d + e * batch + f * batch * ctx   (ctx: mean context)
+
+A prompt chunk of n tokens after ctx tokens already in the cache (chunked
+prefill, a prefix hit) counts n * (n + 2 * ctx) in the quadratic term: the
+attention of its queries over the cached keys. ``step_s`` is one engine step
+of both kinds (engine/simulated.py waits that long).
+
+Format versions: 1 (what ``tandem plan --profile-out`` wrote first); 2 adds
+the descriptive fields ``name``, ``source`` (where each figure comes from),
+``hardware``, ``max_model_len`` and ``notes``. Version-1 files load as they are.
 """
 
 from __future__ import annotations
@@ -15,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2
 MIN_STEP_S = 1e-6
 
 DEFAULT_PREFILL_LENS = (32, 128, 256, 512, 1024)
@@ -40,16 +49,43 @@ class Profile:
     decode_samples: list[dict] = field(default_factory=list)
     fit_quality: dict[str, float] = field(default_factory=dict)
     version: int = PROFILE_VERSION
+    name: str | None = None  # a shipped profile's name (planner/profiles/NAME.json)
+    source: str = "measured"  # where the figures come from (measured: this machine)
+    hardware: str | None = None  # what the figures are of, e.g. "1x H100 SXM 80GB"
+    max_model_len: int | None = None  # the real model's context limit
+    notes: list[str] = field(default_factory=list)  # how the figures were derived
 
-    def prefill_s(self, lengths: Sequence[int]) -> float:
+    def prefill_s(self, lengths: Sequence[int], contexts: Sequence[int] | None = None) -> float:
+        """One step prefilling chunks of ``lengths`` tokens, each after
+        ``contexts[i]`` tokens already cached (default none)."""
         p = self.prefill
+        ctx = contexts if contexts is not None else [0] * len(lengths)
         tokens = sum(lengths)
-        squares = sum(n * n for n in lengths)
+        squares = sum(n * (n + 2 * c) for n, c in zip(lengths, ctx, strict=True))
         return max(MIN_STEP_S, p["a"] + p["b"] * tokens + p.get("c", 0.0) * squares)
 
     def decode_step_s(self, batch: int, ctx: float) -> float:
         d = self.decode
         return max(MIN_STEP_S, d["d"] + d["e"] * batch + d["f"] * batch * ctx)
+
+    def step_s(
+        self,
+        lengths: Sequence[int],
+        contexts: Sequence[int],
+        decode_batch: int,
+        decode_ctx: float,
+    ) -> float:
+        """One engine step: prompt chunks (``lengths`` after ``contexts``) and
+        ``decode_batch`` one-token rows of mean context ``decode_ctx``. A mixed
+        step costs both parts with the step's fixed cost (the decode model's
+        intercept) counted once."""
+        if not lengths:
+            return self.decode_step_s(decode_batch, decode_ctx) if decode_batch else 0.0
+        prefill = self.prefill_s(lengths, contexts)
+        if not decode_batch:
+            return prefill
+        decode = self.decode_step_s(decode_batch, decode_ctx) - self.decode["d"]
+        return prefill + max(0.0, decode)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -63,8 +99,15 @@ class Profile:
             missing = [n for n in names if n not in data.get(key, {})]
             if missing:
                 raise ValueError(f"profile: {key} lacks {', '.join(missing)}")
+        version = data.get("version", 1)
+        if not isinstance(version, int) or version > PROFILE_VERSION:
+            raise ValueError(
+                f"profile: format version {version!r} is newer than this tandem reads "
+                f"({PROFILE_VERSION})"
+            )
         known = set(cls.__dataclass_fields__)
-        return cls(**{k: v for k, v in data.items() if k in known})
+        fields = {k: v for k, v in data.items() if k in known}
+        return cls(**{**fields, "version": version})
 
     @classmethod
     def load(cls, path: str | Path) -> Profile:

@@ -125,6 +125,11 @@ class EngineSection(Section):
     cuda_graphs: bool = False
     """GPU workers replay decode steps as CUDA graphs captured at fixed batch sizes:
     less CPU overhead per step, at the cost of capture time and one KV block."""
+    simulate: str | None = None
+    """A profile file or a shipped profile's name (`tandem plan --profiles`): the workers
+    run the simulated model (docs/simulated-engine.md), which sleeps the profile's step
+    time and gives deterministic tokens; model is then not loaded, and
+    kv_cache_memory_mb counts the profiled model's KV bytes per token."""
 
     def engine_config(self, **worker: Any) -> EngineConfig:
         """The ``EngineConfig`` of one worker: this section plus what differs per
@@ -718,7 +723,11 @@ class ServeConfig(BaseModel):
         model argument, else the default model's name (engine/packaged_model.py)."""
         from engine.packaged_model import default_model_name
 
-        return self.server.served_model_name or self.engine.model or default_model_name()
+        if self.server.served_model_name or self.engine.model:
+            return self.server.served_model_name or self.engine.model or ""
+        if self.engine.simulate is not None:
+            return f"simulated-{Path(self.engine.simulate).name.removesuffix('.json')}"
+        return default_model_name()
 
     def engine_config(self, role: str, num_gpus: float) -> EngineConfig:
         """The engine options of one worker of ``role`` with ``num_gpus`` GPUs; only

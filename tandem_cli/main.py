@@ -71,6 +71,12 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         help="checkpoint directory, .gguf file or hub id (default: SmolLM2-135M-Instruct "
         "when installed, else the embedded tiny model)",
     )
+    p.add_argument(
+        "--simulate",
+        metavar="PROFILE",
+        help="run the simulated model of this profile (a file or a shipped name, "
+        "`tandem plan --profiles`) in every worker: profile step times, deterministic tokens",
+    )
     p.add_argument("--prefill", type=int, metavar="N", help="prefill workers")
     p.add_argument("--decode", type=int, metavar="M", help="decode workers")
     p.add_argument("--mode", choices=["disaggregated", "colocated"])

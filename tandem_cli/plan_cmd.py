@@ -37,6 +37,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", metavar="ID_OR_PATH", help="model to profile (default: embedded)")
     p.add_argument("--profile", metavar="FILE", help="use a saved profile; skips profiling")
     p.add_argument("--profile-out", metavar="FILE", help="save the measured profile here")
+    p.add_argument(
+        "--profiles",
+        action="store_true",
+        help="list the shipped profiles (for --simulate) and exit",
+    )
     p.add_argument("--quick", action="store_true", help="profile a reduced grid (seconds)")
     p.add_argument("--num-threads", type=int, default=1, help="torch threads when profiling")
     p.add_argument("--rate", type=float, default=2.0, help="requests per second (%(default)s)")
@@ -78,6 +83,8 @@ def command(args: argparse.Namespace) -> int:
     from planner.simulator import SystemConfig, Workload
 
     err = sys.stderr
+    if args.profiles:
+        return _list_profiles()
     if args.profile:
         try:
             profile = Profile.load(args.profile)
@@ -212,4 +219,14 @@ def _verify(args, profile, workload, ttft_s, tpot_s, simulated: float) -> int:
         f"verify: measured attainment {got:.1%} (simulated {simulated:.1%}),"
         f" {measured.errors} errors"
     )
+    return 0
+
+
+def _list_profiles() -> int:
+    """One line per shipped profile: its name, what it is of, where it comes from."""
+    from planner.profiles import load_profile, profile_names
+
+    for name in profile_names():
+        profile = load_profile(name)
+        print(f"{name}\t{profile.model or '?'} on {profile.hardware or '?'}\t{profile.source}")
     return 0

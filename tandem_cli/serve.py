@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 SERVE_FLAGS = {
     "model": "engine.model",
     "load_format": "engine.load_format",
+    "simulate": "engine.simulate",
     "prefill": "pools.prefill",
     "decode": "pools.decode",
     "mode": "pools.mode",
@@ -315,6 +316,8 @@ def _served(backend: Backend, config: ServeConfig) -> tuple[str, str]:
     if hasattr(backend, "prefill") and hasattr(backend, "decode"):
         prefill, decode = len(backend.prefill.workers), len(backend.decode.workers)
     model = joined.engine.model or "the default model"
+    if joined.engine.simulate is not None:
+        model = f"the simulated model of profile {joined.engine.simulate}"
     return model, f"prefill {prefill}, decode {decode}, {pools.mode}"
 
 
