@@ -20,6 +20,7 @@ from typing import Protocol
 import numpy as np
 
 from planner.profile import Profile
+from planner.profiles import load_profile
 from planner.simulator import Request, SystemConfig, Workload, simulate
 from router.autoscaler_observe import Load
 
@@ -92,11 +93,14 @@ class PlannerModel:
 
 
 def model_for(profile: str | None, prefill_token_budget: int = 512) -> PlannerModel:
-    """The planner's model of ``profile``: a profile file (``tandem plan
-    --profile-out``)."""
+    """The planner's model of ``profile``: a shipped profile's name or a profile
+    file (``tandem plan --profile-out``)."""
     if profile is None:
-        raise ValueError("autoscale.profile: give a profile file (tandem plan --profile-out)")
-    loaded = Profile.load(profile)
+        raise ValueError(
+            "autoscale.profile: give a profile (a file or a shipped name) unless the "
+            "engine is simulated (engine.simulate)"
+        )
+    loaded = load_profile(profile)
     system = SystemConfig(
         1,
         1,

@@ -2,12 +2,13 @@
 lengths, prefix hits and latencies, from the router's metrics), and the
 queues now.
 
-A finished request's arrival is its finish less its end-to-end time, so the
-arrival rate over a window counts the requests that arrived in it and have
-finished, plus those in flight now (they arrived recently: by Little's law
-the two add up to rate x window). The rate reported is the higher of the
-whole window's and its last quarter's, so a step up is seen within a
-quarter window, and a step down only once the whole window has passed.
+The arrival rate comes from the router's count of requests that arrived
+(finished, whatever their status, plus in flight), sampled every round.
+The rate reported is the higher of the whole window's and its last
+quarter's, so a step up is seen within a quarter window, and a step down
+only once the whole window has passed. A finished request's arrival (its
+finish less its end-to-end time) places it in the window for the lengths
+and latencies.
 """
 
 from __future__ import annotations
@@ -85,6 +86,8 @@ class Observer:
         self.window_s = window_s
         self.clock = clock
         self.finished: deque[Finished] = deque()
+        self.arrived: deque[tuple[float, int]] = deque()  # (time, requests arrived so far)
+        self.last: Load = IDLE  # the lengths of the last window that had any
 
     def record(self, result: GenerateResult, e2e_s: float) -> None:
         """A request finished (``RouterMetrics`` calls it with every result)."""
@@ -108,19 +111,32 @@ class Observer:
             self.finished.popleft()
         return [f for f in self.finished if f.arrival >= now - self.window_s]
 
-    def load(self, in_flight: int, backlog: int) -> Load:
-        """The load over the window; ``in_flight``: requests in the router now,
-        ``backlog``: prompts on the prefill workers now."""
+    def _rate(self, now: float, arrived: int) -> float:
+        self.arrived.append((now, arrived))
+        while self.arrived and self.arrived[0][0] < now - self.window_s:
+            self.arrived.popleft()
+        recent_s = self.window_s * RECENT_SHARE
+        rates = []
+        for span_s in (self.window_s, recent_s):
+            first = next((a for a in self.arrived if a[0] >= now - span_s), self.arrived[-1])
+            elapsed = now - first[0]
+            if elapsed > 0:
+                rates.append((arrived - first[1]) / elapsed)
+        return max(rates, default=0.0)
+
+    def load(self, arrived: int, backlog: int) -> Load:
+        """The load over the window; ``arrived``: requests that reached the
+        router so far (a count that only grows), ``backlog``: prompts on the
+        prefill workers now."""
         now = self.clock()
         window = self._window(now)
-        recent_s = self.window_s * RECENT_SHARE
-        recent = sum(1 for f in window if f.arrival >= now - recent_s)
-        rate = max((len(window) + in_flight) / self.window_s, (recent + in_flight) / recent_s)
-        if not window:
-            return Load(rate, IDLE.prompt_tokens, IDLE.output_tokens, 0.0, backlog)
+        rate = self._rate(now, arrived)
+        if not window:  # nothing finished lately: the lengths seen last
+            last = self.last
+            return Load(rate, last.prompt_tokens, last.output_tokens, last.hit_rate, backlog)
         prompt = sum(f.prompt_tokens for f in window)
         cached = sum(f.cached_tokens for f in window)
-        return Load(
+        self.last = Load(
             rate_rps=rate,
             prompt_tokens=prompt / len(window),
             output_tokens=sum(f.output_tokens for f in window) / len(window),
@@ -128,6 +144,7 @@ class Observer:
             backlog=backlog,
             samples=len(window),
         )
+        return self.last
 
     def observed(self, quantile: float, since: float | None = None) -> Observed:
         """Latencies of the requests that arrived in the window (and after ``since``)."""

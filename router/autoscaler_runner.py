@@ -3,11 +3,14 @@
 Every ``autoscale.interval_s`` the router reports its load to the
 deployment's owner (router/autoscaler_lease.py); the router holding the
 lease decides (router/autoscaler.py) on every router's load added up and
-resizes: it grows a pool through ``RayBackend.scale`` at once, and shrinks
-one only by retiring workers (``PoolController.retire``: out of routing at
-once, stopped once empty), in the background, so a drain never holds up a
-decision. Each change is one structured log line (``autoscale_decision``)
-and the figures behind it are metrics (router/metrics.py).
+resizes, in the background so that neither a slow start nor a drain holds
+up the next decision: it grows a pool through ``RayBackend.scale``,
+``GROW_STEP`` workers at a time (each step serves as soon as it has
+started, not once the last one has), up to the latest target; and it
+shrinks one only by retiring workers (``PoolController.retire``: out of
+routing at once, stopped once empty). Each change is one structured log
+line (``autoscale_decision``) and the figures behind it are metrics
+(router/metrics.py).
 """
 
 from __future__ import annotations
@@ -28,9 +31,18 @@ from router.metrics import RouterMetrics
 from worker.logfmt import log_event
 
 if TYPE_CHECKING:
+    from router.lifecycle import Lifecycle
     from router.ray_backend import RayBackend
 
 log = logging.getLogger(__name__)
+
+GROW_STEP = 2  # workers a pool grows by per start
+
+
+def lifecycle_arrivals(lifecycle: Lifecycle) -> Callable[[], int]:
+    """The requests that reached ``lifecycle``: finished (any status) and in flight."""
+    stats = lifecycle.stats
+    return lambda: sum(stats.totals.values()) + stats.in_flight
 
 
 def targets_of(settings: AutoscaleSection, max_workers: int) -> Targets:
@@ -54,23 +66,26 @@ class AutoscaleRunner:
         self,
         backend: RayBackend,
         metrics: RouterMetrics,
-        in_flight: Callable[[], int],
+        arrived: Callable[[], int],
         model: LatencyModel,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """``in_flight``: the requests in this router now (the lifecycle's count)."""
+        """``arrived``: the requests that reached this router so far (finished
+        and in flight: ``lifecycle_arrivals``)."""
         config = backend.config
         if config.pools.mode != "disaggregated":
             raise ValueError("autoscale: only disaggregated pools (pools.mode) are resized")
         self.backend = backend
         self.settings = config.autoscale
         self.metrics = metrics
-        self.in_flight = in_flight
+        self.arrived = arrived
         self.clock = clock
         self.observer = Observer(self.settings.window_s, clock)
         metrics.result_listeners.append(self.observer.record)
         self.policy = Policy(targets_of(self.settings, config.pools.max_workers), model)
         self.retiring: dict[str, asyncio.Task] = {}  # one retirement at a time per pool
+        self.growing: dict[str, asyncio.Task] = {}  # one growth at a time per pool
+        self.wanted: dict[str, int] = {}  # the latest target per pool
         self.outcomes: list[Outcome] = []  # the decisions made here (tests, benches)
 
     def sizes(self) -> dict[str, int]:
@@ -92,7 +107,7 @@ class AutoscaleRunner:
                 except Exception:
                     log.exception("autoscale round failed; trying again")
         finally:
-            for task in self.retiring.values():
+            for task in [*self.retiring.values(), *self.growing.values()]:
                 task.cancel()
             with contextlib.suppress(Exception):
                 await self.backend.deployment.call("autoscale_leave", self.backend.router_id)
@@ -119,17 +134,18 @@ class AutoscaleRunner:
         """This router's load; the backlog: prompts on the prefill workers now."""
         reports = await self.backend.worker_reports()
         backlog = sum(r.stats.num_requests for r in reports if r.role == "prefill")
-        return self.observer.load(self.in_flight(), backlog)
+        return self.observer.load(self.arrived(), backlog)
 
     async def _apply(self, decision: Decision) -> None:
         self.metrics.autoscale_decisions.labels(decision.pool, decision.direction).inc()
-        members = self.backend.members
+        self.wanted[decision.pool] = decision.target
         if decision.direction == "up":
-            retiring = sum(1 for n in members.retiring if role_of(n) == decision.pool)
-            total = decision.target + retiring
-            sizes = (total, None) if decision.pool == "prefill" else (None, total)
-            await self.backend.scale(*sizes)
+            task = self.growing.get(decision.pool)
+            if task is None or task.done():
+                self.growing[decision.pool] = asyncio.create_task(self._grow(decision.pool))
             return
+        if decision.pool in self.growing:  # a smaller target stops a growth between steps
+            self.growing.pop(decision.pool).cancel()
         if decision.pool in self.retiring and not self.retiring[decision.pool].done():
             return  # the last retirement still drains; the next round decides again
         pool = self.backend.pool_of(decision.pool)
@@ -139,6 +155,19 @@ class AutoscaleRunner:
         names = [w.name for w in pool.take_out(count)]
         task = asyncio.create_task(self._retire(decision.pool, names))
         self.retiring[decision.pool] = task
+
+    async def _grow(self, pool: str) -> None:
+        """Toward ``wanted[pool]``, GROW_STEP workers at a time."""
+        try:
+            while (now := self.sizes()[pool]) < self.wanted[pool]:
+                retiring = sum(1 for n in self.backend.members.retiring if role_of(n) == pool)
+                total = min(self.wanted[pool], now + GROW_STEP) + retiring
+                sizes = (total, None) if pool == "prefill" else (None, total)
+                await self.backend.scale(*sizes)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("growing the %s pool failed", pool)
 
     async def _retire(self, role: str, names: list[str]) -> None:
         try:

@@ -295,15 +295,13 @@ def start_autoscaler(
     if not config.autoscale.enabled:
         return None
     from router.autoscaler_model import model_for
-    from router.autoscaler_runner import AutoscaleRunner
+    from router.autoscaler_runner import AutoscaleRunner, lifecycle_arrivals
 
     joined = joined_config(backend, config)
-    model = model_for(config.autoscale.profile, joined.engine.max_num_batched_tokens)
-
-    def in_flight() -> int:
-        return server.lifecycle.stats.in_flight
-
-    runner = AutoscaleRunner(backend, server.metrics, in_flight, model)  # type: ignore[arg-type]
+    profile = config.autoscale.profile or joined.engine.simulate
+    model = model_for(profile, joined.engine.max_num_batched_tokens)
+    arrived = lifecycle_arrivals(server.lifecycle)
+    runner = AutoscaleRunner(backend, server.metrics, arrived, model)  # type: ignore[arg-type]
     log.info("autoscaling: %s", config.autoscale.model_dump())
     return asyncio.create_task(runner.run())
 

@@ -137,14 +137,32 @@ def test_observer_rates_lengths_hits_and_quantiles():
     for i in range(40):  # one a second, each 1 s end to end
         clock.now = float(i + 1)
         obs.record(_result(ttft=0.1 + i / 100), e2e_s=1.0)
+        obs.load(arrived=i + 1, backlog=0)  # a round a second
     clock.now = 40.0  # arrivals at 0..39
-    got = obs.load(in_flight=2, backlog=3)
-    # arrivals in the last 20 s: 20 (finished) + 2 in flight; the last 5 s: 5 + 2
-    assert got.rate_rps == pytest.approx(max(22 / 20, 7 / 5))
+    got = obs.load(arrived=40, backlog=3)
+    assert got.rate_rps == pytest.approx(1.0)
     assert (got.prompt_tokens, got.output_tokens, got.hit_rate) == (100, 10, 0.5)
     assert got.backlog == 3 and got.samples == 20
     seen = obs.observed(0.5)
     assert seen.samples == 20 and seen.ttft_s == pytest.approx(0.1 + 29.5 / 100)
+
+
+def test_a_step_up_in_rate_shows_within_a_quarter_window_and_a_step_down_after_a_window():
+    clock = Clock()
+    obs = Observer(window_s=20.0, clock=clock)
+    arrived = 0
+    for t in range(1, 61):
+        clock.now = float(t)
+        arrived += 2 if t <= 30 else 10 if t <= 45 else 2
+        rate = obs.load(arrived, backlog=0).rate_rps
+        if t == 30:
+            assert rate == pytest.approx(2.0)
+        if t == 36:  # 6 s after the step: the last 5 s ran at 10 a second
+            assert rate == pytest.approx(10.0)
+        if t == 50:  # 5 s after the step down, the window still holds the peak
+            assert rate > 6.0
+        if t == 60:  # the window's: 5 s at 10 and 15 s at 2 (the last quarter's: 2)
+            assert rate == pytest.approx((5 * 10 + 15 * 2) / 20)
 
 
 def test_observer_ignores_aborted_and_empty_results():
