@@ -6,7 +6,9 @@ Each decision (``Policy.decide``, no I/O, the clock given):
 1. Corrects the model: at the current sizes, the measured latency over the
    predicted one, smoothed (``CORRECTION_ALPHA``), kept within
    ``CORRECTION_BOUNDS``; updated only once the sizes have been stable for a
-   window (the measurements are of those sizes) and enough requests finished.
+   window (the measurements are of those sizes), enough requests finished,
+   and no queue builds (at most one prompt per prefill worker waits: the
+   requests measured are not those the prediction queues).
 2. The fewest prefill workers whose corrected TTFT (queueing included) is at
    most ``headroom`` x the target, then, with them, the fewest decode
    workers whose corrected TPOT is, each within its bounds.
@@ -83,7 +85,9 @@ class Policy:
             self._sizes, self._stable_since = dict(sizes), now
         t = self.targets
         raw = self.model.predict(load, sizes["prefill"], sizes["decode"], t.quantile)
-        if now - self._stable_since >= t.window_s and observed.samples >= MIN_CORRECTION_SAMPLES:
+        steady = load.backlog <= sizes["prefill"]  # no queue building: measured ~ predicted
+        stable = now - self._stable_since >= t.window_s
+        if stable and steady and observed.samples >= MIN_CORRECTION_SAMPLES:
             self._correct("ttft", observed.ttft_s, raw.ttft_s)
             self._correct("tpot", observed.tpot_s, raw.tpot_s)
         needed, why = self._needed(load, sizes)

@@ -126,6 +126,8 @@ class AutoscaleRunner:
         self.outcomes.append(outcome)
         self._export(outcome, sizes)
         for decision in outcome.decisions:
+            if self._under_way(decision):
+                continue
             self._log(decision, outcome, Load.combined(turn.loads))
             await self._apply(decision)
         return outcome
@@ -136,6 +138,13 @@ class AutoscaleRunner:
         backlog = sum(r.stats.num_requests for r in reports if r.role == "prefill")
         return self.observer.load(self.arrived(), backlog)
 
+    def _under_way(self, decision: Decision) -> bool:
+        """The same target, still being reached (a growth or a retirement runs)."""
+        tasks = self.growing if decision.direction == "up" else self.retiring
+        task = tasks.get(decision.pool)
+        running = task is not None and not task.done()
+        return running and self.wanted.get(decision.pool) == decision.target
+
     async def _apply(self, decision: Decision) -> None:
         self.metrics.autoscale_decisions.labels(decision.pool, decision.direction).inc()
         self.wanted[decision.pool] = decision.target
@@ -144,8 +153,7 @@ class AutoscaleRunner:
             if task is None or task.done():
                 self.growing[decision.pool] = asyncio.create_task(self._grow(decision.pool))
             return
-        if decision.pool in self.growing:  # a smaller target stops a growth between steps
-            self.growing.pop(decision.pool).cancel()
+        # A growth under way stops after its current step (wanted is lower now).
         if decision.pool in self.retiring and not self.retiring[decision.pool].done():
             return  # the last retirement still drains; the next round decides again
         pool = self.backend.pool_of(decision.pool)

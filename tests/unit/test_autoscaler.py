@@ -119,6 +119,14 @@ def test_observed_error_corrects_the_model_once_the_sizes_are_stable():
     assert out.target["prefill"] == 3
 
 
+def test_a_building_queue_leaves_the_correction_alone():
+    p = policy()
+    sizes = {"prefill": 2, "decode": 1}
+    p.decide(0.0, load(8, backlog=5), Observed(0.1, 0.01, samples=50), sizes)
+    out = p.decide(6.0, load(8, backlog=5), Observed(0.1, 0.01, samples=50), sizes)
+    assert out.correction == {"ttft": 1.0, "tpot": 1.0}
+
+
 def test_too_few_samples_leave_the_correction_alone():
     p = policy()
     sizes = {"prefill": 2, "decode": 1}
