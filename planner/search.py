@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from planner.simulator import DecodeCost, PrefillCost, SimResult, SystemConfig, Workload, simulate
+from planner.trace import Trace
+from planner.workers import StepFn
 
 
 @dataclass(frozen=True)
@@ -29,13 +31,14 @@ class Plan:
 
 
 def evaluate(
-    workload: Workload,
+    workload: Workload | Trace,
     system: SystemConfig,
     prefill_cost: PrefillCost,
     decode_cost: DecodeCost,
     ttft_slo_s: float,
     tpot_slo_s: float,
     seed: int,
+    step_cost: StepFn | None = None,
 ) -> Candidate:
     res: SimResult = simulate(
         workload,
@@ -45,6 +48,7 @@ def evaluate(
         ttft_slo_s=ttft_slo_s,
         tpot_slo_s=tpot_slo_s,
         seed=seed,
+        step_cost=step_cost,
     )
     return Candidate(
         system.num_prefill, system.num_decode, res.attainment, res.goodput, res.summary()
@@ -57,7 +61,7 @@ def naive_split(total: int) -> tuple[int, int]:
 
 
 def search(
-    workload: Workload,
+    workload: Workload | Trace,
     prefill_cost: PrefillCost,
     decode_cost: DecodeCost,
     *,
@@ -67,6 +71,7 @@ def search(
     max_workers: int = 8,
     base: SystemConfig | None = None,
     seed: int = 0,
+    step_cost: StepFn | None = None,
 ) -> Plan:
     """Try every (P, D) with P + D = T for T = 2, 3, ... up to max_workers; the
     first T with a pair at or above the target wins, the pair with the highest
@@ -81,8 +86,9 @@ def search(
         if (p, d) not in cache:
             system = replace(base, num_prefill=p, num_decode=d)
             cache[p, d] = evaluate(
-                workload, system, prefill_cost, decode_cost, ttft_slo_s, tpot_slo_s, seed
-            )
+                workload, system, prefill_cost, decode_cost, ttft_slo_s, tpot_slo_s, seed,
+                step_cost,
+            )  # fmt: skip
         return cache[p, d]
 
     best = None

@@ -1,30 +1,61 @@
-"""Discrete-event simulation of the disaggregated system.
+"""Discrete-event model of a disaggregated deployment, on a trace.
 
-Requests arrive (Poisson, or gamma with a coefficient of variation), go to the
-least loaded of P prefill workers (FIFO; a free worker takes the waiting
-prompts in order while they fit a token budget), get their first token when
-that batch ends (TTFT), wait a KV transfer (bytes / bandwidth + latency), then
-join the least loaded of D decode workers at its next step boundary. A decode
-step serves every running sequence; its time comes from the profile, given
-the batch and the mean context.
+The path of each request, as the real one (docs/design.md):
+
+1. Admission (router/admission.py): the request needs the blocks of its
+   longest length (prompt + max_tokens) on one decode worker; it waits,
+   first come first served, until a decode worker's room (its blocks less
+   what the requests admitted there need) holds them.
+2. Routing (router/prefix_routing.py): each worker's count of the prompt's
+   leading blocks in its prefix cache; a worker's score is that count less
+   ``load_weight_blocks`` per request in flight, ties to the least loaded.
+   When the chosen decode worker holds a prefix and at most
+   ``local_prefill_tokens`` are left, it prefills the tail itself; else a
+   prefill worker does, after pulling the prefix from the worker holding
+   most of it when that is ``pull_min_blocks`` more than its own.
+3. Prefill (planner/workers.py): the engine's step loop with a token
+   budget, chunked, batched, skipping cached leading blocks.
+4. KV push: the decode worker takes the leading blocks its cache holds; the
+   rest cost ``kv_latency_s + bytes / kv_bandwidth_Bps``.
+5. Decode: the first token goes out when the push commits, or at the end of
+   the decode worker's step under way; the request joins the next step. A
+   step serves every running sequence; its time comes from the profile for
+   the batch and mean context.
+
+TTFT is arrival to the first token at the client (``rpc_latency_s`` for the
+call to the worker, ``stream_latency_s`` from the decode worker's stream);
+TPOT is (last token - first token) / (tokens - 1). The reserve rule means
+admission never preempts a running sequence, so the model has no preemption:
+a full pool shows as admission wait. Deterministic for a trace.
 """
 
 from __future__ import annotations
 
 import heapq
+import itertools
 import random
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-PrefillCost = Callable[[Sequence[int]], float]
-DecodeCost = Callable[[int, float], float]
+from planner.blocks import blocks_for
+from planner.trace import Trace, TraceRequest, independent
+from planner.workers import DecodeCost, PrefillCost, Seq, StepCost, StepFn, WorkerModel
+
+__all__ = [
+    "DecodeCost", "PrefillCost", "SimResult", "SystemConfig", "Workload",
+    "make_trace", "simulate",
+]  # fmt: skip
+
+UNLIMITED_BLOCKS = 1 << 40
 
 
 @dataclass(frozen=True)
 class Workload:
+    """A load described by distributions; ``make_trace`` draws its trace."""
+
     rate: float  # requests per second
     input_len: tuple[int, int] = (256, 256)  # uniform [lo, hi]; lo == hi: fixed
     output_len: tuple[int, int] = (64, 64)
@@ -49,42 +80,29 @@ class Workload:
 class SystemConfig:
     num_prefill: int
     num_decode: int
-    prefill_token_budget: int = 512  # as tandem serve; 0: no batching (one prompt per batch)
+    prefill_token_budget: int = 512  # engine.max_num_batched_tokens; 0: a whole prompt a step
+    decode_token_budget: int = 512
     max_decode_seqs: int = 256
-    kv_bytes_per_token: int = 0
+    max_prefill_seqs: int = 256
+    block_size: int = 16
+    prefill_kv_blocks: int = UNLIMITED_BLOCKS  # a prefill worker's pool
+    decode_kv_blocks: int = UNLIMITED_BLOCKS  # a decode worker's pool (admission room)
+    kv_bytes_per_token: int = 0  # bytes a transfer moves per token
     kv_bandwidth_Bps: float = 10e9
-    kv_latency_s: float = 0.0005
-
-
-@dataclass
-class Request:
-    id: int
-    arrival: float
-    prompt_len: int
-    output_len: int
-    prefill_start: float = 0.0
-    first_token: float = 0.0
-    finish: float = 0.0
-    generated: int = 0
-
-    @property
-    def ttft(self) -> float:
-        return self.first_token - self.arrival
-
-    @property
-    def queue_wait(self) -> float:
-        return self.prefill_start - self.arrival
-
-    @property
-    def tpot(self) -> float:
-        if self.output_len <= 1:
-            return 0.0
-        return (self.finish - self.first_token) / (self.output_len - 1)
+    kv_latency_s: float = 0.0005  # a push's or pull's fixed cost (handshake, commit)
+    rpc_latency_s: float = 0.0  # router to worker: the Ray call
+    local_latency_s: float | None = None  # the same, prefilled on the decode worker (None: rpc's)
+    stream_latency_s: float = 0.0  # decode worker's stream to the client
+    step_overhead_s: float = 0.0  # an engine step's time beyond the profile's (the loop, outputs)
+    prefix_routing: bool = True
+    local_prefill_tokens: int = 256
+    load_weight_blocks: float = 4.0
+    pull_min_blocks: int = 2
 
 
 @dataclass
 class SimResult:
-    requests: list[Request]
+    requests: list[Seq]
     ttft_slo_s: float
     tpot_slo_s: float
     makespan_s: float
@@ -92,13 +110,18 @@ class SimResult:
     tpot: np.ndarray = field(init=False)
 
     def __post_init__(self) -> None:
-        self.ttft = np.array([r.ttft for r in self.requests])
-        self.tpot = np.array([r.tpot for r in self.requests])
+        done = [r for r in self.requests if not r.failed]
+        self.ttft = np.array([r.ttft for r in done])
+        self.tpot = np.array([r.tpot for r in done])
+
+    @property
+    def failed(self) -> int:
+        return sum(r.failed for r in self.requests)
 
     @property
     def attainment(self) -> float:
         ok = (self.ttft <= self.ttft_slo_s) & (self.tpot <= self.tpot_slo_s)
-        return float(ok.mean())
+        return float(ok.sum()) / len(self.requests)
 
     @property
     def goodput(self) -> float:
@@ -108,61 +131,54 @@ class SimResult:
 
     @property
     def mean_queue_wait(self) -> float:
-        return float(np.mean([r.queue_wait for r in self.requests]))
+        return float(np.mean([r.queue_wait for r in self.requests if not r.failed]))
+
+    @property
+    def prefix_hit_share(self) -> float:
+        """Prompt tokens served from a cache, of all prompt tokens."""
+        total = sum(r.prompt_len for r in self.requests)
+        return sum(r.cached_tokens for r in self.requests) / total if total else 0.0
 
     def summary(self) -> dict[str, float]:
+        def pct(a: np.ndarray, q: float) -> float:
+            return float(np.percentile(a, q) * 1e3) if len(a) else float("nan")
+
         return {
             "attainment": self.attainment,
             "goodput_rps": self.goodput,
-            "ttft_p50_ms": float(np.percentile(self.ttft, 50) * 1e3),
-            "ttft_p90_ms": float(np.percentile(self.ttft, 90) * 1e3),
-            "tpot_p50_ms": float(np.percentile(self.tpot, 50) * 1e3),
-            "tpot_p90_ms": float(np.percentile(self.tpot, 90) * 1e3),
+            "ttft_p50_ms": pct(self.ttft, 50),
+            "ttft_p90_ms": pct(self.ttft, 90),
+            "tpot_p50_ms": pct(self.tpot, 50),
+            "tpot_p90_ms": pct(self.tpot, 90),
         }
 
 
-def make_requests(workload: Workload, seed: int) -> list[Request]:
+def make_trace(workload: Workload, seed: int, vocab: int = 1000) -> Trace:
+    return independent(
+        "workload", rate=workload.rate, num_requests=workload.num_requests,
+        input_len=workload.input_len, output_len=workload.output_len, vocab=vocab,
+        seed=seed, cv=workload.cv if workload.arrival == "gamma" else 1.0,
+    )  # fmt: skip
+
+
+def _unique_prompts(workload: Workload, seed: int) -> list[TraceRequest]:
+    """The workload's arrivals and lengths, with prompts no cache can share
+    (cheap to draw for long closed-form runs)."""
     rng = random.Random(seed)
-    t = 0.0
-    out = []
+    t, out = 0.0, []
     for i in range(workload.num_requests):
         if workload.arrival == "poisson":
-            gap = rng.expovariate(workload.rate)
+            t += rng.expovariate(workload.rate)
         else:  # gamma gaps with mean 1/rate and the given CV
             shape = 1.0 / workload.cv**2
-            gap = rng.gammavariate(shape, 1.0 / (shape * workload.rate))
-        t += gap
-        out.append(
-            Request(i, t, rng.randint(*workload.input_len), rng.randint(*workload.output_len))
-        )
+            t += rng.gammavariate(shape, 1.0 / (shape * workload.rate))
+        n, out_len = rng.randint(*workload.input_len), rng.randint(*workload.output_len)
+        out.append(TraceRequest(t, (i + 1,) * n, out_len))
     return out
 
 
-# Event kinds, in the order simultaneous events are handled.
-_FINISH_PREFILL, _FINISH_STEP, _ARRIVE, _JOIN_DECODE = range(4)
-
-
-class _PrefillWorker:
-    def __init__(self) -> None:
-        self.queue: deque[Request] = deque()
-        self.busy = False
-        self.load = 0  # prompt tokens queued or in service
-
-
-class _DecodeWorker:
-    def __init__(self) -> None:
-        self.running: list[Request] = []
-        self.joining: list[Request] = []
-        self.busy = False
-        self.context = 0  # sum of contexts of the running sequences
-
-    @property
-    def load(self) -> int:
-        return len(self.running) + len(self.joining)
-
-
 def simulate(
-    workload: Workload,
+    workload: Workload | Trace | None,
     system: SystemConfig,
     prefill_cost: PrefillCost,
     decode_cost: DecodeCost,
@@ -170,100 +186,224 @@ def simulate(
     ttft_slo_s: float = float("inf"),
     tpot_slo_s: float = float("inf"),
     seed: int = 0,
-    requests: list[Request] | None = None,
+    step_cost: StepFn | None = None,
 ) -> SimResult:
-    """Run the simulation to the last request's end; deterministic for a seed."""
+    """Run the model to the last request's end. A ``Workload`` is drawn with
+    ``seed`` (prompts share nothing); a ``Trace`` runs as it is.
+    ``step_cost(lengths, contexts, decode batch, decode context)``: one
+    engine step's seconds (``Profile.step_s``), else the two costs added."""
     if system.num_prefill < 1 or system.num_decode < 1:
         raise ValueError("need at least one prefill and one decode worker")
-    reqs = requests if requests is not None else make_requests(workload, seed)
-    prefill = [_PrefillWorker() for _ in range(system.num_prefill)]
-    decode = [_DecodeWorker() for _ in range(system.num_decode)]
-    decode_backlog: deque[Request] = deque()  # every decode worker full
-    events: list[tuple[float, int, int, object]] = []
-    counter = 0
+    if isinstance(workload, Trace):
+        reqs: Sequence[TraceRequest] = workload.requests
+    elif isinstance(workload, Workload):
+        reqs = _unique_prompts(workload, seed)
+    else:
+        raise TypeError("simulate needs a Workload or a Trace")
+    seqs = [
+        Seq(i, r.arrival_s, r.prompt, r.output_len, system.block_size) for i, r in enumerate(reqs)
+    ]
+    model = _Model(system, StepCost(prefill_cost, decode_cost, step_cost))
+    end = model.run(seqs)
+    return SimResult(seqs, ttft_slo_s, tpot_slo_s, makespan_s=end)
 
-    def push(t: float, kind: int, payload: object) -> None:
-        nonlocal counter
-        counter += 1
-        heapq.heappush(events, (t, kind, counter, payload))
 
-    def start_prefill(w: _PrefillWorker, now: float) -> None:
-        batch = [w.queue.popleft()]
-        tokens = batch[0].prompt_len
-        budget = system.prefill_token_budget
-        while budget and w.queue and tokens + w.queue[0].prompt_len <= budget:
-            tokens += w.queue[0].prompt_len
-            batch.append(w.queue.popleft())
-        for r in batch:
-            r.prefill_start = now
+# Event kinds, in the order simultaneous events are handled.
+# An idle worker starts its step after every call of the same instant, as the
+# engine thread runs the calls waiting before it steps (_KICK last).
+_STEP_END, _PUSH_DONE, _AT_PREFILL, _AT_DECODE, _ARRIVE, _KICK = range(6)
+
+
+class _Model:
+    def __init__(self, system: SystemConfig, cost: StepCost) -> None:
+        s = system
+        self.s = s
+        self.cost = cost
+        self.prefill = [
+            WorkerModel(f"p{i}", s.prefill_kv_blocks, s.prefill_token_budget, s.max_prefill_seqs)
+            for i in range(s.num_prefill)
+        ]
+        self.decode = [
+            WorkerModel(f"d{i}", s.decode_kv_blocks, s.decode_token_budget, s.max_decode_seqs)
+            for i in range(s.num_decode)
+        ]
+        self.queue: deque[Seq] = deque()  # admission
+        self.events: list[tuple[float, int, int, object]] = []
+        self.counter = itertools.count()
+        self.rr = itertools.count()  # the fallback policy's tie breaker
+        self.steps: dict[WorkerModel, tuple[list[tuple[Seq, int]], list[Seq]]] = {}
+        self.dest: dict[Seq, WorkerModel] = {}  # where a prefill's KV goes
+
+    def at(self, t: float, kind: int, payload: object) -> None:
+        heapq.heappush(self.events, (t, kind, next(self.counter), payload))
+
+    def run(self, seqs: list[Seq]) -> float:
+        for s in seqs:
+            self.at(s.arrival, _ARRIVE, s)
+        now = 0.0
+        while self.events:
+            now, kind, _, payload = heapq.heappop(self.events)
+            if kind == _ARRIVE:
+                self.queue.append(payload)  # type: ignore[arg-type]
+                self.admit(now)
+            elif kind == _AT_PREFILL:
+                s, p, pulled = payload  # type: ignore[misc]
+                p.cache.touch(s.keys[:pulled])
+                p.cache.hold(blocks_for(s.prompt_len, s.block_size))
+                p.waiting.append(s)
+                self.kick(p, now)
+            elif kind == _AT_DECODE:
+                s, d = payload  # type: ignore[misc]
+                d.waiting.append(s)
+                self.kick(d, now)
+            elif kind == _PUSH_DONE:
+                self.commit(*payload, now)  # type: ignore[misc]
+            elif kind == _KICK:
+                w = payload  # type: ignore[assignment]
+                w.kick_pending = False
+                if not w.busy:
+                    self.start_step(w, now)
+            else:
+                self.end_step(payload, now)  # type: ignore[arg-type]
+        return now
+
+    # ---- router ----------------------------------------------------------
+
+    def admit(self, now: float) -> None:
+        while self.queue:
+            s = self.queue[0]
+            if s.final_blocks > self.s.decode_kv_blocks:
+                s.failed = True  # INVALID_ARGUMENT: fits no decode worker's pool
+                self.queue.popleft()
+                continue
+            fits = [d for d in self.decode if d.room() >= s.final_blocks]
+            if not fits:
+                return
+            self.queue.popleft()
+            self.route(s, fits, now)
+
+    def best(self, workers: list[WorkerModel], cached: dict[WorkerModel, int]) -> WorkerModel:
+        if cached:
+            w = self.s.load_weight_blocks
+            scores = {x: cached.get(x, 0) - w * x.in_flight for x in workers}
+            top = max(scores.values())
+            workers = [x for x in workers if scores[x] == top]
+        least = min(x.in_flight for x in workers)
+        tied = [x for x in workers if x.in_flight == least]
+        return tied[next(self.rr) % len(tied)]
+
+    def route(self, s: Seq, fits: list[WorkerModel], now: float) -> None:
+        cached: dict[WorkerModel, int] = {}
+        if self.s.prefix_routing:
+            for w in (*self.prefill, *self.decode):
+                n = w.cache.leading(s.keys)
+                if n:
+                    cached[w] = n
+        d = self.best(fits, cached)
+        s.admitted = now
+        d.reserved += s.final_blocks
+        d.cache.hold(s.final_blocks)
+        d.in_flight += 1
+        d_blocks = cached.get(d, 0)
+        tail = s.prompt_len - d_blocks * s.block_size
+        if d_blocks and self.s.local_prefill_tokens and tail <= self.s.local_prefill_tokens:
+            s.local = True
+            lat = self.s.rpc_latency_s if self.s.local_latency_s is None else self.s.local_latency_s
+            self.at(now + lat, _AT_DECODE, (s, d))
+            return
+        p = self.best(self.prefill, cached)
+        p.in_flight += 1
+        have = cached.get(p, 0)
+        holders = [w for w in (*self.prefill, *self.decode) if w is not p]
+        most = max((cached.get(w, 0) for w in holders), default=0)
+        delay = self.s.rpc_latency_s
+        pulled = 0
+        if self.s.pull_min_blocks and most - have >= self.s.pull_min_blocks:
+            delay += self.transfer_s(most - have)
+            pulled = most
+        self.dest[s] = d
+        self.at(now + delay, _AT_PREFILL, (s, p, pulled))
+
+    def transfer_s(self, blocks: int) -> float:
+        s = self.s
+        return s.kv_latency_s + blocks * s.block_size * s.kv_bytes_per_token / s.kv_bandwidth_Bps
+
+    # ---- workers ---------------------------------------------------------
+
+    def kick(self, w: WorkerModel, now: float) -> None:
+        if not w.busy and not w.kick_pending:
+            w.kick_pending = True
+            self.at(now, _KICK, w)
+
+    def start_step(self, w: WorkerModel, now: float) -> None:
+        chunks, decodes = w.plan_step(now)
+        if not chunks and not decodes:
+            w.busy = False
+            return
+        ctx = sum(x.prompt_len + x.generated for x in decodes) / len(decodes) if decodes else 0.0
         w.busy = True
-        push(now + prefill_cost([r.prompt_len for r in batch]), _FINISH_PREFILL, (w, batch))
+        lengths, contexts = [n for _, n in chunks], [x.computed for x, _ in chunks]
+        w.step_end = (
+            now + self.s.step_overhead_s + self.cost.step_s(lengths, contexts, len(decodes), ctx)
+        )
+        self.steps[w] = (chunks, decodes)
+        self.at(w.step_end, _STEP_END, w)
 
-    def start_step(w: _DecodeWorker, now: float) -> None:
-        for r in w.joining:
-            w.running.append(r)
-            w.context += r.prompt_len + r.generated
+    def end_step(self, w: WorkerModel, now: float) -> None:
+        chunks, decodes = self.steps.pop(w)
+        for s in decodes:
+            s.generated += 1
+            if s.generated >= s.output_len:
+                self.finish(s, w, now)
+        for s, n in chunks:
+            s.computed += n
+            if s.computed < s.prompt_len:
+                continue
+            s.prefill_end = now
+            if s.local:
+                self.first_token(s, w, now, running=True)
+            else:
+                self.push(s, w, now)
+        for s in w.joining:
+            self.first_token(s, w, now)
         w.joining.clear()
-        if not w.running:
-            w.busy = False
-            return
-        w.busy = True
-        batch = len(w.running)
-        push(now + decode_cost(batch, w.context / batch), _FINISH_STEP, w)
+        self.start_step(w, now)
 
-    def place(r: Request, now: float) -> None:
-        open_workers = [w for w in decode if w.load < system.max_decode_seqs]
-        if not open_workers:
-            decode_backlog.append(r)
-            return
-        w = min(open_workers, key=lambda w: (w.load, w.context))
-        w.joining.append(r)
-        if not w.busy:
-            start_step(w, now)
+    def push(self, s: Seq, p: WorkerModel, now: float) -> None:
+        p.running.remove(s)
+        p.cache.touch(s.keys)
+        d = self.dest.pop(s)
+        held = d.cache.leading(s.keys)
+        s.pushed_blocks = blocks_for(s.prompt_len, s.block_size) - held
+        d.cache.touch(s.keys[:held])
+        self.at(now + self.transfer_s(s.pushed_blocks), _PUSH_DONE, (s, p, d))
 
-    for r in reqs:
-        push(r.arrival, _ARRIVE, r)
-    now = 0.0
-    while events:
-        now, kind, _, payload = heapq.heappop(events)
-        if kind == _ARRIVE:
-            r = payload  # type: ignore[assignment]
-            w = min(prefill, key=lambda w: w.load)
-            w.queue.append(r)
-            w.load += r.prompt_len
-            if not w.busy:
-                start_prefill(w, now)
-        elif kind == _FINISH_PREFILL:
-            w, batch = payload  # type: ignore[misc]
-            for r in batch:
-                w.load -= r.prompt_len
-                r.first_token = now
-                r.generated = 1
-                if r.output_len <= 1:
-                    r.finish = now
-                    continue
-                delay = system.kv_latency_s
-                if system.kv_bytes_per_token:
-                    delay += r.prompt_len * system.kv_bytes_per_token / system.kv_bandwidth_Bps
-                push(now + delay, _JOIN_DECODE, r)
-            w.busy = False
-            if w.queue:
-                start_prefill(w, now)
-        elif kind == _JOIN_DECODE:
-            place(payload, now)  # type: ignore[arg-type]
-        else:  # _FINISH_STEP
-            w = payload  # type: ignore[assignment]
-            still = []
-            for r in w.running:
-                r.generated += 1
-                w.context += 1
-                if r.generated >= r.output_len:
-                    r.finish = now
-                    w.context -= r.prompt_len + r.generated
-                else:
-                    still.append(r)
-            w.running = still
-            while decode_backlog and w.load < system.max_decode_seqs:
-                w.joining.append(decode_backlog.popleft())
-            start_step(w, now)
-    return SimResult(reqs, ttft_slo_s, tpot_slo_s, makespan_s=now)
+    def commit(self, s: Seq, p: WorkerModel, d: WorkerModel, now: float) -> None:
+        p.in_flight -= 1
+        p.cache.release(blocks_for(s.prompt_len, s.block_size))
+        d.cache.touch(s.keys)
+        if d.busy:
+            d.joining.append(s)  # first token when the step under way ends
+        else:
+            self.first_token(s, d, now)
+            self.kick(d, now)
+
+    def first_token(self, s: Seq, d: WorkerModel, now: float, running: bool = False) -> None:
+        s.first_token = now + self.s.stream_latency_s
+        s.generated = 1
+        s.computed = s.prompt_len
+        if not running:
+            d.running.append(s)
+        if s.output_len <= 1:
+            self.finish(s, d, now)
+
+    def finish(self, s: Seq, d: WorkerModel, now: float) -> None:
+        s.finish = now + self.s.stream_latency_s
+        if s in d.running:
+            d.running.remove(s)
+        d.reserved -= s.final_blocks
+        d.in_flight -= 1
+        d.cache.release(s.final_blocks)
+        d.cache.touch(s.keys)
+        d.cache.store_unmatched((s.prompt_len + s.generated) // s.block_size - len(s.keys))
+        self.admit(now)

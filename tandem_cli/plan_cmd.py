@@ -32,6 +32,17 @@ def _slo(text: str) -> dict[str, float]:
     return out
 
 
+def _pools(text: str) -> tuple[int, int]:
+    try:
+        p, _, d = text.partition(":")
+        pair = (int(p), int(d))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected P:D, got {text!r}") from None
+    if min(pair) < 1:
+        raise argparse.ArgumentTypeError(f"expected P, D >= 1, got {text!r}")
+    return pair
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="recommend prefill/decode pool sizes for a workload and SLOs")
     p.add_argument("--model", metavar="ID_OR_PATH", help="model to profile (default: embedded)")
@@ -75,34 +86,42 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="start the planned pools here (and then the naive split) and replay a short load",
     )
     p.add_argument("--verify-requests", type=int, default=30)
+    p.add_argument(
+        "--workload",
+        choices=["chat", "long", "multiturn"],
+        help="plan on one of the named workloads' traces (at --rate) instead of --input-len"
+        " and --output-len",
+    )
+    p.add_argument("--trace", metavar="FILE", help="plan on this saved trace")
+    p.add_argument(
+        "--verify-simulate",
+        action="store_true",
+        help="--verify: start simulated workers running --profile (engine.simulate)",
+    )
+    p.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="verify: measure the serving path's fixed costs on an idle probe first",
+    )
+    p.add_argument("--trace-out", metavar="FILE", help="save the trace planned on")
+    p.add_argument(
+        "--verify-pools",
+        type=_pools,
+        metavar="P:D",
+        help="--verify-target: the pools the target runs (default: the plan's)",
+    )
 
 
 def command(args: argparse.Namespace) -> int:
-    from planner.profile import Profile, run_profile
     from planner.search import search
     from planner.simulator import SystemConfig, Workload
 
     err = sys.stderr
     if args.profiles:
         return _list_profiles()
-    if args.profile:
-        try:
-            profile = Profile.load(args.profile)
-        except (OSError, ValueError, TypeError) as e:
-            print(f"tandem plan: cannot read profile {args.profile}: {e}", file=err)
-            return 2
-    else:
-        print("profiling the engine (in process)...", file=err, flush=True)
-        profile = run_profile(
-            args.model,
-            quick=args.quick,
-            num_threads=args.num_threads,
-            seed=args.seed,
-            log=lambda line: print("  " + line, file=err, flush=True),
-        )
-    if args.profile_out:
-        profile.save(args.profile_out)
-        print(f"profile saved to {args.profile_out}", file=err)
+    profile = _profile(args)
+    if profile is None:
+        return 2
     slo = {"ttft_ms": 1000.0, "tpot_ms": 100.0, **args.slo}
     ttft_s, tpot_s = slo["ttft_ms"] / 1e3, slo["tpot_ms"] / 1e3
     try:
@@ -114,17 +133,19 @@ def command(args: argparse.Namespace) -> int:
             cv=args.cv,
             num_requests=args.num_requests,
         )
+        trace = _trace(args, workload, profile.vocab_size)
         base = SystemConfig(
             1,
             1,
             prefill_token_budget=args.prefill_token_budget,
+            decode_token_budget=args.prefill_token_budget,
             max_decode_seqs=args.max_decode_seqs,
             kv_bytes_per_token=profile.kv_bytes_per_token,
             kv_bandwidth_Bps=args.kv_bandwidth_gbps * 1e9,
             kv_latency_s=args.kv_latency_ms / 1e3,
         )
         plan = search(
-            workload,
+            trace,
             profile.prefill_s,
             profile.decode_step_s,
             ttft_slo_s=ttft_s,
@@ -133,23 +154,18 @@ def command(args: argparse.Namespace) -> int:
             max_workers=args.max_workers,
             base=base,
             seed=args.seed,
+            step_cost=getattr(profile, "step_s", None),
         )
     except ValueError as e:
         print(f"tandem plan: {e}", file=err)
         return 2
+    if args.trace_out:
+        trace.save(args.trace_out)
 
     print("profile:")
     print("  " + profile.describe().replace("\n", "\n  "))
-    lo, hi = args.input_len
-    olo, ohi = args.output_len
-    print(
-        f"workload: {args.rate:g} req/s {args.arrival}, input {lo}"
-        + (f":{hi}" if hi > lo else "")
-        + f", output {olo}"
-        + (f":{ohi}" if ohi > olo else "")
-        + f"; SLO ttft {slo['ttft_ms']:g} ms, tpot {slo['tpot_ms']:g} ms,"
-        f" target {args.attainment:.0%}"
-    )
+    print(f"workload: {_describe(args, trace)}; SLO ttft {slo['ttft_ms']:g} ms,"
+          f" tpot {slo['tpot_ms']:g} ms, target {args.attainment:.0%}")  # fmt: skip
 
     def line(label: str, c) -> str:
         s = c.summary
@@ -164,61 +180,132 @@ def command(args: argparse.Namespace) -> int:
     else:
         print(line("plan", plan.best))
     print(line("naive", plan.naive))
-    if (args.verify_target or args.verify) and plan.best is None:
-        print("verify: skipped (no plan)")
-        return 1
     if args.verify_target:
-        return _verify(args, profile, workload, ttft_s, tpot_s, plan.best.attainment)
-    if args.verify:
-        for label, choice in (("plan", plan.best), ("naive", plan.naive)):
-            _verify_local(args, label, choice, profile, workload, ttft_s, tpot_s)
+        pools = args.verify_pools or (plan.best and (plan.best.num_prefill, plan.best.num_decode))
+        if not pools:
+            print("verify: skipped (no plan; name the target's pools with --verify-pools)")
+            return 1
+        _verify(args, profile, trace, base, pools, ttft_s, tpot_s)
+    elif args.verify:
+        if plan.best is None:
+            print("verify: skipped (no plan)")
+            return 1
+        for label, c in (("plan", plan.best), ("naive", plan.naive)):
+            _verify_local(args, label, (c.num_prefill, c.num_decode), profile, trace, base,
+                          ttft_s, tpot_s)  # fmt: skip
     return 0 if plan.best is not None else 1
 
 
-def _verify_local(args, label, choice, profile, workload, ttft_s, tpot_s) -> None:
-    """Start ``choice``'s pools on a local Ray cluster and replay against them."""
+def _profile(args):
+    from planner.profile import run_profile
+    from planner.profiles import load_profile
+
+    err = sys.stderr
+    if args.profile:
+        try:
+            profile = load_profile(args.profile)
+        except (OSError, ValueError, TypeError) as e:
+            print(f"tandem plan: cannot read profile {args.profile}: {e}", file=err)
+            return None
+    else:
+        print("profiling the engine (in process)...", file=err, flush=True)
+        profile = run_profile(
+            args.model,
+            quick=args.quick,
+            num_threads=args.num_threads,
+            seed=args.seed,
+            log=lambda line: print("  " + line, file=err, flush=True),
+        )
+    if args.profile_out:
+        profile.save(args.profile_out)
+        print(f"profile saved to {args.profile_out}", file=err)
+    return profile
+
+
+def _trace(args, workload, vocab: int):
+    from planner.simulator import make_trace
+    from planner.trace import WORKLOADS, Trace
+
+    if args.trace:
+        try:
+            return Trace.load(args.trace)
+        except (OSError, KeyError, TypeError) as e:
+            raise ValueError(f"cannot read trace {args.trace}: {e}") from None
+    if args.workload:
+        return WORKLOADS[args.workload](args.rate, args.num_requests, vocab, args.seed)
+    return make_trace(workload, args.seed, vocab)
+
+
+def _describe(args, trace) -> str:
+    st = trace.stats()
+    return (
+        f"{trace.name}, {len(trace.requests)} requests at {st.rate:.3g} req/s,"
+        f" prompts p10-p90 {st.prompt_lens[0]}-{st.prompt_lens[1]},"
+        f" outputs {st.output_lens[0]}-{st.output_lens[1]}, shared prefix {st.prefix_share:.0%}"
+    )
+
+
+def _verify_local(args, label, pools, profile, trace, base, ttft_s, tpot_s) -> None:
+    """Start the pools on a local Ray cluster (simulated workers with
+    --verify-simulate) and replay against them; the model takes the
+    deployment's settings."""
     import ray
 
     from benchkit.deployment import Deployment
+    from planner.settings import system_for
     from router.config import ServeConfig
     from tandem_cli.ray_init import init_ray
 
+    engine = {"simulate": args.profile} if args.verify_simulate else {"model": args.model}
     config = ServeConfig(
-        engine={"model": args.model},
-        pools={"prefill": choice.num_prefill, "decode": choice.num_decode},
+        engine=engine,
+        pools={"prefill": pools[0], "decode": pools[1]},
         server={"port": 0},
     )
+    system = system_for(config, profile.kv_bytes_per_token, simulated=args.verify_simulate)
     started = init_ray(config)
     deployment = Deployment(config)
     try:
         args.verify_target = deployment.address
-        print(f"verify {label}: prefill={choice.num_prefill} decode={choice.num_decode}", end=" ")
-        _verify(args, profile, workload, ttft_s, tpot_s, choice.attainment)
+        print(f"verify {label}: prefill={pools[0]} decode={pools[1]}")
+        _verify(args, profile, trace, system, pools, ttft_s, tpot_s)
     finally:
+        args.verify_target = None
         deployment.stop()
         if started:
             ray.shutdown()
 
 
-def _verify(args, profile, workload, ttft_s, tpot_s, simulated: float) -> int:
-    from dataclasses import replace
+def _verify(args, profile, trace, base, pools, ttft_s, tpot_s) -> int:
+    """Replay the first --verify-requests requests of the trace and print the
+    model's prediction for exactly those beside what was measured."""
+    from planner.predict import SLO, predict_trace
+    from planner.trace import Trace
+    from planner.verify import compare, replay
 
-    from planner.verify import replay
+    if args.calibrate:
+        from planner.calibrate import fit, probe_trace
 
-    short = replace(workload, num_requests=args.verify_requests)
+        probe = probe_trace(profile.vocab_size, args.seed)
+        cal = fit(base, profile, probe, asyncio.run(replay(args.verify_target, probe)))
+        base = cal.apply(base)
+        print(
+            f"calibration: {cal.fixed_s * 1e3:.1f} ms a request, {cal.step_s * 1e3:.2f} ms a step"
+        )
+    short = Trace(trace.name, trace.requests[: args.verify_requests])
+    predicted = predict_trace(profile, short, *pools, base, SLO(ttft_s, tpot_s))
     print(
-        f"verify: replaying {short.num_requests} requests against {args.verify_target}...",
+        f"verify: replaying {len(short.requests)} requests against {args.verify_target}...",
         file=sys.stderr,
         flush=True,
     )
-    measured = asyncio.run(
-        replay(args.verify_target, short, vocab_size=profile.vocab_size, seed=args.seed)
-    )
-    got = measured.attainment(ttft_s, tpot_s)
+    measured = asyncio.run(replay(args.verify_target, short))
     print(
-        f"verify: measured attainment {got:.1%} (simulated {simulated:.1%}),"
-        f" {measured.errors} errors"
+        f"verify: measured attainment {measured.attainment(ttft_s, tpot_s):.1%}"
+        f" (predicted {predicted.attainment:.1%}), {measured.errors} errors"
     )
+    if measured.ttft_s:
+        print(compare(short.name, predicted, measured).table())
     return 0
 
 

@@ -1,6 +1,7 @@
 """`tandem plan` end to end: from a saved synthetic profile, with a short real
 profiling run of the default model, and the --verify-target replay against a
-router over a fake backend."""
+router over a fake backend (the model against a measured replay:
+test_plan_verify.py)."""
 
 from __future__ import annotations
 
@@ -112,31 +113,10 @@ def test_verify_target_replays_load_against_a_router(synthetic_profile, capsys):
     out = capsys.readouterr().out
     assert code == 0, out
     m = re.search(
-        r"verify: measured attainment ([\d.]+)% \(simulated ([\d.]+)%\), (\d+) errors", out
+        r"verify: measured attainment ([\d.]+)% \(predicted ([\d.]+)%\), (\d+) errors", out
     )
     assert m, out
     assert float(m[1]) == 100.0 and int(m[3]) == 0
     assert len(backend.finished) == 6
     assert all(len(i.prompt_token_ids) <= 8 for i in backend.inputs)
-
-
-@pytest.mark.timeout(900)  # two deployments started and loaded in turn
-def test_verify_starts_the_plan_and_the_naive_split_locally(synthetic_profile, ray_cluster, capsys):
-    code = main(
-        [
-            "plan",
-            "--profile", str(synthetic_profile),
-            "--rate", "2",
-            "--input-len", "16:32",
-            "--output-len", "4",
-            "--slo", "ttft_ms=100000,tpot_ms=100000",
-            "--max-workers", "2",
-            "--num-requests", "50",
-            "--verify",
-            "--verify-requests", "4",
-        ]
-    )  # fmt: skip
-    out = capsys.readouterr().out
-    assert code == 0, out
-    measured = re.findall(r"verify: measured attainment ([\d.]+)% .* (\d+) errors", out)
-    assert measured == [("100.0", "0"), ("100.0", "0")], out  # the plan, then the naive split
+    assert re.search(r"ttft_p50 ms\s+[\d.]+\s+[\d.]+\s+[+-][\d.]+%", out), out
