@@ -16,7 +16,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from planner.profile import Profile
-from planner.simulator import Request, SystemConfig, Workload, simulate
+from planner.simulator import SystemConfig, simulate
+from planner.trace import Trace as PlannerTrace
+from planner.trace import TraceRequest
 from router.client import TandemClient
 
 SIZE_SAMPLE_S = 0.25
@@ -51,10 +53,13 @@ class Trace:
         rng = random.Random(self.seed * 1_000_003 + i)
         return [rng.randrange(10, 30000) for _ in range(self.prompt_len)]
 
-    def planner_requests(self) -> list[Request]:
-        return [
-            Request(i, t, self.prompt_len, self.output_len) for i, t in enumerate(self.arrivals)
-        ]
+    def planner_trace(self) -> PlannerTrace:
+        """The same trace for the planner (prompts sharing nothing, as here)."""
+        requests = (
+            TraceRequest(t, (i + 1,) * self.prompt_len, self.output_len)
+            for i, t in enumerate(self.arrivals)
+        )
+        return PlannerTrace("autoscale-step", tuple(requests))
 
 
 @dataclass
@@ -144,13 +149,13 @@ def simulated(
     """The planner's attainment of ``trace`` on a fixed split."""
     system = SystemConfig(prefill, decode, kv_bytes_per_token=profile.kv_bytes_per_token)
     res = simulate(
-        Workload(rate=1.0),
+        trace.planner_trace(),
         system,
         profile.prefill_s,
         profile.decode_step_s,
         ttft_slo_s=ttft_slo_s,
         tpot_slo_s=tpot_slo_s,
-        requests=trace.planner_requests(),
+        step_cost=profile.step_s,
     )
     return res.attainment
 
@@ -158,13 +163,25 @@ def simulated(
 def best_split(
     profile: Profile, trace: Trace, total: int, ttft_slo_s: float, tpot_slo_s: float
 ) -> tuple[int, int, float]:
-    """The (prefill, decode) of ``total`` workers the planner rates best on ``trace``."""
-    scored = [
-        (simulated(profile, trace, p, total - p, ttft_slo_s, tpot_slo_s), -p, p)
-        for p in range(1, total)
-    ]
-    attainment, _, p = max(scored)
-    return p, total - p, attainment
+    """The (prefill, decode) of ``total`` workers the planner rates best on
+    ``trace`` (attainment rises, then falls, with the prefill share: a
+    ternary search; ties: fewer prefill workers)."""
+    scores: dict[int, float] = {}
+
+    def score(p: int) -> float:
+        if p not in scores:
+            scores[p] = simulated(profile, trace, p, total - p, ttft_slo_s, tpot_slo_s)
+        return scores[p]
+
+    lo, hi = 1, total - 1
+    while hi - lo > 2:
+        a, b = lo + (hi - lo) // 3, hi - (hi - lo) // 3
+        if score(a) >= score(b):
+            hi = b
+        else:
+            lo = a
+    p = max(range(lo, hi + 1), key=lambda p: (score(p), -p))
+    return p, total - p, score(p)
 
 
 def cheapest_fixed(
@@ -175,9 +192,17 @@ def cheapest_fixed(
     target: float = 0.95,
     max_workers: int = 40,
 ) -> tuple[int, int, float]:
-    """The fewest workers in a fixed split the planner finds meeting ``target`` on ``trace``."""
-    for total in range(2, max_workers + 1):
-        p, d, attainment = best_split(profile, trace, total, ttft_slo_s, tpot_slo_s)
-        if attainment >= target:
-            return p, d, attainment
-    raise ValueError(f"no fixed split of up to {max_workers} workers meets {target:.0%}")
+    """The fewest workers in a fixed split the planner finds meeting ``target``
+    on ``trace`` (a binary search over the total)."""
+    found = best_split(profile, trace, max_workers, ttft_slo_s, tpot_slo_s)
+    if found[2] < target:
+        raise ValueError(f"no fixed split of up to {max_workers} workers meets {target:.0%}")
+    lo, hi = 2, max_workers
+    while lo < hi:
+        mid = (lo + hi) // 2
+        split = best_split(profile, trace, mid, ttft_slo_s, tpot_slo_s)
+        if split[2] >= target:
+            hi, found = mid, split
+        else:
+            lo = mid + 1
+    return found

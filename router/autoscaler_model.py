@@ -8,7 +8,8 @@ new planner API is one change here. A prediction replays the queue the
 pools have now (``Load.backlog``, arriving at once) and then the observed
 rate for ``horizon_s``: the TTFT it predicts counts the time those requests
 queue, so a growing queue asks for more prefill workers before it is long.
-Prompt lengths are what prefill computes: the prompt less its prefix hits.
+Every prompt starts with the same prefix, the observed hit rate's share of
+the mean prompt (the planner's model routes and caches it), the rest its own.
 """
 
 from __future__ import annotations
@@ -21,11 +22,12 @@ import numpy as np
 
 from planner.profile import Profile
 from planner.profiles import load_profile
-from planner.simulator import Request, SystemConfig, Workload, simulate
+from planner.simulator import SystemConfig, simulate
+from planner.trace import Trace, TraceRequest
 from router.autoscaler_observe import Load
 
 MIN_REQUESTS = 60  # a prediction simulates at least this many requests
-MAX_REQUESTS = 600  # and at most this many (a decision stays well under a second)
+MAX_REQUESTS = 300  # and at most this many (a prediction takes tens of ms)
 
 
 @dataclass(frozen=True)
@@ -49,7 +51,7 @@ class PlannerModel:
         self,
         profile: Profile,
         system: SystemConfig | None = None,
-        horizon_s: float = 30.0,
+        horizon_s: float = 15.0,
         seed: int = 0,
     ) -> None:
         self.profile = profile
@@ -58,38 +60,45 @@ class PlannerModel:
         self.seed = seed
 
     def predict(self, load: Load, prefill: int, decode: int, quantile: float) -> Prediction:
-        requests = self._requests(load)
-        if not requests:
+        trace = self._trace(load)
+        if not trace.requests:
             return Prediction(0.0, 0.0)
         result = simulate(
-            Workload(rate=max(load.rate_rps, 1e-3)),
+            trace,
             replace(self.system, num_prefill=prefill, num_decode=decode),
             self.profile.prefill_s,
             self.profile.decode_step_s,
-            requests=requests,
+            step_cost=getattr(self.profile, "step_s", None),
         )
         q = quantile * 100
         tpot = result.tpot[result.tpot > 0]
         return Prediction(
-            float(np.percentile(result.ttft, q)),
+            float(np.percentile(result.ttft, q)) if result.ttft.size else 0.0,
             float(np.percentile(tpot, q)) if tpot.size else 0.0,
         )
 
-    def _requests(self, load: Load) -> list[Request]:
+    def _trace(self, load: Load) -> Trace:
         """The backlog at t=0, then Poisson arrivals at the load's rate (fixed
         lengths: the load's means; the same seed for every size compared)."""
-        prompt = max(1, round(load.prompt_tokens * (1.0 - load.hit_rate)))
+        prompt = max(1, round(load.prompt_tokens))
         output = max(1, round(load.output_tokens))
+        block = self.system.block_size
+        shared = int(load.hit_rate * prompt) // block * block
         arrivals = min(MAX_REQUESTS, max(MIN_REQUESTS, round(load.rate_rps * self.horizon_s)))
         if load.rate_rps <= 0:
             arrivals = 0
         rng = random.Random(self.seed)
-        out = [Request(i, 0.0, prompt, output) for i in range(min(load.backlog, MAX_REQUESTS))]
+        times = [0.0] * min(load.backlog, MAX_REQUESTS)
         t = 0.0
         for _ in range(arrivals):
             t += rng.expovariate(load.rate_rps)
-            out.append(Request(len(out), t, prompt, output))
-        return out
+            times.append(t)
+        head = (1,) * shared
+        requests = (
+            TraceRequest(at, head + (i + 2,) * (prompt - shared), output)
+            for i, at in enumerate(times)
+        )
+        return Trace("autoscale", tuple(requests))
 
 
 def model_for(profile: str | None, prefill_token_budget: int = 512) -> PlannerModel:

@@ -122,13 +122,15 @@ class AutoscaleRunner:
             return None
         sizes = self.sizes()
         observed = self.observer.observed(self.settings.target_attainment)
-        outcome = self.policy.decide(self.clock(), Load.combined(turn.loads), observed, sizes)
+        load = Load.combined(turn.loads)
+        # The simulations take a while: off the event loop that serves requests.
+        outcome = await asyncio.to_thread(self.policy.decide, self.clock(), load, observed, sizes)
         self.outcomes.append(outcome)
         self._export(outcome, sizes)
         for decision in outcome.decisions:
             if self._under_way(decision):
                 continue
-            self._log(decision, outcome, Load.combined(turn.loads))
+            self._log(decision, outcome, load)
             await self._apply(decision)
         return outcome
 
