@@ -86,15 +86,18 @@ class AutoscaleRunner:
         self.retiring: dict[str, asyncio.Task] = {}  # one retirement at a time per pool
         self.growing: dict[str, asyncio.Task] = {}  # one growth at a time per pool
         self.wanted: dict[str, int] = {}  # the latest target per pool
+        self.leaving: set[str] = set()  # workers this router retires, until they are gone
         self.outcomes: list[Outcome] = []  # the decisions made here (tests, benches)
 
     def sizes(self) -> dict[str, int]:
         """Members of each pool, less those retiring."""
         members = self.backend.members
-        return {
-            pool: members.count(pool) - sum(1 for n in members.retiring if role_of(n) == pool)
-            for pool in ("prefill", "decode")
-        }
+        return {pool: members.count(pool) - self._retiring(pool) for pool in ("prefill", "decode")}
+
+    def _retiring(self, pool: str) -> int:
+        """Members of ``pool`` retiring (by this router, or seen leaving)."""
+        names = (self.backend.members.retiring | self.leaving) & set(self.backend.members.known)
+        return sum(1 for n in names if role_of(n) == pool)
 
     async def run(self) -> None:
         try:
@@ -163,6 +166,7 @@ class AutoscaleRunner:
         if count <= 0:
             return
         names = [w.name for w in pool.take_out(count)]
+        self.leaving |= set(names)
         task = asyncio.create_task(self._retire(decision.pool, names))
         self.retiring[decision.pool] = task
 
@@ -170,8 +174,7 @@ class AutoscaleRunner:
         """Toward ``wanted[pool]``, GROW_STEP workers at a time."""
         try:
             while (now := self.sizes()[pool]) < self.wanted[pool]:
-                retiring = sum(1 for n in self.backend.members.retiring if role_of(n) == pool)
-                total = min(self.wanted[pool], now + GROW_STEP) + retiring
+                total = min(self.wanted[pool], now + GROW_STEP) + self._retiring(pool)
                 sizes = (total, None) if pool == "prefill" else (None, total)
                 await self.backend.scale(*sizes)
         except asyncio.CancelledError:
@@ -187,6 +190,8 @@ class AutoscaleRunner:
             raise
         except Exception:
             log.exception("retiring %s failed", names)
+        finally:
+            self.leaving -= set(names)
 
     def _export(self, outcome: Outcome, sizes: dict[str, int]) -> None:
         m = self.metrics

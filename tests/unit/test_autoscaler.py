@@ -257,3 +257,107 @@ def test_a_retiring_worker_waits_until_it_has_been_empty_for_the_quiet_time(monk
 
     asyncio.run(go())
     assert worker.actor.stats.counts == [0]  # it kept asking through the late request
+
+
+class _Members:
+    def __init__(self, names: list[str]) -> None:
+        self.known = {n: None for n in names}
+        self.retiring: set[str] = set()
+
+    def count(self, role: str) -> int:
+        return sum(1 for n in self.known if n.startswith(role))
+
+
+class _Pool:
+    def __init__(self, role: str, names: list[str]) -> None:
+        self.role = role
+        self.workers = [_Worker(n, None) for n in names if n.startswith(role)]
+
+    def take_out(self, n: int) -> list:
+        gone, self.workers = self.workers[-n:], self.workers[:-n]
+        return gone
+
+
+class _Deployment:
+    def __init__(self, backend) -> None:
+        self.backend = backend
+        self.lease = LeaderLease()
+        self.retired: list[list[str]] = []
+
+    async def call(self, method: str, *args):
+        if method == "autoscale_turn":
+            return self.lease.turn(*args)
+        if method == "retire":
+            _role, names = args
+            self.retired.append(names)
+            for name in names:
+                self.backend.members.known.pop(name)
+            return None
+        if method == "autoscale_leave":
+            return self.lease.leave(*args)
+        raise AssertionError(method)
+
+
+class _Backend:
+    def __init__(self, names: list[str]) -> None:
+        from router.config import ServeConfig
+
+        self.config = ServeConfig(autoscale={"enabled": True, "scale_down_delay_s": 0})
+        self.router_id = "router-a"
+        self.members = _Members(names)
+        self.prefill, self.decode = _Pool("prefill", names), _Pool("decode", names)
+        self.deployment = _Deployment(self)
+        self.scaled: list[tuple] = []
+
+    def pool_of(self, role: str) -> _Pool:
+        return self.prefill if role == "prefill" else self.decode
+
+    async def worker_reports(self) -> list:
+        return []
+
+    async def scale(self, prefill, decode, drain_timeout_s: float = 30.0):
+        self.scaled.append((prefill, decode))
+        for role, n in (("prefill", prefill), ("decode", decode)):
+            while n is not None and self.members.count(role) < n:
+                name = f"{role}-{len(self.members.known):012x}"
+                self.members.known[name] = None
+                self.pool_of(role).workers.append(_Worker(name, None))
+
+
+class _Sync(_Members):
+    async def sync(self, members) -> None:
+        return None
+
+
+def test_the_runner_grows_in_steps_and_retires_by_draining():
+    from router.autoscaler_runner import AutoscaleRunner
+    from router.metrics import RouterMetrics
+
+    names = ["prefill-000000000001", "decode-000000000002"]
+    backend = _Backend(names)
+    backend.members.__class__ = _Sync
+    arrived = [0]
+    clock = Clock()
+    metrics = RouterMetrics()
+    runner = AutoscaleRunner(backend, metrics, lambda: arrived[0], FakeModel(), clock)
+
+    async def go() -> None:
+        clock.now, arrived[0] = 1.0, 0
+        await runner.tick()
+        clock.now, arrived[0] = 2.0, 36  # 36 a second: 0.05 + 3.6 / p <= 0.85 * 1 s: p = 5
+        out = await runner.tick()
+        assert out.target["prefill"] == 5
+        await asyncio.gather(*runner.growing.values())
+        assert runner.sizes()["prefill"] == 5
+        assert [p for p, _ in backend.scaled if p is not None] == [3, 5]  # two at a time
+        for t in range(3, 30):  # no more arrivals: down to the minimum, by retiring
+            clock.now = float(t)
+            await runner.tick()
+            await asyncio.gather(*runner.retiring.values(), *runner.growing.values())
+        assert runner.sizes() == {"prefill": 1, "decode": 1}
+        assert sum(len(n) for n in backend.deployment.retired) >= 4
+
+    asyncio.run(go())
+    text = metrics.render().decode()
+    assert 'tandem_pool_target_workers{pool="prefill"} 1.0' in text
+    assert 'tandem_autoscaler_decisions_total{direction="up",pool="prefill"} 1.0' in text
