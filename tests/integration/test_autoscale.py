@@ -1,5 +1,5 @@
 """The autoscaler on a rate step (2x, 8x, back to 2x) on the simulated
-engine, up to 20 workers (benchkit/autoscale_scenario.py): it meets the
+engine, 16 workers or more at the peak (benchkit/autoscale_scenario.py): it meets the
 targets for 95% of the requests where a fixed split of its mean worker
 count meets them for fewer than 80%, within 1.25x the worker-seconds of the
 cheapest fixed split the planner finds for the trace; no request fails
@@ -27,7 +27,7 @@ def test_autoscaler_meets_the_targets_on_a_rate_step(ray_cluster, tmp_path):
     figures = out.figures(s)
     print(figures)
     assert out.autoscaled.errors == [] and out.fixed.errors == []
-    assert figures["autoscaled_peak_workers"] >= 16 or figures["autoscaled_peak_workers"] > 8
+    assert figures["autoscaled_peak_workers"] >= 16, figures  # a cluster-sized deployment
     assert figures["autoscaled_attainment"] >= 0.95, figures
     assert figures["fixed_attainment"] < 0.80, figures
     assert figures["worker_seconds_ratio"] <= 1.25, figures
