@@ -587,6 +587,56 @@ class TuningSection(Section):
     0 turns pulls off."""
 
 
+class AutoscaleSection(Section):
+    """Pool sizes chosen from the load and the latency targets (docs/autoscaling.md)."""
+
+    enabled: bool = False
+    """Resize the pools to meet ttft_ms and tpot_ms (`tandem serve --autoscale`); pools
+    start at pools.prefill and pools.decode, kept within the bounds below."""
+    ttft_ms: float = Field(1000.0, gt=0)
+    """Time-to-first-token target in ms, queueing included (`--slo ttft_ms=T`)."""
+    tpot_ms: float = Field(100.0, gt=0)
+    """Time-per-output-token target in ms (`--slo tpot_ms=P`)."""
+    target_attainment: float = Field(0.95, gt=0, lt=1)
+    """Share of requests that should meet both targets: the quantile the model predicts."""
+    profile: str | None = None
+    """Step times the planner's model uses: a profile file (`tandem plan --profile-out`)
+    or the name of a shipped profile; none: the engine's simulated profile."""
+    min_prefill: int = Field(1, ge=1)
+    """Fewest prefill workers the autoscaler keeps."""
+    max_prefill: int = Field(8, ge=1)
+    """Most prefill workers the autoscaler starts (at most pools.max_workers)."""
+    min_decode: int = Field(1, ge=1)
+    """Fewest decode workers the autoscaler keeps."""
+    max_decode: int = Field(8, ge=1)
+    """Most decode workers the autoscaler starts (at most pools.max_workers)."""
+    interval_s: float = Field(2.0, gt=0)
+    """Seconds between two decisions."""
+    window_s: float = Field(20.0, gt=0)
+    """Seconds of finished requests the load and the measured latencies are taken over;
+    the arrival rate is the higher of this window's and its last quarter's."""
+    headroom: float = Field(0.85, gt=0, le=1)
+    """A size is chosen when its predicted latency is at most this share of the target."""
+    scale_down_delay_s: float = Field(20.0, ge=0)
+    """A pool shrinks only after a smaller size has sufficed for this long."""
+    leader_lease_s: float = Field(10.0, gt=0)
+    """With several routers, the one deciding keeps the turn while it reports within this
+    many seconds; past it another router takes over."""
+
+    @model_validator(mode="after")
+    def _check_bounds(self) -> AutoscaleSection:
+        for pool in ("prefill", "decode"):
+            lo, hi = getattr(self, f"min_{pool}"), getattr(self, f"max_{pool}")
+            if lo > hi:
+                raise ValueError(f"min_{pool} ({lo}) is above max_{pool} ({hi})")
+        return self
+
+    def bounds(self, pool: str) -> tuple[int, int]:
+        """(fewest, most) workers of ``pool`` (prefill, or decode for decode and colocated)."""
+        key = "prefill" if pool == "prefill" else "decode"
+        return getattr(self, f"min_{key}"), getattr(self, f"max_{key}")
+
+
 class ServeConfig(BaseModel):
     """Everything `tandem serve` needs, by section. Every field can come from YAML
     (--config) and some from flags (tandem_cli/serve.py, SERVE_FLAGS); flags win."""
@@ -614,6 +664,8 @@ class ServeConfig(BaseModel):
     """API keys, TLS and the cluster secret."""
     tuning: TuningSection = Field(default_factory=TuningSection)
     """Failover and routing knobs that rarely need changing."""
+    autoscale: AutoscaleSection = Field(default_factory=AutoscaleSection)
+    """Pool sizes that follow the load to meet latency targets."""
 
     @model_validator(mode="before")
     @classmethod

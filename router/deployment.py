@@ -29,6 +29,8 @@ from typing import Any
 
 import ray
 
+from router.autoscaler_lease import LeaderLease, Turn
+from router.autoscaler_observe import Load
 from router.config import ServeConfig
 from router.membership import role_of
 from router.pool_controller import Members, PoolController
@@ -117,6 +119,7 @@ class DeploymentOwner:
         self.controller = PoolController(config, namespace, cores, actor_classes)
         self._adopted = name is None  # a named one looks for running workers first
         self._adopting = asyncio.Lock()
+        self.lease = LeaderLease()  # which autoscaling router decides
 
     async def _ready(self) -> PoolController:
         """The controller, once it has taken over the workers that run already."""
@@ -177,6 +180,16 @@ class DeploymentOwner:
 
     async def shrink(self, role: str, names: list[str]) -> Members:
         return await (await self._ready()).shrink(role, names)
+
+    async def retire(self, role: str, names: list[str]) -> Members:
+        return await (await self._ready()).retire(role, names)
+
+    async def autoscale_turn(self, router_id: str, load: Load, lease_s: float) -> Turn:
+        """Whether ``router_id`` decides this round (router/autoscaler_lease.py)."""
+        return self.lease.turn(router_id, load, lease_s)
+
+    async def autoscale_leave(self, router_id: str) -> None:
+        self.lease.leave(router_id)
 
     async def lost(self, names: list[str]) -> Members:
         return await (await self._ready()).lost(names)

@@ -40,6 +40,7 @@ class MemberSync:
         self.backend = backend
         self.known: dict[str, WorkerHandle] = {}  # every member this router took, by name
         self.generation: str | None = None
+        self.retiring: set[str] = set()  # known members taken out of routing as leaving
         self._lock = asyncio.Lock()
 
     def count(self, role: str) -> int:
@@ -101,8 +102,14 @@ class MemberSync:
                 return
             current = {r.name for r in members.workers}
             for name in [n for n in self.known if n not in current]:
+                self.retiring.discard(name)
                 await self._leave(self.known.pop(name))
-            new = [r for r in members.workers if r.name not in self.known]
+            self._retiring(members.leaving)
+            new = [
+                r
+                for r in members.workers
+                if r.name not in self.known and r.name not in members.leaving
+            ]
             made = await asyncio.gather(*(_handle(r) for r in new), return_exceptions=True)
             complete = True
             for ref, worker in zip(new, made, strict=True):
@@ -131,6 +138,19 @@ class MemberSync:
                 raise
             except Exception as exc:  # its owner restarting: ask again
                 log.warning("membership poll failed: %r", exc)
+
+    def _retiring(self, leaving: frozenset[str]) -> None:
+        """Workers the owner retires leave routing (their requests go on: they
+        keep their streams until they leave the membership); one no longer
+        retiring (its retirement was called off) comes back."""
+        for name in (leaving & set(self.known)) - self.retiring:
+            worker = self.known[name]
+            self.backend.pool_of(worker.role).remove([worker])
+            self.retiring.add(name)
+        for name in self.retiring - leaving:
+            worker = self.known[name]
+            self.backend.pool_of(worker.role).workers.append(worker)
+            self.retiring.discard(name)
 
     async def _enter(self, worker: WorkerHandle) -> None:
         await self.backend.streams.subscribe(worker)

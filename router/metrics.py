@@ -8,7 +8,7 @@ sequences, bytes moved) come from the workers' ``stats`` calls, pulled when
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -86,6 +86,12 @@ class WorkerCollector(Collector):
         running = GaugeMetricFamily("tandem_running_sequences", "Sequences running on all workers")
         running.add_metric([], sum(s.running for s in self.samples))
         yield running
+        pools = GaugeMetricFamily(
+            "tandem_pool_workers", "Workers in routing, by pool (role)", labels=["pool"]
+        )
+        for role in sorted({s.role for s in self.samples}):
+            pools.add_metric([role], sum(1 for s in self.samples if s.role == role))
+        yield pools
 
     @staticmethod
     def _used(s: WorkerSample) -> int:
@@ -189,8 +195,35 @@ class RouterMetrics:
         self.auth_refused = Counter(
             "tandem_auth_refused", "Calls refused for a missing or invalid API key", registry=r
         )
+        self.pool_target = Gauge(
+            "tandem_pool_target_workers",
+            "Workers the autoscaler wants in each pool (router/autoscaler.py)",
+            ["pool"],
+            registry=r,
+        )
+        self.autoscale_latency = Gauge(
+            "tandem_autoscaler_latency_seconds",
+            "The autoscaler's latency at its quantile: predicted at the current sizes "
+            "(corrected) or observed, for ttft and tpot",
+            ["kind", "source"],
+            registry=r,
+        )
+        self.autoscale_correction = Gauge(
+            "tandem_autoscaler_correction",
+            "Observed over predicted latency the autoscaler applies to its model",
+            ["kind"],
+            registry=r,
+        )
+        self.autoscale_decisions = Counter(
+            "tandem_autoscaler_decisions",
+            "Pool size changes the autoscaler made, by pool and direction (up, down)",
+            ["pool", "direction"],
+            registry=r,
+        )
         self.workers = WorkerCollector()
         r.register(self.workers)
+        # Called with every finished result and its e2e time (the autoscaler's observer).
+        self.result_listeners: list[Callable[[GenerateResult, float], None]] = []
         self.unread = UnreadTotals()
         r.register(UnreadCollector(self.unread))
 
@@ -212,6 +245,8 @@ class RouterMetrics:
         if result.kv_transfer_s is not None:
             self.transfer_seconds.observe(result.kv_transfer_s)
             self.transfer_bytes.inc(result.kv_transfer_bytes)
+        for listener in self.result_listeners:
+            listener(result, e2e_s)
 
     def set_workers(self, reports: list[WorkerReport]) -> None:
         self.workers.samples = [WorkerSample.of(r) for r in sorted(reports, key=lambda r: r.name)]

@@ -35,6 +35,10 @@ from worker.cpu_binding import CoreAssignment, CoreLayout
 log = logging.getLogger(__name__)
 
 DEATH_CHECK_TIMEOUT_S = 10.0
+# A retiring worker stops once it has held no request this long: longer than
+# routers take to see it leave (router/member_sync.py, MEMBERSHIP_POLL_S, 1 s).
+RETIRE_QUIET_S = 3.0
+RETIRE_POLL_S = 0.2
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,7 @@ class Members:
     generation: str
     workers: tuple[WorkerRef, ...]
     draining: bool = False  # the deployment is going down: routers take no new request
+    leaving: frozenset[str] = frozenset()  # retiring (drain-only): routers route nothing new
 
 
 class PoolController:
@@ -76,17 +81,19 @@ class PoolController:
         self.membership = Membership()
         self.handles: dict[str, WorkerHandle] = {}
         self.draining = False  # down() began: routers leave routing
+        self.leaving: set[str] = set()  # retire() drains them: routers route nothing new
         self._lock = asyncio.Lock()
 
     # ---- what routers read ----------------------------------------------
 
     def generation(self) -> str:
-        return self.membership.generation + (":draining" if self.draining else "")
+        leaving = ":leaving:" + ",".join(sorted(self.leaving)) if self.leaving else ""
+        return self.membership.generation + leaving + (":draining" if self.draining else "")
 
     def members(self) -> Members:
         members = self.membership.members.values()
         refs = tuple(WorkerRef(m.name, m.role, self.handles[m.name].actor) for m in members)
-        return Members(self.generation(), refs, self.draining)
+        return Members(self.generation(), refs, self.draining, frozenset(self.leaving))
 
     def busy(self) -> bool:
         """A change (a start, a scale, a replacement) is under way."""
@@ -145,6 +152,30 @@ class PoolController:
         """``remove`` for an explicit new size of ``role``: what was owed to it is settled."""
         self.membership.resize(role)
         return await self.remove(names)
+
+    async def retire(self, role: str, names: list[str], quiet_s: float = RETIRE_QUIET_S) -> Members:
+        """Drain-only removal, for an explicit new size of ``role``: the workers
+        leave routing at once (``Members.leaving``), and each stops only once it
+        has held no request for ``quiet_s`` (every router has seen it leave by
+        then), however long that takes: no request on it fails. Other changes go
+        on meanwhile."""
+        async with self._lock:
+            names = [n for n in names if self.membership.has(n) and n not in self.leaving]
+            self.leaving |= set(names)
+            workers = [self.handles[n] for n in names]
+        try:
+            await _drain_quiet(workers, quiet_s)
+        except BaseException:  # not drained (cancelled): they stay, in routing again
+            self.leaving -= set(names)
+            raise
+        async with self._lock:
+            self.leaving -= set(names)
+            self.membership.resize(role)
+            gone = [self.handles.pop(n) for n in self.membership.remove(names)]
+            for worker in gone:
+                self._release_cores(worker)
+            await stop_workers(gone)
+            return self.members()
 
     async def lost(self, names: list[str]) -> Members:
         """Routers report workers lost. Each one Ray reports dead for good leaves
@@ -243,3 +274,23 @@ async def _drain(workers: list[WorkerHandle], timeout_s: float) -> None:
             return
         await asyncio.sleep(0.2)
     log.warning("drain timed out after %.1f s; stopping the workers anyway", timeout_s)
+
+
+async def _drain_quiet(workers: list[WorkerHandle], quiet_s: float) -> None:
+    """Until every worker has held no request (by its own count) for ``quiet_s``;
+    a worker that does not answer (dead) counts as empty. No timeout."""
+    loop = asyncio.get_running_loop()
+    quiet_since: dict[str, float] = {}
+    while True:
+        stats = await asyncio.gather(
+            *(w.actor.stats.remote() for w in workers), return_exceptions=True
+        )
+        now = loop.time()
+        for worker, s in zip(workers, stats, strict=True):
+            if isinstance(s, BaseException) or s.num_requests == 0:
+                quiet_since.setdefault(worker.name, now)
+            else:
+                quiet_since.pop(worker.name, None)
+        if all(now - quiet_since.get(w.name, now + 1) >= quiet_s for w in workers):
+            return
+        await asyncio.sleep(RETIRE_POLL_S)

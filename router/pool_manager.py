@@ -86,8 +86,9 @@ class WorkerPool:
         """Workers whose actor has died for good (its process or its node is
         gone). A worker that does not answer within ``timeout_s`` counts as
         alive: Ray reports a lost node as a died actor once it notices."""
-        states = await asyncio.gather(*(health.check(w, timeout_s) for w in self.workers))
-        return [w for w, s in zip(self.workers, states, strict=True) if s is health.Health.DEAD]
+        workers = list(self.workers)  # routing may change while the checks run
+        states = await asyncio.gather(*(health.check(w, timeout_s) for w in workers))
+        return [w for w, s in zip(workers, states, strict=True) if s is health.Health.DEAD]
 
     def remove(self, workers: list[WorkerHandle]) -> None:
         """Take ``workers`` out of routing (they are gone, or going)."""

@@ -7,6 +7,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from tandem_cli.plan_cmd import _slo as slo_targets
 from tandem_cli.tls_ca import UsageError, add_tls_ca
 
 DEFAULT_TARGET = "127.0.0.1:50051"
@@ -124,6 +125,18 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         type=float,
         metavar="S",
         help="seconds given to requests in flight on shutdown",
+    )
+    p.add_argument(
+        "--autoscale",
+        action="store_true",
+        default=None,
+        help="resize the pools to meet --slo (bounds: the config's autoscale section)",
+    )
+    p.add_argument(
+        "--slo",
+        type=slo_targets,
+        metavar="ttft_ms=T,tpot_ms=P",
+        help="latency targets of --autoscale (default ttft_ms=1000,tpot_ms=100)",
     )
 
 

@@ -57,7 +57,10 @@ SERVE_FLAGS = {
     "grace_period_s": "limits.grace_period_s",
     "deployment": "deployment.name",
     "attach": "deployment.attach",
+    "autoscale": "autoscale.enabled",
 }
+# `--slo ttft_ms=T,tpot_ms=P` (a dict from tandem_cli.plan_cmd's parser): the keys it sets.
+SLO_FLAG_KEYS = {"ttft_ms": "autoscale.ttft_ms", "tpot_ms": "autoscale.tpot_ms"}
 
 
 def command(args: argparse.Namespace) -> int:
@@ -73,6 +76,8 @@ def command(args: argparse.Namespace) -> int:
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
     """``--config`` YAML plus the flags that were given (flags win)."""
     flags = {path: getattr(args, dest) for dest, path in SERVE_FLAGS.items()}
+    slo = getattr(args, "slo", None) or {}
+    flags.update({SLO_FLAG_KEYS[key]: value for key, value in slo.items()})
     config = ServeConfig.load(args.config, flags)
     ray_auth.check_token_file()
     check_keys(api_keys(config), admin_keys(config), cache_domains(config))
@@ -268,15 +273,37 @@ async def serve(
                 auth += f", {len(server.admin_keys)} admin keys"
             model, pools = _served(backend, config)
             print(f"tandem: serving {model} on {server.address}{http} ({pools}{auth})", flush=True)
+            autoscaling = start_autoscaler(config, backend, server)
             try:
                 await stop.wait()
             finally:
+                if autoscaling is not None:
+                    autoscaling.cancel()
+                    await asyncio.gather(autoscaling, return_exceptions=True)
                 await server.stop(config.limits.grace_period_s)  # shuts the backend down too
         finally:
             if started_ray:
                 import ray
 
                 ray.shutdown()
+
+
+def start_autoscaler(
+    config: ServeConfig, backend: Backend, server: RouterServer
+) -> asyncio.Task | None:
+    """The autoscaler's loop (router/autoscaler_runner.py) when autoscale.enabled."""
+    if not config.autoscale.enabled:
+        return None
+    from router.autoscaler_model import model_for
+    from router.autoscaler_runner import AutoscaleRunner, lifecycle_arrivals
+
+    joined = joined_config(backend, config)
+    profile = config.autoscale.profile or joined.engine.simulate
+    model = model_for(profile, joined.engine.max_num_batched_tokens)
+    arrived = lifecycle_arrivals(server.lifecycle)
+    runner = AutoscaleRunner(backend, server.metrics, arrived, model)  # type: ignore[arg-type]
+    log.info("autoscaling: %s", config.autoscale.model_dump())
+    return asyncio.create_task(runner.run())
 
 
 def _served(backend: Backend, config: ServeConfig) -> tuple[str, str]:

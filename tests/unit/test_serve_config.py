@@ -15,7 +15,7 @@ from router.config import (
     describe_errors,
 )
 from tandem_cli.main import build_parser
-from tandem_cli.serve import SERVE_FLAGS
+from tandem_cli.serve import SERVE_FLAGS, SLO_FLAG_KEYS
 
 pytestmark = pytest.mark.unit
 
@@ -185,8 +185,9 @@ def test_every_serve_flag_sets_a_field_of_a_section():
     parser = build_parser()
     (subparsers,) = parser._subparsers._group_actions
     dests = {a.dest for a in subparsers.choices["serve"]._actions} - {"help", "config"}
-    assert dests == set(SERVE_FLAGS)
+    assert dests == set(SERVE_FLAGS) | {"slo"}  # --slo sets SLO_FLAG_KEYS
     assert all(_field_exists(path) for path in SERVE_FLAGS.values())
+    assert all(_field_exists(path) for path in SLO_FLAG_KEYS.values())
 
 
 def test_field_names_repeat_across_sections_only_where_documented():
@@ -212,3 +213,17 @@ def test_routing_policies_are_the_ones_the_router_has():
     from router.policies import POLICIES
 
     assert set(get_args(RoutingSection.model_fields["policy"].annotation)) == set(POLICIES)
+
+
+def test_slo_and_autoscale_flags_set_the_autoscale_section():
+    args = build_parser().parse_args(["serve", "--autoscale", "--slo", "ttft_ms=250,tpot_ms=40"])
+    from tandem_cli.serve import config_from_args
+
+    config = config_from_args(args)
+    assert config.autoscale.enabled
+    assert (config.autoscale.ttft_ms, config.autoscale.tpot_ms) == (250.0, 40.0)
+
+
+def test_autoscale_bounds_are_checked():
+    (error,) = _errors(autoscale={"min_decode": 4, "max_decode": 2})
+    assert "min_decode (4) is above max_decode (2)" in error
