@@ -17,6 +17,7 @@ from prometheus_client.registry import Collector
 
 from .backend import GenerateResult, WorkerReport
 from .backpressure import UnreadTotals
+from .index_fidelity import HitMetrics
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -86,6 +87,12 @@ class WorkerCollector(Collector):
         running = GaugeMetricFamily("tandem_running_sequences", "Sequences running on all workers")
         running.add_metric([], sum(s.running for s in self.samples))
         yield running
+        pools = GaugeMetricFamily(
+            "tandem_pool_workers", "Workers in routing, by pool (role)", labels=["pool"]
+        )
+        for role in sorted({s.role for s in self.samples}):
+            pools.add_metric([role], sum(s.role == role for s in self.samples))
+        yield pools
 
     @staticmethod
     def _used(s: WorkerSample) -> int:
@@ -193,6 +200,7 @@ class RouterMetrics:
         r.register(self.workers)
         self.unread = UnreadTotals()
         r.register(UnreadCollector(self.unread))
+        self.hits = HitMetrics(r)  # predicted and realized prefix hits (index fidelity)
 
     def _hit_rate(self) -> float:
         prompt, cached = self._token_totals
@@ -209,6 +217,7 @@ class RouterMetrics:
         prompt, cached = self._token_totals
         self._token_totals = (prompt + result.prompt_tokens, cached + result.cached_tokens)
         self.generation_tokens.inc(result.completion_tokens)
+        self.hits.observe(result)
         if result.kv_transfer_s is not None:
             self.transfer_seconds.observe(result.kv_transfer_s)
             self.transfer_bytes.inc(result.kv_transfer_bytes)
