@@ -105,7 +105,9 @@ def plot_schedule(
     rates = top.twinx()
     mids = [w.start_s + (w.end_s - w.start_s) / 2 for w in windows]
     if all(w.offered_rate is not None for w in windows):
-        rates.step(lefts, [w.offered_rate for w in windows], where="post", label="offered")
+        offered = [w.offered_rate for w in windows]
+        edges = [*lefts, windows[-1].end_s]
+        rates.step(edges, [*offered, offered[-1]], where="post", label="offered")
     sent = [w.sent / (w.end_s - w.start_s) if w.end_s > w.start_s else 0 for w in windows]
     rates.plot(mids, sent, "k.", label="sent")
     rates.set_ylabel("requests/s")
@@ -125,6 +127,7 @@ def plot_schedule(
             )
         line[0].set_label(pool)
     bottom.set_ylabel("workers")
+    bottom.yaxis.get_major_locator().set_params(integer=True)
     bottom.set_xlabel("time since the run's start (s)")
     if pools:
         bottom.legend(fontsize="small")
