@@ -95,6 +95,8 @@ def plot_schedule(
     rates (top), and each pool's workers over time, with the autoscaler's
     target where the router exports one (bottom)."""
     plt = _pyplot()
+    from matplotlib.ticker import MaxNLocator
+
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
     lefts = [w.start_s for w in windows]
     widths = [w.end_s - w.start_s for w in windows]
@@ -127,7 +129,9 @@ def plot_schedule(
             )
         line[0].set_label(pool)
     bottom.set_ylabel("workers")
-    bottom.yaxis.get_major_locator().set_params(integer=True)
+    most = max([s.workers for s in pools] + [s.target or 0 for s in pools], default=1)
+    bottom.set_ylim(0, most + 1)
+    bottom.yaxis.set_major_locator(MaxNLocator(integer=True))
     bottom.set_xlabel("time since the run's start (s)")
     if pools:
         bottom.legend(fontsize="small")
