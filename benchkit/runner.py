@@ -22,6 +22,7 @@ import httpx
 
 from benchkit.http_client import HttpSender, http_model_info, http_ready, is_http
 from benchkit.metrics import OK, FinalInfo, RequestRecord
+from benchkit.schedule import RateSchedule
 from benchkit.workload import Conversation, Prompt, interarrival_gaps, next_turn_prompt
 from router.client import TandemClient, open_channel
 from router.model_info import ModelInfo
@@ -35,12 +36,27 @@ class LoadSpec:
     num_requests: int | None = None
     duration_s: float | None = None
     seed: int = 0
+    schedule: RateSchedule | None = None  # open loop at a rate that changes over time
 
     def __post_init__(self) -> None:
-        if (self.rate is None) == (self.concurrency is None):
-            raise ValueError("give exactly one of rate and concurrency")
+        given = [x is not None for x in (self.rate, self.concurrency, self.schedule)]
+        if sum(given) != 1:
+            raise ValueError("give exactly one of rate, concurrency and schedule")
+        if self.schedule is not None and self.duration_s is None:
+            self.duration_s = self.schedule.duration_s
         if self.num_requests is None and self.duration_s is None:
             raise ValueError("give num_requests or duration_s (or both)")
+
+    def arrival_offsets(self) -> Iterator[float]:
+        """Open loop: when each conversation starts (s from the run's start)."""
+        if self.schedule is not None:
+            yield from self.schedule.arrivals(self.seed, self.burstiness)
+            return
+        assert self.rate is not None
+        t = 0.0
+        for gap in interarrival_gaps(self.rate, self.burstiness, self.seed):
+            yield t
+            t += gap
 
 
 class _Budget:
@@ -131,12 +147,16 @@ async def run_load(
     timeout_s: float | None = None,
     on_done: Callable[[RequestRecord], None] | None = None,
     root_certificates: bytes | None = None,
+    on_start: Callable[[float], None] | None = None,
 ) -> list[RequestRecord]:
     """Run one load against ``target``; the records in completion order.
-    ``root_certificates`` (PEM of a CA): gRPC over TLS."""
+    ``root_certificates`` (PEM of a CA): gRPC over TLS. ``on_start`` is
+    called with the run's start (``time.perf_counter``), in the run's loop."""
     records: list[RequestRecord] = []
     counter = iter(range(1 << 62))
     start = time.perf_counter()
+    if on_start is not None:
+        on_start(start)
     budget = _Budget(load.num_requests, load.duration_s, start)
 
     async with _sender(target, timeout_s, root_certificates) as send:
@@ -174,11 +194,9 @@ async def run_load(
 
             await asyncio.gather(*(worker() for _ in range(load.concurrency)))
         else:
-            assert load.rate is not None
-            gaps = interarrival_gaps(load.rate, load.burstiness, load.seed)
             tasks = []
-            next_at = start
-            for conv in conversations:
+            for conv, offset in zip(conversations, load.arrival_offsets(), strict=False):
+                next_at = start + offset
                 if budget.over(next_at):
                     break
                 delay = next_at - time.perf_counter()
@@ -188,7 +206,6 @@ async def run_load(
                 if n == 0:
                     break
                 tasks.append(asyncio.create_task(conversation(conv, n)))
-                next_at += next(gaps)
             await asyncio.gather(*tasks)
     return records
 

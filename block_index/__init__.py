@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from block_index.base import HASH_SIZE, BlockIndex, EventPublisher, IndexSettings, KVEvent
 from block_index.memory import InMemoryIndex, InProcessPublisher
+from block_index.reconcile import ReconcileReport, reconcile
 
 if TYPE_CHECKING:
     from block_index.redis_index import RedisEventPublisher, RedisIndex, redis_prefix
@@ -23,8 +24,10 @@ __all__ = [
     "InProcessPublisher",
     "IndexSettings",
     "KVEvent",
+    "ReconcileReport",
     "RedisEventPublisher",
     "RedisIndex",
+    "reconcile",
     "redis_prefix",
 ]
 

@@ -187,6 +187,10 @@ class InMemoryIndex:
         with self._lock:
             return set(self._by_worker.get(worker, ()))
 
+    def retract(self, worker: str, hashes: Iterable[bytes]) -> None:
+        """Forget that ``worker`` holds ``hashes`` (stale entries, block_index/reconcile.py)."""
+        self.apply(KVEvent(worker, removed=tuple(hashes)))
+
     @property
     def healthy(self) -> bool:
         return True

@@ -485,6 +485,21 @@ class RedisIndex:
         """A copy of the hashes the local view has for ``worker``."""
         return self._view.blocks(worker)
 
+    def retract(self, worker: str, hashes: Iterable[bytes], max_hashes: int = 4096) -> None:
+        """Forget that ``worker`` holds ``hashes`` (stale entries, block_index/reconcile.py):
+        in the local view at once, and in Redis (its ``blocks:`` set, and a removal
+        event on the stream, so every router's view drops them). Raises the
+        client's error when Redis is unreachable (the local view is retracted)."""
+        hashes = list(hashes)
+        self._view.apply(KVEvent(worker, removed=tuple(hashes)))
+        if not hashes:
+            return
+        pipe = self._client.pipeline(transaction=True)
+        for chunk in _chunks(hashes, max_hashes):
+            pipe.srem(self._keys.blocks(worker), *chunk)
+            pipe.xadd(self._keys.events, _entry_fields(worker, (), chunk, False))
+        pipe.execute()
+
     def wait_ready(self, timeout_s: float) -> bool:
         """Wait until the first rebuild is done (True) or the timeout (False)."""
         return self._ready.wait(timeout_s)

@@ -113,6 +113,16 @@ class WorkerStats:
         return self.spec_accepted_tokens / self.spec_proposed_tokens
 
 
+@dataclass(frozen=True)
+class CachedBlocks:
+    """A worker's answer to ``cached_blocks``: the hashes of every block its
+    prefix cache holds now (the router reconciles its block index with them,
+    block_index/reconcile.py)."""
+
+    worker: str
+    hashes: tuple[bytes, ...]
+
+
 UNHEALTHY_FAILED_STEPS = 3
 """A worker whose last this many engine steps failed for no one request
 (engine/request_faults.py) answers its health check as failing

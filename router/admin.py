@@ -14,7 +14,7 @@ import grpc
 
 from protos.tandem.v1 import admin_pb2 as pb
 from protos.tandem.v1 import admin_pb2_grpc
-from router.backend import ManagedPools, PlacementTimeout
+from router.backend import ManagedPools, PlacementTimeout, ReconcilesIndex
 from router.config import pool_size_error
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Admin"].full_name
@@ -60,6 +60,24 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         except PlacementTimeout as exc:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
         return pb.ScaleReply(prefill=sizes[0], decode=sizes[1])
+
+    async def ReconcileIndex(
+        self, request: pb.ReconcileIndexRequest, context
+    ) -> pb.ReconcileIndexReply:
+        if not isinstance(self.backend, ReconcilesIndex):
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this backend has no block index")
+        try:
+            r = await self.backend.reconciler.run()
+        except Exception as exc:  # no index yet, or Redis unreachable
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"reconcile failed: {exc}")
+        return pb.ReconcileIndexReply(
+            checked_workers=r.checked_workers,
+            checked_entries=r.checked_entries,
+            stale_entries=r.stale_entries,
+            missing_entries=r.missing_entries,
+            unreachable=list(r.unreachable),
+            stale_by_worker=r.stale_by_worker,
+        )
 
     async def Status(self, request: pb.StatusRequest, context) -> pb.StatusReply:
         if not isinstance(self.backend, ManagedPools):

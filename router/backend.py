@@ -67,6 +67,12 @@ class GenerateResult:
     decode_worker: str
     kv_transfer_bytes: int = 0
     kv_transfer_s: float | None = None  # None: no KV push (colocated, or ended at once)
+    predicted_cached_tokens: int = 0
+    """The prefix hit the router's block index predicted when it routed the
+    request (``cached_tokens`` is the hit the worker realized)."""
+    available_cached_tokens: int = 0
+    """The hit the index said the best-placed worker could give (more than
+    ``predicted_cached_tokens``: routing chose another worker, for load or room)."""
 
 
 @dataclass(frozen=True)
@@ -98,6 +104,14 @@ class ManagedPools(Protocol):
         ...
 
     async def worker_reports(self) -> list[WorkerReport]: ...
+
+
+@runtime_checkable
+class ReconcilesIndex(Protocol):
+    """A backend whose block index can be checked against its workers' blocks
+    (router/index_reconcile.py; the Admin service's ReconcileIndex)."""
+
+    reconciler: Any  # a router.index_reconcile.IndexReconciler
 
 
 class Backend(Protocol):

@@ -323,6 +323,10 @@ class RoutingSection(Section):
     redis_password: SecretStr | None = Field(None, repr=False)
     """Password the router and workers AUTH to Redis with (unless redis_url carries one);
     YAML or the TANDEM_REDIS_PASSWORD environment variable, never a flag; never logged."""
+    index_reconcile_interval_s: float = Field(60.0, ge=0)
+    """Seconds between two checks of the block index against the blocks each worker
+    holds, which remove the stale entries (docs/prefix-caching.md); 0: only on demand
+    (Admin.ReconcileIndex)."""
 
     def redis_password_value(self) -> str | None:
         return self.redis_password.get_secret_value() if self.redis_password else None

@@ -234,6 +234,8 @@ def final_message(request_id: str, result: GenerateResult) -> pb.GenerateRespons
                 mean_tpot_s=result.mean_tpot_s,
                 prefill_worker=result.prefill_worker,
                 decode_worker=result.decode_worker,
+                predicted_cached_tokens=result.predicted_cached_tokens,
+                realized_cached_tokens=result.cached_tokens,
             ),
         )
     )

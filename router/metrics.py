@@ -17,6 +17,7 @@ from prometheus_client.registry import Collector
 
 from .backend import GenerateResult, WorkerReport
 from .backpressure import UnreadTotals
+from .index_fidelity import HitMetrics
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -226,6 +227,7 @@ class RouterMetrics:
         self.result_listeners: list[Callable[[GenerateResult, float], None]] = []
         self.unread = UnreadTotals()
         r.register(UnreadCollector(self.unread))
+        self.hits = HitMetrics(r)  # predicted and realized prefix hits (index fidelity)
 
     def _hit_rate(self) -> float:
         prompt, cached = self._token_totals
@@ -242,6 +244,7 @@ class RouterMetrics:
         prompt, cached = self._token_totals
         self._token_totals = (prompt + result.prompt_tokens, cached + result.cached_tokens)
         self.generation_tokens.inc(result.completion_tokens)
+        self.hits.observe(result)
         if result.kv_transfer_s is not None:
             self.transfer_seconds.observe(result.kv_transfer_s)
             self.transfer_bytes.inc(result.kv_transfer_bytes)

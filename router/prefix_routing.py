@@ -13,7 +13,7 @@ worker's own prefix cache decides what is reused, so the cost is a miss.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from block_index import BlockIndex
 from engine.hashing import BlockHash, hash_blocks
@@ -29,6 +29,14 @@ class RoutePlan:
     hashes: list[BlockHash]  # of the prompt's full blocks
     pull_from: WorkerHandle | None = None  # holds more of the prefix than `prefill`
     pull_hashes: list[BlockHash] = field(default_factory=list)  # what to pull from it
+    predicted_tokens: int = 0
+    """Prompt tokens the index predicts the prefilling worker will find cached
+    (``decode`` without ``prefill``, else ``prefill``, with what it pulls): its
+    leading blocks, at most the prompt's full blocks but its last token (the
+    engine computes that one for the logits)."""
+    available_tokens: int = 0
+    """The same count for the worker of either pool the index says holds most
+    of the prompt: what a perfect router could have reused."""
 
 
 class PrefixRouter:
@@ -79,11 +87,20 @@ class PrefixRouter:
         local = colocated or (
             d_blocks > 0 and self.local_prefill_tokens > 0 and uncached <= self.local_prefill_tokens
         )
+        available = self._hit(prompt, max(cached.values(), default=0))
         if local:
-            return RoutePlan(None, d, d_blocks, hashes)
+            hit = self._hit(prompt, d_blocks)
+            return RoutePlan(
+                None, d, d_blocks, hashes, predicted_tokens=hit, available_tokens=available
+            )
         p = self._best(prefill, cached)
-        plan = RoutePlan(p, d, d_blocks, hashes)
-        return self._with_pull(plan, [*prefill, *decode], cached)
+        plan = self._with_pull(RoutePlan(p, d, d_blocks, hashes), [*prefill, *decode], cached)
+        hit = self._hit(prompt, cached.get(p.name, 0) + len(plan.pull_hashes))
+        return replace(plan, predicted_tokens=hit, available_tokens=available)
+
+    def _hit(self, prompt: Sequence[int], blocks: int) -> int:
+        """Tokens of ``blocks`` leading cached blocks the engine can reuse."""
+        return max(0, min(blocks, (len(prompt) - 1) // self.block_size)) * self.block_size
 
     def _with_pull(
         self, plan: RoutePlan, workers: Sequence[WorkerHandle], cached: dict[str, int]

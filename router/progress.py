@@ -22,10 +22,19 @@ class Progress:
         self.token_ids: list[int] = list(inp.resume_token_ids)
         self.num_output = len(self.token_ids)
         self.cached: int | None = None  # prompt tokens found cached, by the first try
+        self.predicted = 0  # what the index predicted for the try that set `cached`
+        self.available = 0  # what the index said the best holder had, for that try
         self.transfer: tuple[int, float] | None = None  # (bytes, seconds) of the last KV push
 
-    def attempt(self, prefill_worker: str, decode_worker: str) -> None:
+    def attempt(
+        self, prefill_worker: str, decode_worker: str, predicted: int = 0, available: int = 0
+    ) -> None:
+        """A try starts on these workers; ``predicted``, ``available``: the prefix
+        hits the index predicted for it and for the best holder
+        (router/prefix_routing.py ``RoutePlan``)."""
         self.workers = (prefill_worker, decode_worker)
+        if self.cached is None:  # no try has reported its hit yet
+            self.predicted, self.available = predicted, available
 
     def delta(self, delta: worker_pb2.RequestDelta) -> TokenDelta:
         self._stamp()
@@ -55,6 +64,8 @@ class Progress:
             # A resumed try's worker counts the resumed tokens it found cached
             # too: only the prompt's are the client's cached tokens.
             cached_tokens=min(self.cached or 0, prompt),
+            predicted_cached_tokens=min(self.predicted, prompt),
+            available_cached_tokens=min(self.available, prompt),
             completion_tokens=n,
             ttft_s=self.first_time - self.start if self.first_time else 0.0,
             mean_tpot_s=tpot,

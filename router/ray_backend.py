@@ -66,6 +66,7 @@ from router.failover import (
     is_retryable,
     request_fault,
 )
+from router.index_reconcile import IndexReconciler
 from router.member_sync import MEMBERSHIP_POLL_S, MemberSync
 from router.messages import RequestError
 from router.policies import make_policy
@@ -126,6 +127,9 @@ class RayBackend:
         self.routing: PrefixRouter | None = None
         self.deployment: DeploymentClient | None = None  # the owner of the workers
         self.members = MemberSync(self)
+        self.reconciler = IndexReconciler(
+            lambda: self.index, lambda: [*self.prefill.workers, *self.decode.workers]
+        )
         self._tasks: list[asyncio.Task] = []
         self._cut_aborts: set[asyncio.Task] = set()  # aborts of tries their clients fell behind
 
@@ -199,6 +203,8 @@ class RayBackend:
             self._tasks.append(
                 asyncio.create_task(self.changes.watch(self.config.pools.worker_check_interval_s))
             )
+        if (every := self.config.routing.index_reconcile_interval_s) > 0:
+            self._tasks.append(asyncio.create_task(self.reconciler.every(every)))
 
     def _load_tokenizer(self, worker_model_dir: str) -> RouterTokenizer | None:
         """The configured tokenizer, else the one in the checkpoint the workers
@@ -354,7 +360,12 @@ class RayBackend:
         admitted = await self.routes.admit(inp, inp.prompt_token_ids + streamed, avoid)
         plan = admitted.route
         d, p = plan.decode, plan.prefill
-        progress.attempt(p.name if p is not None else d.name, d.name)
+        progress.attempt(
+            p.name if p is not None else d.name,
+            d.name,
+            plan.predicted_tokens,
+            plan.available_tokens,
+        )
         log_event(
             log,
             "request_routed",
@@ -365,6 +376,7 @@ class RayBackend:
             prompt_tokens=len(inp.prompt_token_ids),
             resumed_tokens=len(streamed),
             decode_cached_blocks=plan.decode_cached_blocks,
+            predicted_cached_tokens=plan.predicted_tokens,
         )
         queue = self.streams.register(rid, d, inp.unread, lambda: self._cut(inp, rid, d))
         d.in_flight += 1

@@ -34,10 +34,11 @@ from protos.tandem.v1 import generate_pb2 as pb
 from .admin import MAX_POOL_WORKERS, AdminService
 from .admin import SERVICE_NAME as ADMIN_SERVICE
 from .auth import ApiKeyInterceptor, ApiKeys, metadata_value
-from .backend import Backend, GenerateResult
+from .backend import Backend, GenerateResult, ReconcilesIndex
 from .backpressure import SlowClient
 from .grpc_limits import GenerateSizeInterceptor
 from .http import FrontState, HttpFront
+from .index_fidelity import ReconcileCollector
 from .lifecycle import STARTING, Call, Lifecycle, ServiceStats, short
 from .limits import RequestLimits, generate_message_limit, max_token_bytes
 from .messages import RequestError, chunk_message, final_message, to_generate_input
@@ -204,6 +205,8 @@ class RouterServer:
         """How long a worker removed by Admin.Scale may drain, by default."""
         self.host = host
         self.metrics = RouterMetrics()
+        if isinstance(backend, ReconcilesIndex):  # what its index reconciles find
+            self.metrics.registry.register(ReconcileCollector(backend.reconciler.stats))
         self.lifecycle = Lifecycle(
             backend,
             max_queued_requests=max_queued_requests,

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tandem_cli import bench_schedule
 from tandem_cli.tls_ca import add_tls_ca, read_tls_ca
 
 if TYPE_CHECKING:
@@ -112,6 +113,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     load.add_argument(
         "--concurrency", type=_positive_int, metavar="N", help="closed loop: N requests in flight"
     )
+    bench_schedule.add_arguments(p, load)
     p.add_argument(
         "--burstiness",
         type=_positive_float,
@@ -211,6 +213,8 @@ def _conversations(
 
 
 def _label(load) -> str:
+    if load.schedule is not None:
+        return "schedule"
     if load.concurrency is not None:
         return f"concurrency={load.concurrency}"
     label = f"rate={load.rate:g}"
@@ -255,6 +259,13 @@ def _dataset(args: argparse.Namespace) -> list[dict] | None:
 def _loads(args: argparse.Namespace) -> list[LoadSpec]:
     from benchkit.runner import LoadSpec
 
+    if args.bursts and not args.rate_schedule:
+        raise _Refused("--bursts is for --rate-schedule")
+    if args.rate_schedule:
+        try:
+            return [bench_schedule.schedule_load(args)]
+        except ValueError as e:
+            raise _Refused(f"--rate-schedule: {e}") from None
     num_requests = args.num_requests
     if num_requests is None and args.duration is None:
         num_requests = DEFAULT_NUM_REQUESTS
@@ -299,11 +310,15 @@ def _check_fits(args: argparse.Namespace, rows: list[dict] | None, model: ModelI
 
 def _run_one(
     args: argparse.Namespace, load: LoadSpec, conversations: Iterator, ca: bytes | None
-) -> list:
-    """One load's records, with a progress bar on stderr."""
+) -> tuple[list, dict | None]:
+    """One load's records, with a progress bar on stderr, and what a scheduled
+    run adds to the report (None for others)."""
     from benchkit.runner import run_load
 
-    bar = _progress(load.num_requests, _label(load), not args.no_progress)
+    total = load.num_requests
+    if load.schedule is not None and total is None:
+        total = round(load.schedule.expected(0, load.schedule.duration_s))
+    bar = _progress(total, _label(load), not args.no_progress)
     failed = 0
 
     def done(rec) -> None:
@@ -314,6 +329,9 @@ def _run_one(
             bar.set_postfix(failed=failed, refresh=False)
 
     try:
+        if load.schedule is not None:
+            records, start, sampler = bench_schedule.run(args, load, conversations, ca, done)
+            return records, bench_schedule.schedule_doc(args, load, records, start, sampler)
         return asyncio.run(
             run_load(
                 args.target,
@@ -324,20 +342,21 @@ def _run_one(
                 root_certificates=ca,
                 on_done=done,
             )
-        )
+        ), None
     finally:
         bar.close()
 
 
-def _run_doc(load: LoadSpec, records: list, slo: dict) -> dict:
+def _run_doc(load: LoadSpec, records: list, slo: dict, schedule: dict | None) -> dict:
     from benchkit import metrics, report
 
-    return {
+    doc = {
         "label": _label(load),
         "load": {
             "rate": load.rate,
             "burstiness": load.burstiness if load.rate is not None else None,
             "concurrency": load.concurrency,
+            "schedule": load.schedule is not None,
             "num_requests": load.num_requests,
             "duration_s": load.duration_s,
             "seed": load.seed,
@@ -345,6 +364,9 @@ def _run_doc(load: LoadSpec, records: list, slo: dict) -> dict:
         "summary": metrics.summarize(records, slo),
         "requests": report.request_rows(records),
     }
+    if schedule is not None:
+        doc["schedule"] = schedule
+    return doc
 
 
 def _workload_doc(args: argparse.Namespace, rows: list[dict] | None) -> dict:
@@ -387,8 +409,8 @@ def _bench(args: argparse.Namespace) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     runs, run_records = [], []
     for load in loads:
-        records = _run_one(args, load, _conversations(args, rows, load.seed, model), ca)
-        runs.append(_run_doc(load, records, args.slo or {}))
+        records, schedule = _run_one(args, load, _conversations(args, rows, load.seed, model), ca)
+        runs.append(_run_doc(load, records, args.slo or {}, schedule))
         run_records.append((_label(load), records))
 
     doc = {
@@ -400,12 +422,19 @@ def _bench(args: argparse.Namespace) -> int:
         "runs": runs,
     }
     json_path = report.write_json(doc, out_dir / "report.json")
+    schedule_plot = None
     if not args.no_plots:
         plots.plot_cdfs(run_records, out_dir)
         if len(runs) > 1 and args.rate_sweep:
             plots.plot_sweep(runs, out_dir)
+        if "schedule" in runs[0]:
+            schedule_plot = bench_schedule.plot(runs[0]["schedule"], out_dir)
     print(report.format_report(doc))
+    if "schedule" in runs[0]:
+        print("\n" + bench_schedule.format_windows(runs[0]["schedule"]))
     print(f"\nreport: {json_path}")
+    if schedule_plot is not None:
+        print(f"plot: {schedule_plot}")
     if any(run["summary"]["completed"] == 0 for run in runs):
         print("tandem bench: a run had no successful request", file=sys.stderr)
         return 1

@@ -11,7 +11,7 @@ import dataclasses
 import os
 from typing import TYPE_CHECKING, Any
 
-from protocol.workers import WorkerHealth, WorkerInfo, WorkerStats
+from protocol.workers import CachedBlocks, WorkerHealth, WorkerInfo, WorkerStats
 from worker.cpu_binding import bind_process
 from worker.heap import freeze_startup_heap
 from worker.logfmt import LogFormat, configure_logging
@@ -94,6 +94,10 @@ class WorkerActor:
 
     async def health(self) -> WorkerHealth:
         return await self.worker.health()
+
+    async def cached_blocks(self) -> CachedBlocks:
+        """The hashes of the blocks in the worker's prefix cache now."""
+        return CachedBlocks(self.worker.name, tuple(self.worker.cached_hashes()))
 
     async def pid(self) -> int:
         """The actor's process id (chaos tests kill it)."""

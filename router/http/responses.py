@@ -17,7 +17,11 @@ def usage(result: GenerateResult) -> dict:
         "prompt_tokens": result.prompt_tokens,
         "completion_tokens": result.completion_tokens,
         "total_tokens": result.prompt_tokens + result.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": result.cached_tokens},
+        "prompt_tokens_details": {
+            "cached_tokens": result.cached_tokens,
+            # tandem's extension: the hit the block index predicted (docs/prefix-caching.md)
+            "predicted_cached_tokens": result.predicted_cached_tokens,
+        },
     }
 
 

@@ -233,3 +233,32 @@ def test_the_cache_salt_keys_the_index_lookup():
     assert (same.decode.name, same.decode_cached_blocks, same.hashes) == (D2, 5, salted)
     assert (other.decode.name, other.decode_cached_blocks) == (D0, 0)
     assert (plain.decode.name, plain.decode_cached_blocks, plain.hashes) == (D1, 3, HASHES)
+
+
+# ---- the predicted hit (index fidelity) ----------------------------------
+
+
+def test_predicted_hit_is_the_prefilling_workers_blocks():
+    r, _ = router(index_with(p0=3, p1=6, d0=2), load_weight_blocks=10.0)
+    busy_p1 = Worker(P1, in_flight=1)  # its 6 blocks lose to p0's 3 at this load weight
+    plan = r.plan(PROMPT, [Worker(P0), busy_p1], [Worker(D0)], colocated=False)
+    assert names(plan) == (P0, D0)
+    assert plan.predicted_tokens == 3 * BS
+    assert plan.available_tokens == 6 * BS  # what routing left on p1
+
+
+def test_predicted_hit_counts_what_the_prefill_pulls():
+    r, _ = router(index_with(p0=2, d0=7), pull_min_blocks=2)
+    plan = r.plan(PROMPT, [kv_worker(P0)], [kv_worker(D0, in_flight=5)], colocated=False)
+    assert plan.prefill.name == P0 and plan.pull_from.name == D0
+    assert plan.predicted_tokens == 7 * BS == plan.available_tokens
+
+
+def test_predicted_hit_of_a_local_prefill_keeps_the_last_token_to_compute():
+    # All 10 blocks cached on d0: the engine reuses 9 (the last token gives the logits).
+    r, _ = router(index_with(d0=10), local_prefill_tokens=64)
+    plan = r.plan(PROMPT, [Worker(P0)], [Worker(D0)], colocated=False)
+    assert plan.prefill is None
+    assert plan.predicted_tokens == 9 * BS == plan.available_tokens
+    cold, _ = router(InMemoryIndex())
+    assert cold.plan(PROMPT, [Worker(P0)], [Worker(D0)], colocated=False).predicted_tokens == 0

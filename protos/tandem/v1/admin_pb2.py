@@ -24,13 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cprotos/tandem/v1/admin.proto\x12\ttandem.v1\"\x82\x01\n\x0cScaleRequest\x12\x14\n\x07prefill\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x06\x64\x65\x63ode\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x1c\n\x0f\x64rain_timeout_s\x18\x03 \x01(\x01H\x02\x88\x01\x01\x42\n\n\x08_prefillB\t\n\x07_decodeB\x12\n\x10_drain_timeout_s\"-\n\nScaleReply\x12\x0f\n\x07prefill\x18\x01 \x01(\r\x12\x0e\n\x06\x64\x65\x63ode\x18\x02 \x01(\r\"\x0f\n\rStatusRequest\"7\n\x0bStatusReply\x12(\n\x07workers\x18\x01 \x03(\x0b\x32\x17.tandem.v1.WorkerStatus\"h\n\x0cWorkerStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x11\n\tin_flight\x18\x03 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x04 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x05 \x01(\r2|\n\x05\x41\x64min\x12\x37\n\x05Scale\x12\x17.tandem.v1.ScaleRequest\x1a\x15.tandem.v1.ScaleReply\x12:\n\x06Status\x12\x18.tandem.v1.StatusRequest\x1a\x16.tandem.v1.StatusReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cprotos/tandem/v1/admin.proto\x12\ttandem.v1\"\x82\x01\n\x0cScaleRequest\x12\x14\n\x07prefill\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x06\x64\x65\x63ode\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x1c\n\x0f\x64rain_timeout_s\x18\x03 \x01(\x01H\x02\x88\x01\x01\x42\n\n\x08_prefillB\t\n\x07_decodeB\x12\n\x10_drain_timeout_s\"-\n\nScaleReply\x12\x0f\n\x07prefill\x18\x01 \x01(\r\x12\x0e\n\x06\x64\x65\x63ode\x18\x02 \x01(\r\"\x0f\n\rStatusRequest\"7\n\x0bStatusReply\x12(\n\x07workers\x18\x01 \x03(\x0b\x32\x17.tandem.v1.WorkerStatus\"\x17\n\x15ReconcileIndexRequest\"\x8e\x02\n\x13ReconcileIndexReply\x12\x17\n\x0f\x63hecked_workers\x18\x01 \x01(\r\x12\x17\n\x0f\x63hecked_entries\x18\x02 \x01(\x04\x12\x15\n\rstale_entries\x18\x03 \x01(\x04\x12\x17\n\x0fmissing_entries\x18\x04 \x01(\x04\x12\x13\n\x0bunreachable\x18\x05 \x03(\t\x12J\n\x0fstale_by_worker\x18\x06 \x03(\x0b\x32\x31.tandem.v1.ReconcileIndexReply.StaleByWorkerEntry\x1a\x34\n\x12StaleByWorkerEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"h\n\x0cWorkerStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x11\n\tin_flight\x18\x03 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x04 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x05 \x01(\r2\xd0\x01\n\x05\x41\x64min\x12\x37\n\x05Scale\x12\x17.tandem.v1.ScaleRequest\x1a\x15.tandem.v1.ScaleReply\x12:\n\x06Status\x12\x18.tandem.v1.StatusRequest\x1a\x16.tandem.v1.StatusReply\x12R\n\x0eReconcileIndex\x12 .tandem.v1.ReconcileIndexRequest\x1a\x1e.tandem.v1.ReconcileIndexReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.tandem.v1.admin_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_RECONCILEINDEXREPLY_STALEBYWORKERENTRY']._loaded_options = None
+  _globals['_RECONCILEINDEXREPLY_STALEBYWORKERENTRY']._serialized_options = b'8\001'
   _globals['_SCALEREQUEST']._serialized_start=44
   _globals['_SCALEREQUEST']._serialized_end=174
   _globals['_SCALEREPLY']._serialized_start=176
@@ -39,8 +41,14 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STATUSREQUEST']._serialized_end=238
   _globals['_STATUSREPLY']._serialized_start=240
   _globals['_STATUSREPLY']._serialized_end=295
-  _globals['_WORKERSTATUS']._serialized_start=297
-  _globals['_WORKERSTATUS']._serialized_end=401
-  _globals['_ADMIN']._serialized_start=403
-  _globals['_ADMIN']._serialized_end=527
+  _globals['_RECONCILEINDEXREQUEST']._serialized_start=297
+  _globals['_RECONCILEINDEXREQUEST']._serialized_end=320
+  _globals['_RECONCILEINDEXREPLY']._serialized_start=323
+  _globals['_RECONCILEINDEXREPLY']._serialized_end=593
+  _globals['_RECONCILEINDEXREPLY_STALEBYWORKERENTRY']._serialized_start=541
+  _globals['_RECONCILEINDEXREPLY_STALEBYWORKERENTRY']._serialized_end=593
+  _globals['_WORKERSTATUS']._serialized_start=595
+  _globals['_WORKERSTATUS']._serialized_end=699
+  _globals['_ADMIN']._serialized_start=702
+  _globals['_ADMIN']._serialized_end=910
 # @@protoc_insertion_point(module_scope)

@@ -34,6 +34,33 @@ class StatusReply(_message.Message):
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
     def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ...) -> None: ...
 
+class ReconcileIndexRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ReconcileIndexReply(_message.Message):
+    __slots__ = ("checked_workers", "checked_entries", "stale_entries", "missing_entries", "unreachable", "stale_by_worker")
+    class StaleByWorkerEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    CHECKED_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    CHECKED_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    STALE_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    MISSING_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    UNREACHABLE_FIELD_NUMBER: _ClassVar[int]
+    STALE_BY_WORKER_FIELD_NUMBER: _ClassVar[int]
+    checked_workers: int
+    checked_entries: int
+    stale_entries: int
+    missing_entries: int
+    unreachable: _containers.RepeatedScalarFieldContainer[str]
+    stale_by_worker: _containers.ScalarMap[str, int]
+    def __init__(self, checked_workers: _Optional[int] = ..., checked_entries: _Optional[int] = ..., stale_entries: _Optional[int] = ..., missing_entries: _Optional[int] = ..., unreachable: _Optional[_Iterable[str]] = ..., stale_by_worker: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
 class WorkerStatus(_message.Message):
     __slots__ = ("name", "role", "in_flight", "free_blocks", "total_blocks")
     NAME_FIELD_NUMBER: _ClassVar[int]

@@ -44,6 +44,11 @@ class AdminStub:
                 request_serializer=protos_dot_tandem_dot_v1_dot_admin__pb2.StatusRequest.SerializeToString,
                 response_deserializer=protos_dot_tandem_dot_v1_dot_admin__pb2.StatusReply.FromString,
                 _registered_method=True)
+        self.ReconcileIndex = channel.unary_unary(
+                '/tandem.v1.Admin/ReconcileIndex',
+                request_serializer=protos_dot_tandem_dot_v1_dot_admin__pb2.ReconcileIndexRequest.SerializeToString,
+                response_deserializer=protos_dot_tandem_dot_v1_dot_admin__pb2.ReconcileIndexReply.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -64,6 +69,15 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReconcileIndex(self, request, context):
+        """Checks the router's block index against the blocks each worker in
+        routing holds, and removes the entries naming blocks a worker does not
+        hold (stale). docs/prefix-caching.md.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -76,6 +90,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=protos_dot_tandem_dot_v1_dot_admin__pb2.StatusRequest.FromString,
                     response_serializer=protos_dot_tandem_dot_v1_dot_admin__pb2.StatusReply.SerializeToString,
+            ),
+            'ReconcileIndex': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReconcileIndex,
+                    request_deserializer=protos_dot_tandem_dot_v1_dot_admin__pb2.ReconcileIndexRequest.FromString,
+                    response_serializer=protos_dot_tandem_dot_v1_dot_admin__pb2.ReconcileIndexReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -132,6 +151,33 @@ class Admin:
             '/tandem.v1.Admin/Status',
             protos_dot_tandem_dot_v1_dot_admin__pb2.StatusRequest.SerializeToString,
             protos_dot_tandem_dot_v1_dot_admin__pb2.StatusReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReconcileIndex(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Admin/ReconcileIndex',
+            protos_dot_tandem_dot_v1_dot_admin__pb2.ReconcileIndexRequest.SerializeToString,
+            protos_dot_tandem_dot_v1_dot_admin__pb2.ReconcileIndexReply.FromString,
             options,
             channel_credentials,
             insecure,

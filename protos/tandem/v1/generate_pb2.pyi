@@ -125,13 +125,17 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
-    __slots__ = ("ttft_s", "mean_tpot_s", "prefill_worker", "decode_worker")
+    __slots__ = ("ttft_s", "mean_tpot_s", "prefill_worker", "decode_worker", "predicted_cached_tokens", "realized_cached_tokens")
     TTFT_S_FIELD_NUMBER: _ClassVar[int]
     MEAN_TPOT_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_WORKER_FIELD_NUMBER: _ClassVar[int]
     DECODE_WORKER_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REALIZED_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ttft_s: float
     mean_tpot_s: float
     prefill_worker: str
     decode_worker: str
-    def __init__(self, ttft_s: _Optional[float] = ..., mean_tpot_s: _Optional[float] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ...) -> None: ...
+    predicted_cached_tokens: int
+    realized_cached_tokens: int
+    def __init__(self, ttft_s: _Optional[float] = ..., mean_tpot_s: _Optional[float] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., predicted_cached_tokens: _Optional[int] = ..., realized_cached_tokens: _Optional[int] = ...) -> None: ...
