@@ -130,6 +130,8 @@ class EngineWorker:
     def stop_loop(self) -> None:
         self.loop.stop()
         self.publisher.close()
+        with self.loop.lock:
+            self.engine.close()  # the second KV tier's storage
 
     def listen(self, request_id: str, callback: Callable[[RequestOutput], None]) -> None:
         """Call ``callback`` (in the event loop) with each output of the request."""
