@@ -79,7 +79,7 @@ class WorkerResources(BaseModel):
 
 class EngineSection(Section):
     """The model and the engine every worker runs it with. Every field but
-    kv_cache_memory_mb is an ``EngineConfig`` field of the same name."""
+    kv_cache_memory_mb and kv_tier_mb is an ``EngineConfig`` field of the same name."""
 
     model: str | None = None
     """Checkpoint directory or hub id; None: the embedded default model."""
@@ -125,6 +125,13 @@ class EngineSection(Section):
     cuda_graphs: bool = False
     """GPU workers replay decode steps as CUDA graphs captured at fixed batch sizes:
     less CPU overhead per step, at the cost of capture time and one KV block."""
+    kv_tier_mb: int = Field(0, ge=0)
+    """Second KV tier (MiB) of each worker: cached blocks evicted from the KV pool move
+    there (pinned host memory behind a GPU, a memory-mapped file behind a CPU) and a
+    later prefix hit copies them back instead of computing them; 0: none."""
+    kv_tier_dir: str | None = None
+    """Directory of a CPU worker's tier file (created 0600, unlinked once mapped, so
+    nothing is left after a stop); None: $XDG_STATE_HOME/tandem/kv-tier."""
 
     def engine_config(self, **worker: Any) -> EngineConfig:
         """The ``EngineConfig`` of one worker: this section plus what differs per
@@ -132,8 +139,13 @@ class EngineSection(Section):
         kv_transfer_dtype)."""
         from engine.config import EngineConfig
 
-        fields = self.model_dump(exclude={"kv_cache_memory_mb"})
-        return EngineConfig(**fields, kv_cache_memory_bytes=self.kv_cache_memory_mb << 20, **worker)
+        fields = self.model_dump(exclude={"kv_cache_memory_mb", "kv_tier_mb"})
+        return EngineConfig(
+            **fields,
+            kv_cache_memory_bytes=self.kv_cache_memory_mb << 20,
+            kv_tier_memory_bytes=self.kv_tier_mb << 20,
+            **worker,
+        )
 
 
 def pool_size_error(name: str, size: int, max_workers: int) -> str | None:
