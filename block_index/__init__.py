@@ -9,7 +9,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from block_index.base import HASH_SIZE, BlockIndex, EventPublisher, IndexSettings, KVEvent
+from block_index.base import (
+    HASH_SIZE,
+    BlockIndex,
+    EventPublisher,
+    IndexSettings,
+    KVEvent,
+    TierCounts,
+    TieredIndex,
+)
 from block_index.memory import InMemoryIndex, InProcessPublisher
 
 if TYPE_CHECKING:
@@ -25,6 +33,8 @@ __all__ = [
     "KVEvent",
     "RedisEventPublisher",
     "RedisIndex",
+    "TierCounts",
+    "TieredIndex",
     "redis_prefix",
 ]
 

@@ -592,6 +592,10 @@ class TuningSection(Section):
     """A prefill worker pulls prefix blocks (PullBlocks) from the worker holding most of
     the prompt when it lacks at least this many of them, rather than computing them;
     0 turns pulls off."""
+    host_block_weight: float = Field(0.75, ge=0, le=1)
+    """KV-aware routing: what a prefix block held only in a worker's second KV tier
+    (engine.kv_tier_mb) is worth against one in its KV pool (1); it is copied back
+    before the request starts, which costs a fraction of computing it."""
 
 
 class ServeConfig(BaseModel):

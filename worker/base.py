@@ -11,7 +11,7 @@ import asyncio
 import logging
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from block_index import EventPublisher, IndexSettings, KVEvent
 from engine.config import EngineConfig
@@ -103,7 +103,10 @@ class EngineWorker:
 
     def _cache_snapshot(self) -> list[KVEvent]:
         """What the prefix cache holds now, as one event (for a router that logs in)."""
-        return [KVEvent(self.name, tuple(self.cached_hashes()), ())]
+        with self.loop.lock:
+            pool = self.engine.block_pool
+            stored, host = pool.cached_hashes(), pool.host_hashes()
+        return [KVEvent(self.name, tuple(stored), (), host=tuple(host))]
 
     def close_outputs(self) -> None:
         """End every output stream (the routers see them end)."""
@@ -208,8 +211,11 @@ class EngineWorker:
         with self.loop.lock:
             return self.engine.block_pool.cached_hashes()
 
-    def _on_cache_events(self, stored: list[bytes], removed: list[bytes]) -> None:
-        self.publisher.publish(KVEvent(self.name, tuple(stored), tuple(removed)))
+    def _on_cache_events(
+        self, stored: list[bytes], removed: list[bytes], host: Sequence[bytes] = ()
+    ) -> None:
+        event = KVEvent(self.name, tuple(stored), tuple(removed), host=tuple(host))
+        self.publisher.publish(event)
 
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
         if self._aio is not None:
