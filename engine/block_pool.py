@@ -133,6 +133,7 @@ class BlockPool:
         # last change of each hash wins, so a drain is the net change.
         self._changes: dict[BlockHash, bool] = {}
         self.tier: BlockTier | None = None
+        self.num_hits = 0  # prefix blocks found on the device (a tier counts its own)
 
     def attach_tier(self, tier: BlockTier) -> None:
         """Spill evicted cached blocks to ``tier`` and restore prefix hits from it."""
@@ -192,6 +193,7 @@ class BlockPool:
                 break
             else:  # referenced at once: a restore's fresh block must not evict it
                 self._ref([block])
+                self.num_hits += 1
             matched.append(block)
         self._add(holder, matched)
         return matched

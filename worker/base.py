@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from block_index import EventPublisher, IndexSettings, KVEvent
 from engine.config import EngineConfig
 from engine.engine_loop import EngineLoop
+from engine.kv_tier import KVTier
 from engine.llm_engine import LLMEngine
 from engine.spec.decoder import spec_stats
 from kv_transfer import PoolBlockStore, TransferConfig
@@ -27,6 +28,20 @@ from protos.tandem.v1 import worker_pb2
 from worker.output_channel import OutputServer
 
 log = logging.getLogger(__name__)
+
+
+def tier_stats(tier: KVTier | None) -> dict[str, int]:
+    """The host tier's WorkerStats fields."""
+    if tier is None:
+        return {}
+    s = tier.stats
+    return {
+        "kv_tier_capacity_blocks": s.capacity_blocks,
+        "kv_tier_blocks": len(tier),
+        "kv_tier_hit_blocks": s.hits,
+        "kv_tier_bytes_in": s.bytes_in,
+        "kv_tier_bytes_out": s.bytes_out,
+    }
 
 
 class BufferedEvents:
@@ -182,6 +197,9 @@ class EngineWorker:
             num_waiting=len(engine.scheduler.waiting),
             num_steps=self.loop.num_steps,
             num_preemptions=engine.scheduler.num_preemptions,
+            kv_cached_blocks=engine.block_pool.num_cached,
+            kv_prefix_hit_blocks=engine.block_pool.num_hits,
+            **tier_stats(engine.kv_tier),
             **spec_stats(engine.speculator),
         )
 
