@@ -19,8 +19,8 @@ from tests.pool_checks import leftover_holders
 
 pytestmark = pytest.mark.unit
 
-WORKLOAD = Workload()  # 12 chats x 3 turns, ~72 distinct prefix blocks
-BIG, SMALL = 96, 12  # blocks: the big pool holds every prefix, the small 1/8 of it
+WORKLOAD = Workload(conversations=8, output_tokens=4)  # 8 chats x 3 turns, ~40 prefix blocks
+BIG, SMALL = 64, 8  # blocks: the big pool holds every prefix, the small 1/8 of it
 
 
 def _engine(llama_dir, tmp_path, num_blocks: int, tier_blocks: int | None = None, **kw):
@@ -46,6 +46,7 @@ def reference(llama_dir, tmp_path_factory):
     return played
 
 
+@pytest.mark.slow  # plays the whole workload, and the reference once
 def test_small_pool_with_tier_hits_like_a_pool_8x_larger(llama_dir, tmp_path, reference):
     alone = play(_engine(llama_dir, tmp_path, SMALL), WORKLOAD)
     assert alone.cached_tokens() < reference.cached_tokens() // 2  # the small pool forgets
@@ -62,6 +63,7 @@ def test_small_pool_with_tier_hits_like_a_pool_8x_larger(llama_dir, tmp_path, re
     _check_clean(engine)
 
 
+@pytest.mark.slow  # plays the whole workload, and the reference once
 def test_a_full_tier_evicts_and_serves_nothing_wrong(llama_dir, tmp_path, reference):
     engine = _engine(llama_dir, tmp_path, SMALL, tier_blocks=16)
     played = play(engine, WORKLOAD)
@@ -74,6 +76,7 @@ def test_a_full_tier_evicts_and_serves_nothing_wrong(llama_dir, tmp_path, refere
     _check_clean(engine)
 
 
+@pytest.mark.slow  # plays the whole workload, and the reference once
 def test_corrupted_entries_are_misses(llama_dir, tmp_path, reference):
     engine = _engine(llama_dir, tmp_path, SMALL, tier_blocks=BIG)
     tier = engine.kv_tier
@@ -166,6 +169,7 @@ def test_tier_size_from_bytes(llama_dir, tmp_path):
     assert engine.kv_tier.capacity == (1 << 20) // engine.kv_layout.block_bytes
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_pinned_tier_behind_a_gpu_pool(llama_dir, tmp_path, reference):
     engine = _engine(llama_dir, tmp_path, SMALL, tier_blocks=BIG, device="cuda")
