@@ -9,7 +9,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from block_index.base import HASH_SIZE, BlockIndex, EventPublisher, IndexSettings, KVEvent
+from block_index.base import (
+    HASH_SIZE,
+    BlockIndex,
+    EventPublisher,
+    IndexSettings,
+    KVEvent,
+    TierCounts,
+    TieredIndex,
+)
 from block_index.memory import InMemoryIndex, InProcessPublisher
 from block_index.reconcile import ReconcileReport, reconcile
 
@@ -27,6 +35,8 @@ __all__ = [
     "ReconcileReport",
     "RedisEventPublisher",
     "RedisIndex",
+    "TierCounts",
+    "TieredIndex",
     "reconcile",
     "redis_prefix",
 ]

@@ -30,12 +30,40 @@ class KVEvent:
     Applied in this order: ``reset`` (drop all of the worker's entries),
     then ``removed``, then ``stored``. A worker that restarted or cleared its
     cache sends ``reset=True`` with its full content in ``stored``.
+
+    ``host``: the hashes of ``stored`` that the worker holds only in its
+    second KV tier (engine/kv_tier.py), not on its device; the others of
+    ``stored`` are on its device. A backend that keeps no tier (Redis)
+    counts both alike.
     """
 
     worker: str
     stored: tuple[bytes, ...] = ()
     removed: tuple[bytes, ...] = ()
     reset: bool = False
+    host: tuple[bytes, ...] = ()
+
+
+@dataclass(frozen=True)
+class TierCounts:
+    """A worker's leading blocks of a hash chain (``BlockIndex.lookup``), and
+    how many of them are only in its host tier."""
+
+    blocks: int
+    host: int = 0
+
+    @property
+    def device(self) -> int:
+        return self.blocks - self.host
+
+
+@runtime_checkable
+class TieredIndex(Protocol):
+    """An index that also knows which tier holds each block."""
+
+    def lookup_tiers(self, hashes: Sequence[bytes]) -> dict[str, TierCounts]:
+        """``lookup``, with the host-tier share of each worker's count."""
+        ...
 
 
 @runtime_checkable

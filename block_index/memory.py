@@ -6,7 +6,7 @@ import logging
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 
-from block_index.base import KVEvent
+from block_index.base import KVEvent, TierCounts
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +29,7 @@ class InMemoryIndex:
         self._by_worker: dict[str, set[bytes]] = {}
         self._combos: dict[frozenset[str], frozenset[str]] = {}
         self._combos_gc_at = 1024
+        self._host: dict[str, set[bytes]] = {}  # worker -> hashes only in its host tier
 
     def _intern(self, holders: frozenset[str]) -> frozenset[str]:
         combos = self._combos
@@ -74,9 +75,24 @@ class InMemoryIndex:
                         if new is None:
                             new = added[old] = self._intern(old | alone)
                         by_hash[h] = new
+            self._apply_tiers(event)
+
+    def _apply_tiers(self, event: KVEvent) -> None:
+        """Which of the worker's hashes are only in its host tier."""
+        host = self._host.get(event.worker)
+        if host is None and not event.host:
+            return
+        if host is None:
+            host = self._host[event.worker] = set()
+        if event.reset:
+            host.clear()
+        host.difference_update(event.removed)
+        host.difference_update(event.stored)
+        host.update(event.host)
 
     def drop_worker(self, worker: str) -> None:
         with self._lock:
+            self._host.pop(worker, None)
             held = self._by_worker.pop(worker, None)
             if held:
                 self._forget(worker, held)
@@ -103,6 +119,7 @@ class InMemoryIndex:
             self._by_worker = by_worker
             self._combos = combos
             self._combos_gc_at = max(1024, 2 * len(combos))
+            self._host = {}  # a snapshot names no tier: all count as on the device
 
     def _forget(self, worker: str, held: Iterable[bytes]) -> None:
         by_hash = self._by_hash
@@ -132,6 +149,28 @@ class InMemoryIndex:
         except Exception:  # never raise into the router
             logger.exception("block index lookup failed")
             return {}
+
+    def lookup_tiers(self, hashes: Sequence[bytes]) -> dict[str, TierCounts]:
+        """``lookup``, with how many of each worker's leading blocks are only
+        in its host tier."""
+        try:
+            with self._lock:
+                counts = self._lookup(hashes)
+                return {
+                    w: TierCounts(n, self._host_count(w, hashes[:n])) for w, n in counts.items()
+                }
+        except Exception:  # never raise into the router
+            logger.exception("block index lookup failed")
+            return {}
+
+    def _host_count(self, worker: str, hashes: Sequence[bytes]) -> int:
+        host = self._host.get(worker)
+        return sum(h in host for h in hashes) if host else 0
+
+    def host_blocks(self, worker: str) -> set[bytes]:
+        """A copy of the hashes ``worker`` holds only in its host tier."""
+        with self._lock:
+            return set(self._host.get(worker, ()))
 
     def _lookup(self, hashes: Sequence[bytes]) -> dict[str, int]:
         n = len(hashes)

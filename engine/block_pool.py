@@ -28,6 +28,14 @@ A block is
 
 ``num_free`` counts free plus cached blocks: everything allocatable.
 
+With a second tier attached (``attach_tier``, engine/kv_tier.py), a cached
+block the pool evicts is first copied to the tier, and ``match_prefix``
+goes on past the device pool's cached prefix: for each next hash the tier
+holds (tokens checked), it takes a fresh block, the tier copies the data
+in, and the block is cached under that hash and held like any matched
+block. The tier holds data, never references: every reference is still
+a holder's, here.
+
 Blocks are released last first (a holder's tail before its head), so a
 sequence's tail blocks are evicted before its head, which other requests
 are likelier to share.
@@ -43,7 +51,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Literal, Protocol, get_args
 
 from engine.hashing import BlockHash
 
@@ -82,6 +90,28 @@ class HolderError(RuntimeError):
     """A holder released or handed over a reference it does not have."""
 
 
+class BlockTier(Protocol):
+    """A second tier behind the pool (engine/kv_tier.py's ``KVTier``)."""
+
+    def spill(self, block: int, block_hash: BlockHash, tokens: Sequence[int]) -> None: ...
+    def has(self, block_hash: BlockHash, tokens: Sequence[int]) -> bool: ...
+    def restore(self, block_hash: BlockHash, tokens: Sequence[int], block: int) -> bool: ...
+    def holds(self, block_hash: BlockHash) -> bool: ...
+    def hashes(self) -> list[BlockHash]: ...
+    def discard(self, block_hash: BlockHash) -> None: ...
+    def drain_changed(self) -> set[BlockHash]: ...
+
+
+@dataclass(frozen=True)
+class CacheDelta:
+    """The net change of what a worker caches since the last drain, by where
+    each hash is now: the device pool, only the second tier, or neither."""
+
+    device: list[BlockHash]
+    host: list[BlockHash]
+    removed: list[BlockHash]
+
+
 class BlockPool:
     """Block ids, their holders, and the prefix cache over them."""
 
@@ -102,6 +132,12 @@ class BlockPool:
         # Hashes cached (True) or evicted (False) since the last drain; the
         # last change of each hash wins, so a drain is the net change.
         self._changes: dict[BlockHash, bool] = {}
+        self.tier: BlockTier | None = None
+        self.num_hits = 0  # prefix blocks found on the device (a tier counts its own)
+
+    def attach_tier(self, tier: BlockTier) -> None:
+        """Spill evicted cached blocks to ``tier`` and restore prefix hits from it."""
+        self.tier = tier
 
     # ---- figures ------------------------------------------------------------
 
@@ -149,10 +185,16 @@ class BlockPool:
         matched: list[int] = []
         for block_hash, tokens in zip(hashes, token_blocks, strict=False):
             block = self._block_of.get(block_hash)
-            if block is None or self._tokens_of[block] != tuple(tokens):
+            if block is None:
+                block = self._restore(block_hash, tokens)
+                if block is None:
+                    break
+            elif self._tokens_of[block] != tuple(tokens):
                 break
+            else:  # referenced at once: a restore's fresh block must not evict it
+                self._ref([block])
+                self.num_hits += 1
             matched.append(block)
-        self._ref(matched)
         self._add(holder, matched)
         return matched
 
@@ -220,6 +262,8 @@ class BlockPool:
         for block in blocks:
             if block not in self._hash_of:
                 continue
+            if self.tier is not None:
+                self.tier.discard(self._hash_of[block])
             self._uncache(block)
             if self._refs[block] == 0:
                 del self._evictable[block]
@@ -236,15 +280,33 @@ class BlockPool:
         return self._tokens_of.get(block)
 
     def drain_events(self) -> tuple[list[BlockHash], list[BlockHash]]:
-        """(stored, removed): the net change of the cache since the last drain,
-        for the block index."""
+        """(stored, removed): the net change of what this pool and its tier
+        cache since the last drain, for the block index (a hash in either
+        tier counts as stored)."""
+        delta = self.drain_delta()
+        return delta.device + delta.host, delta.removed
+
+    def drain_delta(self) -> CacheDelta:
+        """The net change since the last drain, by tier."""
         changes, self._changes = self._changes, {}
-        stored = [h for h, cached in changes.items() if cached]
-        return stored, [h for h, cached in changes.items() if not cached]
+        changed = list(changes)
+        if self.tier is not None:
+            changed += [h for h in self.tier.drain_changed() if h not in changes]
+        delta = CacheDelta([], [], [])
+        for h in changed:
+            self._where(h, delta).append(h)
+        return delta
 
     def cached_hashes(self) -> list[BlockHash]:
-        """Every hash the cache holds now (a snapshot for the block index)."""
-        return list(self._block_of)
+        """Every hash the cache holds now, in either tier (a snapshot for the
+        block index)."""
+        return [*self._block_of, *self.host_hashes()]
+
+    def host_hashes(self) -> list[BlockHash]:
+        """Hashes only the second tier holds now."""
+        if self.tier is None:
+            return []
+        return [h for h in self.tier.hashes() if h not in self._block_of]
 
     # ---- internals --------------------------------------------------------------
 
@@ -254,9 +316,35 @@ class BlockPool:
             block = self._free.pop()
         else:
             block, _ = self._evictable.popitem(last=False)
+            if self.tier is not None:  # its data is intact until the new holder writes
+                self.tier.spill(block, self._hash_of[block], self._tokens_of[block])
             self._uncache(block)
         self._refs[block] = 1
         return block
+
+    def _restore(self, block_hash: BlockHash, tokens: Sequence[int]) -> int | None:
+        """A fresh block (ref 1) holding the tier's copy of ``block_hash``,
+        cached under it; None when the tier lacks it or no block is free."""
+        tier = self.tier
+        if tier is None or not self.num_free or not tier.has(block_hash, tokens):
+            return None
+        block = self._fresh()  # may spill another block: the tier keeps this entry's slot
+        if not tier.restore(block_hash, tokens, block):
+            self._refs[block] = 0
+            self._free.append(block)
+            return None
+        self._hash_of[block] = block_hash
+        self._tokens_of[block] = tuple(tokens)
+        self._block_of[block_hash] = block
+        self._changes[block_hash] = True
+        return block
+
+    def _where(self, block_hash: BlockHash, delta: CacheDelta) -> list[BlockHash]:
+        if block_hash in self._block_of:
+            return delta.device
+        if self.tier is not None and self.tier.holds(block_hash):
+            return delta.host
+        return delta.removed
 
     def _add(self, holder: Holder, blocks: Sequence[int]) -> None:
         if blocks:

@@ -181,6 +181,16 @@ class EngineConfig:
     model (engine/simulated.py) replaces the model's forward pass by the profile's
     step time, slept, and deterministic tokens; model and load_format are then not
     used, kv_cache_memory_bytes counts the profiled model's KV bytes per token."""
+    kv_tier_num_blocks: int | None = None
+    """Blocks of the second KV tier (engine/kv_tier.py), where cached blocks evicted
+    from the pool go and prefix hits take them back from; None: derived from
+    kv_tier_memory_bytes."""
+    kv_tier_memory_bytes: int = 0
+    """Size of the second KV tier when kv_tier_num_blocks is None; 0: no tier. Pinned
+    host memory behind a GPU pool, a memory-mapped file behind a CPU pool."""
+    kv_tier_dir: str | None = None
+    """Directory of a CPU pool's tier file (created 0600 and unlinked once mapped);
+    None: $XDG_STATE_HOME/tandem/kv-tier."""
 
     def __post_init__(self) -> None:
         checks = {
@@ -191,10 +201,13 @@ class EngineConfig:
             "num_kv_blocks": self.num_kv_blocks is None or self.num_kv_blocks >= 1,
             "max_model_len": self.max_model_len is None or self.max_model_len >= 1,
             "num_threads": self.num_threads is None or self.num_threads >= 1,
+            "kv_tier_num_blocks": self.kv_tier_num_blocks is None or self.kv_tier_num_blocks >= 1,
         }
         for name, ok in checks.items():
             if not ok:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        if self.kv_tier_memory_bytes < 0:
+            raise ValueError(f"kv_tier_memory_bytes must be >= 0, got {self.kv_tier_memory_bytes}")
         if self.simulate is not None:
             self._check_simulated()
 

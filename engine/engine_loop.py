@@ -33,11 +33,13 @@ class EngineLoop:
         engine: LLMEngine,
         on_outputs: Callable[[list[RequestOutput]], None],
         name: str = "engine",
-        on_cache_events: Callable[[list[bytes], list[bytes]], None] | None = None,
+        on_cache_events: Callable[[list[bytes], list[bytes], list[bytes]], None] | None = None,
         after_pass: Callable[[], None] | None = None,
     ) -> None:
         """``after_pass``: called on the engine thread after every pass of the
-        loop (a step, or the calls run while idle), outside ``lock``."""
+        loop (a step, or the calls run while idle), outside ``lock``.
+        ``on_cache_events(stored, removed, host)``: the prefix cache's net
+        change; ``host`` is the part of ``stored`` only in the second tier."""
         self.engine = engine
         self.after_pass = after_pass
         self.lock = threading.RLock()
@@ -87,9 +89,10 @@ class EngineLoop:
             with self.lock:
                 busy = self.engine.has_unfinished()
                 outputs = self._step() if busy else []
-                stored, removed = self.engine.block_pool.drain_events()
-            if (stored or removed) and self._on_cache_events is not None:
-                self._on_cache_events(stored, removed)
+                delta = self.engine.block_pool.drain_delta()
+            stored = delta.device + delta.host
+            if (stored or delta.removed) and self._on_cache_events is not None:
+                self._on_cache_events(stored, delta.removed, delta.host)
             if outputs:
                 self._on_outputs(outputs)
             if self.after_pass is not None:

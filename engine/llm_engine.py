@@ -31,6 +31,7 @@ from engine.device import resolve_device
 from engine.hashing import BlockHash, root_hash
 from engine.kernels import select as select_kernels
 from engine.kv_cache import KVCache, KVLayout
+from engine.kv_tier import KVTier
 from engine.loader import (
     load_hf_config,
     load_weights,
@@ -107,6 +108,7 @@ class LLMEngine(RequestFaults):
         spec, fingerprint = self.spec, self.kv_layout.model_fingerprint
         self.block_pool = BlockPool(num_blocks, config.block_size)
         self.kv_cache = KVCache(self.kv_layout, num_blocks, device)
+        self.kv_tier = self._make_tier(config)
         self.root_hash = root_hash(fingerprint, config.block_size)
         self.scheduler = Scheduler(
             self.block_pool,
@@ -186,6 +188,24 @@ class LLMEngine(RequestFaults):
         limits = [spec.max_position_embeddings, num_blocks * config.block_size]
         limits += [x for x in (config.max_model_len, spec.sliding_window) if x]
         return min(limits)
+
+    def _make_tier(self, config: EngineConfig) -> KVTier | None:
+        """The second KV tier the config asks for (none without prefix caching)."""
+        blocks = config.kv_tier_num_blocks
+        if blocks is None and config.kv_tier_memory_bytes:
+            blocks = KVCache.blocks_for_budget(self.kv_layout, config.kv_tier_memory_bytes)
+        if not blocks or not config.enable_prefix_caching:
+            return None
+        tier = KVTier(self.kv_cache, blocks, config.kv_tier_dir)
+        self.block_pool.attach_tier(tier)
+        return tier
+
+    def close(self) -> None:
+        """Let go of the second tier's storage (a worker that stops)."""
+        if self.kv_tier is not None:
+            self.block_pool.tier = None
+            self.kv_tier.close()
+            self.kv_tier = None
 
     def enable_decode_graphs(self, use_graphs: bool = True) -> None:
         """Run decode-only steps at fixed shapes (see cuda_graphs.py), as CUDA

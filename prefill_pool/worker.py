@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import logging
 import time
+from collections.abc import Sequence
 
 from block_index import IndexSettings
 from engine.block_pool import Held, Holder
@@ -199,10 +200,12 @@ class PrefillWorker(EngineWorker):
     def _events_seq(self) -> int:
         return self.outputs.events_seq if self.outputs is not None else 0
 
-    def _on_cache_events(self, stored: list[bytes], removed: list[bytes]) -> None:
+    def _on_cache_events(
+        self, stored: list[bytes], removed: list[bytes], host: Sequence[bytes] = ()
+    ) -> None:
         """On the engine thread: out to the routers at once, before the step's
         outputs reach the event loop (so a reply counts them)."""
-        super()._on_cache_events(stored, removed)
+        super()._on_cache_events(stored, removed, host)
         self.publish_outputs([])
 
     def _blocks_to_push(

@@ -90,6 +90,20 @@ class WorkerStats:
     """Prefill workers: KV bytes pushed to decode workers (0 on others)."""
     kv_bytes_pulled: int = 0
     """Prefill workers: KV bytes pulled from other workers' prefix caches."""
+    kv_cached_blocks: int = 0
+    """Device tier: blocks its prefix cache holds now (in use or not)."""
+    kv_prefix_hit_blocks: int = 0
+    """Device tier: prefix blocks requests found in the pool."""
+    kv_tier_capacity_blocks: int = 0
+    """Host tier (engine.kv_tier_mb): its size in blocks; 0 without one."""
+    kv_tier_blocks: int = 0
+    """Host tier: blocks it holds now."""
+    kv_tier_hit_blocks: int = 0
+    """Host tier: prefix blocks copied back into the pool instead of computed."""
+    kv_tier_bytes_in: int = 0
+    """Host tier: bytes copied to it from the pool (evicted blocks)."""
+    kv_tier_bytes_out: int = 0
+    """Host tier: bytes copied from it back into the pool (prefix hits)."""
 
     @property
     def used_blocks(self) -> int:

@@ -79,7 +79,7 @@ class WorkerResources(BaseModel):
 
 class EngineSection(Section):
     """The model and the engine every worker runs it with. Every field but
-    kv_cache_memory_mb is an ``EngineConfig`` field of the same name."""
+    kv_cache_memory_mb and kv_tier_mb is an ``EngineConfig`` field of the same name."""
 
     model: str | None = None
     """Checkpoint directory or hub id; None: the embedded default model."""
@@ -130,6 +130,13 @@ class EngineSection(Section):
     run the simulated model (docs/simulated-engine.md), which sleeps the profile's step
     time and gives deterministic tokens; model is then not loaded, and
     kv_cache_memory_mb counts the profiled model's KV bytes per token."""
+    kv_tier_mb: int = Field(0, ge=0)
+    """Second KV tier (MiB) of each worker: cached blocks evicted from the KV pool move
+    there (pinned host memory behind a GPU, a memory-mapped file behind a CPU) and a
+    later prefix hit copies them back instead of computing them; 0: none."""
+    kv_tier_dir: str | None = None
+    """Directory of a CPU worker's tier file (created 0600, unlinked once mapped, so
+    nothing is left after a stop); None: $XDG_STATE_HOME/tandem/kv-tier."""
 
     def engine_config(self, **worker: Any) -> EngineConfig:
         """The ``EngineConfig`` of one worker: this section plus what differs per
@@ -137,8 +144,13 @@ class EngineSection(Section):
         kv_transfer_dtype)."""
         from engine.config import EngineConfig
 
-        fields = self.model_dump(exclude={"kv_cache_memory_mb"})
-        return EngineConfig(**fields, kv_cache_memory_bytes=self.kv_cache_memory_mb << 20, **worker)
+        fields = self.model_dump(exclude={"kv_cache_memory_mb", "kv_tier_mb"})
+        return EngineConfig(
+            **fields,
+            kv_cache_memory_bytes=self.kv_cache_memory_mb << 20,
+            kv_tier_memory_bytes=self.kv_tier_mb << 20,
+            **worker,
+        )
 
 
 def pool_size_error(name: str, size: int, max_workers: int) -> str | None:
@@ -589,6 +601,10 @@ class TuningSection(Section):
     """A prefill worker pulls prefix blocks (PullBlocks) from the worker holding most of
     the prompt when it lacks at least this many of them, rather than computing them;
     0 turns pulls off."""
+    host_block_weight: float = Field(0.75, ge=0, le=1)
+    """KV-aware routing: what a prefix block held only in a worker's second KV tier
+    (engine.kv_tier_mb) is worth against one in its KV pool (1); it is copied back
+    before the request starts, which costs a fraction of computing it."""
 
 
 class AutoscaleSection(Section):

@@ -25,6 +25,16 @@ _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25,
 
 
 @dataclass(frozen=True)
+class TierSample:
+    """One KV tier of a worker: its device pool's prefix cache, or its host tier."""
+
+    tier: str  # "device" or "host"
+    cached_blocks: int
+    hit_blocks: int
+    bytes_in: int = 0  # bytes copied into this tier from the other
+
+
+@dataclass(frozen=True)
 class WorkerSample:
     """One worker's numbers, from its ``stats`` call."""
 
@@ -36,6 +46,7 @@ class WorkerSample:
     waiting: int
     kv_bytes_pushed: int = 0
     kv_bytes_pulled: int = 0
+    tiers: tuple[TierSample, ...] = ()
 
     @classmethod
     def of(cls, report: WorkerReport) -> WorkerSample:
@@ -49,7 +60,15 @@ class WorkerSample:
             waiting=stats.num_waiting,
             kv_bytes_pushed=stats.kv_bytes_pushed,
             kv_bytes_pulled=stats.kv_bytes_pulled,
-        )
+            tiers=(
+                TierSample("device", stats.kv_cached_blocks, stats.kv_prefix_hit_blocks,
+                           stats.kv_tier_bytes_out),
+                TierSample("host", stats.kv_tier_blocks, stats.kv_tier_hit_blocks,
+                           stats.kv_tier_bytes_in),
+            )
+            if stats.kv_tier_capacity_blocks
+            else (TierSample("device", stats.kv_cached_blocks, stats.kv_prefix_hit_blocks),),
+        )  # fmt: skip
 
 
 class WorkerCollector(Collector):
@@ -81,6 +100,7 @@ class WorkerCollector(Collector):
             for s in self.samples:
                 family.add_metric([s.name, s.role], value(s))
             yield family
+        yield from self._tiers()
         queued = GaugeMetricFamily("tandem_queue_depth", "Sequences waiting on all workers")
         queued.add_metric([], sum(s.waiting for s in self.samples))
         yield queued
@@ -93,6 +113,28 @@ class WorkerCollector(Collector):
         for role in sorted({s.role for s in self.samples}):
             pools.add_metric([role], sum(1 for s in self.samples if s.role == role))
         yield pools
+
+    def _tiers(self) -> Iterator[Metric]:
+        """Per worker and KV tier (device, host): blocks, prefix hits, bytes moved in."""
+        labels = ["worker", "role", "tier"]
+        blocks = GaugeMetricFamily(
+            "tandem_worker_kv_tier_blocks", "Cached KV blocks in the tier", labels=labels
+        )
+        hits = CounterMetricFamily(
+            "tandem_worker_kv_tier_hit_blocks", "Prefix blocks found in the tier", labels=labels
+        )
+        moved = CounterMetricFamily(
+            "tandem_worker_kv_tier_moved_in_bytes",
+            "KV bytes copied into the tier from the worker's other tier",
+            labels=labels,
+        )
+        for s in self.samples:
+            for t in s.tiers:
+                key = [s.name, s.role, t.tier]
+                blocks.add_metric(key, t.cached_blocks)
+                hits.add_metric(key, t.hit_blocks)
+                moved.add_metric(key, t.bytes_in)
+        yield from (blocks, hits, moved)
 
     @staticmethod
     def _used(s: WorkerSample) -> int:

@@ -4,7 +4,15 @@ The router hashes the prompt's full blocks with the same chain the workers
 use (engine/hashing.py), asks the block index how many leading blocks each
 worker holds, and scores workers by
 
-    cached prefix blocks - load_weight_blocks * requests in flight
+    device blocks + host_block_weight * host-tier blocks
+        - load_weight_blocks * requests in flight
+
+where a worker's cached prefix is counted in blocks on its device and
+blocks only in its second KV tier (engine/kv_tier.py; an index that keeps
+no tier, Redis, counts all as device blocks). A host-tier block is worth
+less than a device block: it is copied back into the pool (and its digest
+checked) before the request starts, which costs a fraction of computing it
+(docs/kv-tier.md has the measured figure behind the default 0.75).
 
 A stale index entry can only make a worker look better than it is: the
 worker's own prefix cache decides what is reused, so the cost is a miss.
@@ -15,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
-from block_index import BlockIndex
+from block_index import BlockIndex, TierCounts, TieredIndex
 from engine.hashing import BlockHash, hash_blocks
 from router.policies import RoutingPolicy
 from router.pool_manager import WorkerHandle
@@ -51,6 +59,7 @@ class PrefixRouter:
         load_weight_blocks: float = 4.0,
         local_prefill_tokens: int = 256,
         pull_min_blocks: int = 2,
+        host_block_weight: float = 0.75,
     ) -> None:
         self.index = index
         self.block_size = block_size
@@ -60,6 +69,7 @@ class PrefixRouter:
         self.load_weight = load_weight_blocks
         self.local_prefill_tokens = local_prefill_tokens
         self.pull_min_blocks = pull_min_blocks
+        self.host_block_weight = host_block_weight
 
     def plan(
         self,
@@ -76,12 +86,14 @@ class PrefixRouter:
         (router/admission.py); None when it fits on none."""
         use_index = self.enabled and self.index.healthy
         hashes = hash_blocks(prompt, self.block_size, self.root, cache_salt) if use_index else []
-        cached = self.index.lookup(hashes) if use_index else {}
+        tiers = self._lookup(hashes) if use_index else {}
+        cached = {w: c.blocks for w, c in tiers.items()}
+        worth = {w: c.device + self.host_block_weight * c.host for w, c in tiers.items()}
         if fits is not None:
             decode = [w for w in decode if fits(w, cached.get(w.name, 0))]
             if not decode:
                 return None
-        d = self._best(decode, cached)
+        d = self._best(decode, worth)
         d_blocks = cached.get(d.name, 0)
         uncached = len(prompt) - d_blocks * self.block_size
         local = colocated or (
@@ -93,7 +105,7 @@ class PrefixRouter:
             return RoutePlan(
                 None, d, d_blocks, hashes, predicted_tokens=hit, available_tokens=available
             )
-        p = self._best(prefill, cached)
+        p = self._best(prefill, worth)
         plan = self._with_pull(RoutePlan(p, d, d_blocks, hashes), [*prefill, *decode], cached)
         hit = self._hit(prompt, cached.get(p.name, 0) + len(plan.pull_hashes))
         return replace(plan, predicted_tokens=hit, available_tokens=available)
@@ -122,7 +134,13 @@ class PrefixRouter:
             holder, plan.hashes[have:most],
         )  # fmt: skip
 
-    def _best(self, workers: Sequence[WorkerHandle], cached: dict[str, int]) -> WorkerHandle:
+    def _lookup(self, hashes: Sequence[BlockHash]) -> dict[str, TierCounts]:
+        """Each worker's leading cached blocks, by tier where the index knows it."""
+        if isinstance(self.index, TieredIndex):
+            return self.index.lookup_tiers(hashes)
+        return {w: TierCounts(n) for w, n in self.index.lookup(hashes).items()}
+
+    def _best(self, workers: Sequence[WorkerHandle], cached: dict[str, float]) -> WorkerHandle:
         if not cached:
             return self.fallback.pick(workers)
         scores = {w: cached.get(w.name, 0) - self.load_weight * w.in_flight for w in workers}

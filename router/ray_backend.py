@@ -196,6 +196,7 @@ class RayBackend:
             load_weight_blocks=self.config.tuning.load_weight_blocks,
             local_prefill_tokens=self.config.routing.local_prefill_tokens,
             pull_min_blocks=self.config.tuning.pull_min_blocks,
+            host_block_weight=self.config.tuning.host_block_weight,
         )
         await self.members.join_all()  # prefill workers' streams bring their cache events
         self._tasks.append(asyncio.create_task(self.members.poll(MEMBERSHIP_POLL_S)))
@@ -234,7 +235,9 @@ class RayBackend:
 
     def _apply_events(self, events) -> None:
         for e in events:
-            self.index.apply(KVEvent(e.worker, tuple(e.stored), tuple(e.removed)))
+            self.index.apply(
+                KVEvent(e.worker, tuple(e.stored), tuple(e.removed), host=tuple(e.host))
+            )
 
     async def shutdown(self) -> None:
         """Stop this router's part: its tasks, streams and index. The workers of

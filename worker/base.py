@@ -11,11 +11,12 @@ import asyncio
 import logging
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from block_index import EventPublisher, IndexSettings, KVEvent
 from engine.config import EngineConfig
 from engine.engine_loop import EngineLoop
+from engine.kv_tier import KVTier
 from engine.llm_engine import LLMEngine
 from engine.spec.decoder import spec_stats
 from kv_transfer import PoolBlockStore, TransferConfig
@@ -27,6 +28,20 @@ from protos.tandem.v1 import worker_pb2
 from worker.output_channel import OutputServer
 
 log = logging.getLogger(__name__)
+
+
+def tier_stats(tier: KVTier | None) -> dict[str, int]:
+    """The host tier's WorkerStats fields."""
+    if tier is None:
+        return {}
+    s = tier.stats
+    return {
+        "kv_tier_capacity_blocks": s.capacity_blocks,
+        "kv_tier_blocks": len(tier),
+        "kv_tier_hit_blocks": s.hits,
+        "kv_tier_bytes_in": s.bytes_in,
+        "kv_tier_bytes_out": s.bytes_out,
+    }
 
 
 class BufferedEvents:
@@ -103,7 +118,10 @@ class EngineWorker:
 
     def _cache_snapshot(self) -> list[KVEvent]:
         """What the prefix cache holds now, as one event (for a router that logs in)."""
-        return [KVEvent(self.name, tuple(self.cached_hashes()), ())]
+        with self.loop.lock:
+            pool = self.engine.block_pool
+            stored, host = pool.cached_hashes(), pool.host_hashes()
+        return [KVEvent(self.name, tuple(stored), (), host=tuple(host))]
 
     def close_outputs(self) -> None:
         """End every output stream (the routers see them end)."""
@@ -130,6 +148,8 @@ class EngineWorker:
     def stop_loop(self) -> None:
         self.loop.stop()
         self.publisher.close()
+        with self.loop.lock:
+            self.engine.close()  # the second KV tier's storage
 
     def listen(self, request_id: str, callback: Callable[[RequestOutput], None]) -> None:
         """Call ``callback`` (in the event loop) with each output of the request."""
@@ -177,6 +197,9 @@ class EngineWorker:
             num_waiting=len(engine.scheduler.waiting),
             num_steps=self.loop.num_steps,
             num_preemptions=engine.scheduler.num_preemptions,
+            kv_cached_blocks=engine.block_pool.num_cached,
+            kv_prefix_hit_blocks=engine.block_pool.num_hits,
+            **tier_stats(engine.kv_tier),
             **spec_stats(engine.speculator),
         )
 
@@ -206,8 +229,11 @@ class EngineWorker:
         with self.loop.lock:
             return self.engine.block_pool.cached_hashes()
 
-    def _on_cache_events(self, stored: list[bytes], removed: list[bytes]) -> None:
-        self.publisher.publish(KVEvent(self.name, tuple(stored), tuple(removed)))
+    def _on_cache_events(
+        self, stored: list[bytes], removed: list[bytes], host: Sequence[bytes] = ()
+    ) -> None:
+        event = KVEvent(self.name, tuple(stored), tuple(removed), host=tuple(host))
+        self.publisher.publish(event)
 
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
         if self._aio is not None:

@@ -279,7 +279,7 @@ class OutputServer:
                     del self._owner[out.request_id]
                 owned.setdefault(router, []).append(out)
         pb_events = [
-            worker_pb2.CacheEvent(worker=e.worker, stored=e.stored, removed=e.removed)
+            worker_pb2.CacheEvent(worker=e.worker, stored=e.stored, removed=e.removed, host=e.host)
             for e in events
         ]
         for router_id, conn in routers.items():
@@ -388,7 +388,11 @@ class OutputServer:
         except Exception:
             log.exception("taking the cache snapshot for a router failed")
             return []
-        pb = [worker_pb2.CacheEvent(worker=e.worker, stored=e.stored) for e in events if e.stored]
+        pb = [
+            worker_pb2.CacheEvent(worker=e.worker, stored=e.stored, host=e.host)
+            for e in events
+            if e.stored
+        ]
         if not pb:
             return []
         return list(wire.frames(worker_pb2.StepBatch(cache_events=pb), self.max_frame_bytes))

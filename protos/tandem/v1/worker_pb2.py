@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos.tandem.v1 import generate_pb2 as protos_dot_tandem_dot_v1_dot_generate__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dprotos/tandem/v1/worker.proto\x12\ttandem.v1\x1a\x1fprotos/tandem/v1/generate.proto\"\x96\x01\n\tStepBatch\x12\'\n\x06\x64\x65ltas\x18\x01 \x03(\x0b\x32\x17.tandem.v1.RequestDelta\x12+\n\x0c\x63\x61\x63he_events\x18\x02 \x03(\x0b\x32\x15.tandem.v1.CacheEvent\x12\x12\n\nevents_seq\x18\x03 \x01(\x04\x12\x1f\n\x04room\x18\x04 \x01(\x0b\x32\x11.tandem.v1.KVRoom\"3\n\x06KVRoom\x12\x13\n\x0b\x66ree_blocks\x18\x01 \x01(\x03\x12\x14\n\x0ctotal_blocks\x18\x02 \x01(\x03\"=\n\nCacheEvent\x12\x0e\n\x06worker\x18\x01 \x01(\t\x12\x0e\n\x06stored\x18\x02 \x03(\x0c\x12\x0f\n\x07removed\x18\x03 \x03(\x0c\"\xdc\x01\n\x0cRequestDelta\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12)\n\x08logprobs\x18\x04 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12\x19\n\x11num_output_tokens\x18\x07 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x08 \x01(\r\x12\r\n\x05\x65rror\x18\t \x01(\tb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dprotos/tandem/v1/worker.proto\x12\ttandem.v1\x1a\x1fprotos/tandem/v1/generate.proto\"\x96\x01\n\tStepBatch\x12\'\n\x06\x64\x65ltas\x18\x01 \x03(\x0b\x32\x17.tandem.v1.RequestDelta\x12+\n\x0c\x63\x61\x63he_events\x18\x02 \x03(\x0b\x32\x15.tandem.v1.CacheEvent\x12\x12\n\nevents_seq\x18\x03 \x01(\x04\x12\x1f\n\x04room\x18\x04 \x01(\x0b\x32\x11.tandem.v1.KVRoom\"3\n\x06KVRoom\x12\x13\n\x0b\x66ree_blocks\x18\x01 \x01(\x03\x12\x14\n\x0ctotal_blocks\x18\x02 \x01(\x03\"K\n\nCacheEvent\x12\x0e\n\x06worker\x18\x01 \x01(\t\x12\x0e\n\x06stored\x18\x02 \x03(\x0c\x12\x0f\n\x07removed\x18\x03 \x03(\x0c\x12\x0c\n\x04host\x18\x04 \x03(\x0c\"\xdc\x01\n\x0cRequestDelta\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12)\n\x08logprobs\x18\x04 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12\x19\n\x11num_output_tokens\x18\x07 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x08 \x01(\r\x12\r\n\x05\x65rror\x18\t \x01(\tb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,7 +37,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_KVROOM']._serialized_start=230
   _globals['_KVROOM']._serialized_end=281
   _globals['_CACHEEVENT']._serialized_start=283
-  _globals['_CACHEEVENT']._serialized_end=344
-  _globals['_REQUESTDELTA']._serialized_start=347
-  _globals['_REQUESTDELTA']._serialized_end=567
+  _globals['_CACHEEVENT']._serialized_end=358
+  _globals['_REQUESTDELTA']._serialized_start=361
+  _globals['_REQUESTDELTA']._serialized_end=581
 # @@protoc_insertion_point(module_scope)

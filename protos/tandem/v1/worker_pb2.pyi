@@ -28,14 +28,16 @@ class KVRoom(_message.Message):
     def __init__(self, free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ...) -> None: ...
 
 class CacheEvent(_message.Message):
-    __slots__ = ("worker", "stored", "removed")
+    __slots__ = ("worker", "stored", "removed", "host")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     STORED_FIELD_NUMBER: _ClassVar[int]
     REMOVED_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
     worker: str
     stored: _containers.RepeatedScalarFieldContainer[bytes]
     removed: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, worker: _Optional[str] = ..., stored: _Optional[_Iterable[bytes]] = ..., removed: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    host: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, worker: _Optional[str] = ..., stored: _Optional[_Iterable[bytes]] = ..., removed: _Optional[_Iterable[bytes]] = ..., host: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class RequestDelta(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "logprobs", "finished", "finish_reason", "num_output_tokens", "num_cached_tokens", "error")
