@@ -14,6 +14,8 @@ from router.backend import GenerateResult
 from router.index_fidelity import HitMetrics, ReconcileCollector, hit_outcome
 from router.index_reconcile import IndexReconciler
 
+pytestmark = pytest.mark.unit
+
 
 def h(i: int) -> bytes:
     return i.to_bytes(16, "big")

@@ -17,6 +17,8 @@ from benchkit.schedule import (
 )
 from benchkit.workload import arrival_offsets
 
+pytestmark = pytest.mark.unit
+
 
 def test_steps_parse_with_the_last_step_as_long_as_the_one_before():
     s = parse_schedule("0:2,60:8,120:2")

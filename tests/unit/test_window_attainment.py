@@ -11,6 +11,8 @@ from benchkit.pools import PoolSample, parse_pool_sizes
 from benchkit.schedule import parse_schedule
 from benchkit.windows import window_stats, worst_attainment
 
+pytestmark = pytest.mark.unit
+
 START = 1000.0  # the run's clock at its start
 
 
