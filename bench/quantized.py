@@ -15,7 +15,7 @@ With ``--model PATH`` (a .gguf file, e.g. SmolLM2's) the model's own weights
 load instead, and ``as_stored`` is a setting worth timing.
 
   python bench/quantized.py [--threads 2] [--settings none,int8,q4] [--rounds 2]
-                            [--model PATH]
+                            [--model PATH] [--figures decode_1,prefill_512,...]
 """
 
 from __future__ import annotations
@@ -112,12 +112,24 @@ def batch_prefill_ms(
     return (time.perf_counter() - t) * 1e3
 
 
+# Each figure by name: (engine, round) -> milliseconds.
+FIGURES = {
+    "decode_1": lambda engine, r: decode_step_ms(engine, 1, seed=10 * r + 1),
+    "decode_32": lambda engine, r: decode_step_ms(engine, 32, seed=10 * r + 2),
+    "prefill_512": lambda engine, r: prefill_ms(engine, seed=10 * r),
+    "prefill_16x256": lambda engine, r: batch_prefill_ms(engine, seed=r),
+}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--settings", default="none,int8,q4")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--model", default=None, help="a checkpoint or .gguf file's weights")
+    parser.add_argument(
+        "--figures", default=",".join(FIGURES), help="which of the figures to time, by name"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     settings = args.settings.split(",")
@@ -143,10 +155,7 @@ def main() -> None:
         for round_ in range(args.rounds):
             for setting, engine in engines.items():
                 figures = {
-                    "decode_1_ms": decode_step_ms(engine, 1, seed=10 * round_ + 1),
-                    "decode_32_ms": decode_step_ms(engine, 32, seed=10 * round_ + 2),
-                    "prefill_512_ms": prefill_ms(engine, seed=10 * round_),
-                    "prefill_16x256_ms": batch_prefill_ms(engine, seed=round_),
+                    f"{name}_ms": FIGURES[name](engine, round_) for name in args.figures.split(",")
                 }
                 best = results.setdefault(setting, {})
                 for key, value in figures.items():
@@ -160,7 +169,7 @@ def main() -> None:
         for setting in settings:
             if setting == "none":
                 continue
-            for key in ("decode_1_ms", "decode_32_ms", "prefill_512_ms", "prefill_16x256_ms"):
+            for key in (f"{name}_ms" for name in args.figures.split(",")):
                 name = f"{setting}_{key.removesuffix('_ms')}_vs_fp32"
                 results[name] = round(base[key] / results[setting][key], 2)
                 print(f"{name}: {results[name]}x")
