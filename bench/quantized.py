@@ -1,6 +1,9 @@
 """Quantized weights: decode step time at 1 and 32 streams and a 512-token
 prefill, float32 against int8 and q4 weights, in one run.
 
+A fourth figure is the prefill of 16 prompts of 256 tokens added at once
+(the time until each has its first token: TTFT's prefill at that shape).
+
 The model is SmolLM2-135M-shaped with random weights (hidden 576, 30 layers, 9
 heads, 3 kv heads, intermediate 1536, vocabulary 49152): the figures are about
 speed, not outputs. Each setting gets its own engine (``EngineConfig.quantization``); ``--rounds``
@@ -12,7 +15,7 @@ With ``--model PATH`` (a .gguf file, e.g. SmolLM2's) the model's own weights
 load instead, and ``as_stored`` is a setting worth timing.
 
   python bench/quantized.py [--threads 2] [--settings none,int8,q4] [--rounds 2]
-                            [--model PATH]
+                            [--model PATH] [--figures decode_1,prefill_512,...]
 """
 
 from __future__ import annotations
@@ -92,12 +95,41 @@ def prefill_ms(engine: LLMEngine, tokens: int = 512, seed: int = 0) -> float:
     return min(times) * 1e3
 
 
+def batch_prefill_ms(
+    engine: LLMEngine, streams: int = 16, tokens: int = 256, seed: int = 0
+) -> float:
+    """Time until each of ``streams`` prompts of ``tokens`` tokens, added at once,
+    has its first token (the prefill part of TTFT at that shape)."""
+    vocab = engine.spec.vocab_size
+    gen = torch.Generator().manual_seed(200 + seed)
+    one = SamplingParams(temperature=0, max_tokens=1)
+    for i in range(streams):
+        prompt = torch.randint(10, vocab, (tokens,), generator=gen).tolist()
+        engine.add_request(f"b{seed}-{i}", prompt, one)
+    t = time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+    return (time.perf_counter() - t) * 1e3
+
+
+# Each figure by name: (engine, round) -> milliseconds.
+FIGURES = {
+    "decode_1": lambda engine, r: decode_step_ms(engine, 1, seed=10 * r + 1),
+    "decode_32": lambda engine, r: decode_step_ms(engine, 32, seed=10 * r + 2),
+    "prefill_512": lambda engine, r: prefill_ms(engine, seed=10 * r),
+    "prefill_16x256": lambda engine, r: batch_prefill_ms(engine, seed=r),
+}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--settings", default="none,int8,q4")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--model", default=None, help="a checkpoint or .gguf file's weights")
+    parser.add_argument(
+        "--figures", default=",".join(FIGURES), help="which of the figures to time, by name"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     settings = args.settings.split(",")
@@ -123,9 +155,7 @@ def main() -> None:
         for round_ in range(args.rounds):
             for setting, engine in engines.items():
                 figures = {
-                    "decode_1_ms": decode_step_ms(engine, 1, seed=10 * round_ + 1),
-                    "decode_32_ms": decode_step_ms(engine, 32, seed=10 * round_ + 2),
-                    "prefill_512_ms": prefill_ms(engine, seed=10 * round_),
+                    f"{name}_ms": FIGURES[name](engine, round_) for name in args.figures.split(",")
                 }
                 best = results.setdefault(setting, {})
                 for key, value in figures.items():
@@ -139,7 +169,7 @@ def main() -> None:
         for setting in settings:
             if setting == "none":
                 continue
-            for key in ("decode_1_ms", "decode_32_ms", "prefill_512_ms"):
+            for key in (f"{name}_ms" for name in args.figures.split(",")):
                 name = f"{setting}_{key.removesuffix('_ms')}_vs_fp32"
                 results[name] = round(base[key] / results[setting][key], 2)
                 print(f"{name}: {results[name]}x")

@@ -49,6 +49,9 @@ BLOCK_BYTES = {
 }
 # What a checkpoint's float weights are quantized to at load, by setting.
 AT_LOAD = {"int8": QuantFormat.INT8, "q4": QuantFormat.Q4_1}
+# The LM head's format at load: q4 keeps it at 8 bits (Q8_0 blocks), its
+# most sensitive matrix (a tied head is the embedding, every token's input).
+HEAD_AT_LOAD = {"int8": QuantFormat.INT8, "q4": QuantFormat.Q8_0}
 
 
 @dataclass(frozen=True)

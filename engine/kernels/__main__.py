@@ -1,6 +1,7 @@
 """Build the CPU kernels now (``make setup`` runs this).
 
-    python -m engine.kernels              build (or load) the kernels for this CPU
+    python -m engine.kernels              build (or load) the kernels for this CPU; a
+                                          failed build remembered earlier is retried once
     python -m engine.kernels --rebuild    forget a failed build and compile from scratch
     python -m engine.kernels --isa avx2   the AVX2 branches (also: TANDEM_KERNEL_ISA=avx2)
 
@@ -40,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["TANDEM_KERNEL_ISA"] = args.isa
     target = build.target()
     print(f"CPU kernels: {target.isa} build in {target.directory}")
+    if not args.rebuild and build.forget_failure(target):
+        print("CPU kernels: a failed build was remembered here; trying again")
     ops = cpu_ops(rebuild=args.rebuild)
     if ops is None:
         print("CPU kernels: not built; the engine uses its PyTorch path")

@@ -39,6 +39,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
   m.attr("PANEL_WIDTH") = kPanel;
   m.attr("QUANT_PANEL_ROWS") = kQuantPanelRows;
+  // The formats quant_linear runs on the integer GEMM from QUANT_PANEL_ROWS
+  // rows on (x quantized by rows); the others dequantize float32 panels.
+  py::list gemm_formats;
+  for (int64_t f = 0; f < 4; ++f)
+    if (int8_gemm_supports(f)) gemm_formats.append(f);
+  m.attr("INT8_GEMM_FORMATS") = py::tuple(gemm_formats);
 #ifdef TANDEM_GREEDY_HEAD
   m.attr("INT8_ROW_LEVELS") = kQuantMax;  // |q_x| of greedy_head_i8's quantized rows
   m.attr("HALF_SCREEN_MAX_ROWS") = kHalfScreenMaxRows;  // greedy_head_f16 pays off up to

@@ -10,10 +10,15 @@ so machines that share a home directory but differ in AVX-512 or AMX get
 builds of their own.
 
 ``load`` builds once per directory: processes wait on a file lock while one
-compiles. A build that fails leaves ``BUILD_FAILED`` in its directory with
-the compiler's last lines; later processes raise ``BuildFailed`` from it
-instead of compiling again, until the file is deleted or ``forget`` (``python
--m engine.kernels --rebuild``) clears the directory.
+compiles. A build that fails leaves ``BUILD_FAILED-<origin>`` in its
+directory with the compiler's last lines, ``origin`` a hash of the checkout's
+source directory and the flags: later processes of that checkout raise
+``BuildFailed`` from it instead of compiling again, until the file is deleted,
+``forget`` (``python -m engine.kernels --rebuild``) clears the directory or
+``python -m engine.kernels`` (``make setup``) retries it. Another checkout
+whose sources hash the same (the directory is keyed by their content) is not
+held back by that marker: it compiles once itself. A build whose sources
+changed while it compiled (an edit in the checkout) records nothing.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ SOURCES = (  # the longest to compile first: ninja starts them in this order
     "prefill_attention.cpp",
     "linear.cpp",
     "quant_linear.cpp",
+    "quant_gemm.cpp",
     "head_f16.cpp",
     "head_i8.cpp",
     "head_amx.cpp",
@@ -98,11 +104,21 @@ class Target:
     cflags: tuple[str, ...]
     name: str
     directory: Path
+    sources: str = ""  # the hash of the sources and headers the name was made from
 
     @property
     def marker(self) -> Path:
-        """Where a failed build is remembered."""
-        return self.directory / FAILED_MARKER
+        """Where this checkout's failed build with these flags is remembered."""
+        origin = f"{SOURCE_DIR.resolve()}\0{' '.join((*self.cflags, '|', *LDFLAGS))}"
+        return (
+            self.directory / f"{FAILED_MARKER}-{hashlib.sha256(origin.encode()).hexdigest()[:12]}"
+        )
+
+    def markers(self) -> list[Path]:
+        """Every failed build remembered in the directory, this checkout's or others'."""
+        if not self.directory.is_dir():
+            return []
+        return sorted(self.directory.glob(f"{FAILED_MARKER}*"))
 
     @property
     def library(self) -> Path:
@@ -124,15 +140,22 @@ def target(
     if isa not in ISAS:
         raise ValueError(f"TANDEM_KERNEL_ISA={isa!r}: expected one of {', '.join(ISAS)}")
     cflags = (*CFLAGS, *ISAS[isa], *extra_cflags)
-    digest = hashlib.sha256()
-    for name in (*SOURCES, *HEADERS):
-        digest.update(name.encode() + b"\0" + (SOURCE_DIR / name).read_bytes() + b"\0")
+    sources = sources_digest()
+    digest = hashlib.sha256(sources.encode())
     digest.update(" ".join((*cflags, "|", *LDFLAGS)).encode())
     digest.update(f"{platform.machine()} {sys.implementation.cache_tag}".encode())
     if isa == "native":  # the binary uses whatever this CPU has
         digest.update(" ".join(sorted(cpu_isa_flags(cpuinfo))).encode())
     name = f"tandem_cpu_ops_{isa}_{digest.hexdigest()[:12]}"
-    return Target(isa, cflags, name, cache_root() / name)
+    return Target(isa, cflags, name, cache_root() / name, sources)
+
+
+def sources_digest() -> str:
+    """A hash of every source and header, as they are now."""
+    digest = hashlib.sha256()
+    for name in (*SOURCES, *HEADERS):
+        digest.update(name.encode() + b"\0" + (SOURCE_DIR / name).read_bytes() + b"\0")
+    return digest.hexdigest()
 
 
 def cpu_isa_flags(cpuinfo: str | None = None) -> frozenset[str]:
@@ -183,6 +206,8 @@ def load(target: Target) -> ModuleType:
                 f"({target.marker} holds the compiler's output; {RETRY}): "
                 f"{_errors(target.marker.read_text())}"
             )
+        for other in target.markers():  # another checkout's failure: try once ourselves
+            log.warning("%s records a failed build of another checkout; building here", other)
         # torch's own build lock, left behind by a build that was killed:
         # no one else is building here while we hold ours.
         (target.directory / "lock").unlink(missing_ok=True)
@@ -195,14 +220,23 @@ def load(target: Target) -> ModuleType:
                 target.directory,
             )
         try:
-            return _compile(target)
+            module = _compile(target)
         except Exception as exc:
             output = str(exc).strip() or type(exc).__name__
+            why = _not_remembered(exc, target)
+            if why:
+                raise BuildFailed(
+                    f"the build in {target.directory} failed {why} (not remembered; the "
+                    f"next process compiles again): {_errors(output)}"
+                ) from exc
             _remember(target, f"{type(exc).__name__}: {output}")
             raise BuildFailed(
                 f"the build in {target.directory} failed ({target.marker} keeps the compiler's "
                 f"output, and later processes do not try again; {RETRY}): {_errors(output)}"
             ) from exc
+        for stale in target.markers():  # built: no failure here is current any more
+            stale.unlink(missing_ok=True)
+        return module
 
 
 def forget(target: Target) -> None:
@@ -218,6 +252,16 @@ def forget(target: Target) -> None:
                 shutil.rmtree(path)
             else:
                 path.unlink()
+
+
+def forget_failure(target: Target) -> bool:
+    """Deletes this checkout's remembered failure, so that the next ``load``
+    compiles again (keeping the objects built); whether there was one."""
+    if not target.marker.exists():
+        return False
+    with _exclusive(target.directory):
+        target.marker.unlink(missing_ok=True)
+    return True
 
 
 def describe(exc: Exception) -> str:
@@ -257,12 +301,24 @@ def _exclusive(directory: Path) -> Iterator[None]:
         yield
 
 
+def _not_remembered(exc: Exception, target: Target) -> str:
+    """Why a failure says nothing about the sources, or "": they changed during
+    the build, or the library built is missing (a compiler or linker killed
+    midway, say by the memory limit, leaves no .so for torch to import)."""
+    if sources_digest() != target.sources:
+        return "while its sources changed"
+    if isinstance(exc, ImportError) and not target.library.exists():
+        return "without leaving its library (a killed compiler?)"
+    return ""
+
+
 def _remember(target: Target, output: str) -> None:
     lines = output.splitlines()
     when = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     text = (
         f"The CPU kernel build failed on {platform.node()} at {when} (pid {os.getpid()}).\n"
-        f"Processes using this directory do not try again: {RETRY}.\n"
+        f"Sources: {SOURCE_DIR.resolve()}\n"
+        f"Processes of that checkout do not try again: {RETRY}.\n"
         f"Flags: {' '.join(target.cflags)}\n"
         f"The compiler's last {min(len(lines), TAIL_LINES)} lines:\n\n"
         + "\n".join(lines[-TAIL_LINES:])

@@ -153,3 +153,8 @@ bool amx_usable();
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight,
                         const std::optional<at::Tensor>& scales, int64_t format, int64_t n,
                         const std::optional<at::Tensor>& bias);
+// quant_gemm.cpp: the integer GEMM for many rows, where the build has one for
+// ``format`` (int8_gemm_supports): c [m, n] = x~ @ W^T, x quantized by rows.
+bool int8_gemm_supports(int64_t format);
+void int8_gemm(int64_t format, const float* a, int64_t lda, int64_t m, int64_t k,
+               const uint8_t* w, const float* scales, int64_t n, float* c);

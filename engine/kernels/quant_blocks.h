@@ -46,6 +46,39 @@ inline const uint8_t* block_q(const uint8_t* p, uint8_t* nibbles, float& d, floa
   }
 }
 
+// x's rows quantized in blocks: q [m, nb * 32], d and sum(x~) [m, nb]:
+// x~ = round(x / d), d = max|x| / 127 a block (as llama.cpp's Q8 activations).
+struct RowBlocks {
+  std::vector<int8_t> q;
+  std::vector<float> d, sum;
+};
+
+inline RowBlocks quantize_rows(const float* a, int64_t lda, int64_t m, int64_t k, int64_t nb) {
+  RowBlocks x{std::vector<int8_t>(m * nb * kBlock, 0), std::vector<float>(m * nb),
+              std::vector<float>(m * nb)};
+  const int64_t grain = std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(1, k));
+  at::parallel_for(0, m, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      for (int64_t b = 0; b < nb; ++b) {
+        const float* row = a + i * lda + b * kBlock;
+        const int len = static_cast<int>(std::min<int64_t>(kBlock, k - b * kBlock));
+        float amax = 0.f;
+        for (int j = 0; j < len; ++j) amax = std::max(amax, std::fabs(row[j]));
+        const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+        int8_t* q = x.q.data() + (i * nb + b) * kBlock;
+        int total = 0;
+        for (int j = 0; j < len; ++j) {
+          q[j] = static_cast<int8_t>(std::nearbyint(row[j] * inv));
+          total += q[j];
+        }
+        x.d[i * nb + b] = d;
+        x.sum[i * nb + b] = d * static_cast<float>(total);
+      }
+    }
+  });
+  return x;
+}
+
 #if defined(__AVX2__)
 inline __m256i dot_u8s8(__m256i u, __m256i s) {  // 8 int32 sums of 4 products each
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -107,3 +140,4 @@ inline void transpose8(__m256* r) {  // an 8 x 8 block of floats, in registers
 #endif  // __AVX2__
 
 }  // namespace
+

@@ -22,35 +22,6 @@
 
 namespace {
 
-// x's rows quantized in blocks: q [m, nb * 32], d and sum(x~) [m, nb].
-struct RowBlocks {
-  std::vector<int8_t> q;
-  std::vector<float> d, sum;
-};
-
-RowBlocks quantize_rows(const float* a, int64_t lda, int64_t m, int64_t k, int64_t nb) {
-  RowBlocks x{std::vector<int8_t>(m * nb * kBlock, 0), std::vector<float>(m * nb),
-              std::vector<float>(m * nb)};
-  for (int64_t i = 0; i < m; ++i) {
-    for (int64_t b = 0; b < nb; ++b) {
-      const float* row = a + i * lda + b * kBlock;
-      const int len = static_cast<int>(std::min<int64_t>(kBlock, k - b * kBlock));
-      float amax = 0.f;
-      for (int j = 0; j < len; ++j) amax = std::max(amax, std::fabs(row[j]));
-      const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-      int8_t* q = x.q.data() + (i * nb + b) * kBlock;
-      int total = 0;
-      for (int j = 0; j < len; ++j) {
-        q[j] = static_cast<int8_t>(std::nearbyint(row[j] * inv));
-        total += q[j];
-      }
-      x.d[i * nb + b] = d;
-      x.sum[i * nb + b] = d * static_cast<float>(total);
-    }
-  }
-  return x;
-}
-
 #if defined(__AVX2__)
 // Block b (``len`` inputs) of output rows [first, first + cols) dequantized
 // into the panel's rows b * 32 .. b * 32 + len (``out``), in 8 x 8 transposes.
@@ -239,8 +210,12 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight,
   if (m == 0) return out;
   const auto* w = static_cast<const uint8_t*>(weight.data_ptr());
   float* c = out.data_ptr<float>();
-  (m < kQuantPanelRows ? kInteger : kPanels)[format](x.data_ptr<float>(), x.stride(0), m, k, w, sp,
-                                                    n, c);
+  if (m < kQuantPanelRows)
+    kInteger[format](x.data_ptr<float>(), x.stride(0), m, k, w, sp, n, c);
+  else if (int8_gemm_supports(format))
+    int8_gemm(format, x.data_ptr<float>(), x.stride(0), m, k, w, sp, n, c);
+  else
+    kPanels[format](x.data_ptr<float>(), x.stride(0), m, k, w, sp, n, c);
   if (bp != nullptr)
     for (int64_t i = 0; i < m; ++i)
       for (int64_t j = 0; j < n; ++j) c[i * n + j] += bp[j];

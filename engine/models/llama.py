@@ -22,7 +22,7 @@ from engine.attention import AttentionMetadata, paged_attention
 from engine.config import ModelSpec
 from engine.kernels import HalfHead, Int8Head, PackedWeight, screen_for
 from engine.kv_cache import KVCache
-from engine.quant import AT_LOAD, Quantization, QuantWeight
+from engine.quant import AT_LOAD, HEAD_AT_LOAD, QuantFormat, Quantization, QuantWeight
 
 log = logging.getLogger(__name__)
 
@@ -144,8 +144,9 @@ class LlamaModel:
                 raise ValueError(f"checkpoint has only some of {names}")
             return torch.cat(parts).contiguous()
 
-        def matrix(names: list[str]) -> Weight:
-            """The [out, in] weights of ``names`` stacked: [in, out] float, or quantized."""
+        def matrix(names: list[str], fmt: QuantFormat | None = fmt) -> Weight:
+            """The [out, in] weights of ``names`` stacked: [in, out] float, or quantized
+            (to ``fmt`` when the setting quantizes at load)."""
             parts = [state[n] for n in names]
             stored = [p for p in parts if isinstance(p, QuantWeight)]
             kinds = {(p.format, p.in_features) for p in stored}
@@ -165,7 +166,7 @@ class LlamaModel:
             embed.to(device) if keep else take("model.embed_tokens.weight")
         )
         head = "model.embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"
-        self.lm_head = matrix([head])
+        self.lm_head = matrix([head], HEAD_AT_LOAD.get(quantization))
         self.norm = take("model.norm.weight")
         self.layers = []
         for i in range(spec.num_layers):

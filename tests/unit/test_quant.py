@@ -3,6 +3,7 @@ against float references: the dequantized weights through torch's matmul."""
 
 from __future__ import annotations
 
+import os
 import shutil
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import engine.kernels as kernels
+from engine.kernels import build
 from engine.quant import BLOCK, QuantFormat, QuantWeight
 
 pytestmark = pytest.mark.unit
@@ -97,12 +99,16 @@ def _rows_quantized(x: torch.Tensor) -> torch.Tensor:
     nb = -(-k // BLOCK)
     blocks = F.pad(x, (0, nb * BLOCK - k)).view(m, nb, BLOCK)
     amax = blocks.abs().amax(2, keepdim=True)
-    q = torch.round(blocks * torch.where(amax > 0, 127 / amax, 0))
+    # 127 / amax as a true division, as the kernel computes it (torch's scalar /
+    # tensor multiplies by a reciprocal, which can move a product across a tie)
+    inv = torch.full_like(amax, 127.0) / amax
+    q = torch.round(blocks * torch.where(amax > 0, inv, 0))
     return (q * (amax / 127)).view(m, nb * BLOCK)[:, :k]
 
 
 SHAPES = [(1, 32, 32), (1, 576, 96), (3, 100, 45), (4, 64, 7), (7, 1536, 40)]
-SHAPES += [(8, 96, 33), (13, 200, 70), (130, 64, 65), (40, 576, 100)]
+SHAPES += [(8, 96, 33), (13, 200, 70), (130, 64, 65), (40, 576, 100), (67, 1000, 47)]
+SHAPES += [(9, 32, 1), (512, 576, 81)]  # one column; a prefill's 512 rows
 
 
 @needs_kernels
@@ -110,15 +116,18 @@ SHAPES += [(8, 96, 33), (13, 200, 70), (130, 64, 65), (40, 576, 100)]
 @pytest.mark.parametrize("m,k,n", SHAPES)
 def test_quant_linear_equals_the_dequantized_matmul(ops, fmt, m, k, n):
     """Few rows: integer dot products over x quantized in blocks (the reference
-    quantizes x the same way); more rows: the float32 tiles over dequantized
-    panels. Both against float64 sums of the dequantized weights."""
+    quantizes x the same way); more rows: the integer GEMM over x quantized the
+    same way where the build has one for the format (INT8_GEMM_FORMATS), else
+    the float32 tiles over dequantized panels. All against float64 sums of the
+    dequantized weights."""
     g = _gen(m * 1000 + k + n)
     x = torch.randn(m, k, generator=g)
     x[0, 0] = 6.0  # an outlier activation
     qw = QuantWeight.quantize(_weights(n, k, seed=n), fmt)
     bias = torch.randn(n, generator=g) if n % 2 else None
     got = qw.apply(x, bias, ops)
-    rows = _rows_quantized(x) if m < ops.QUANT_PANEL_ROWS else x
+    integer = m < ops.QUANT_PANEL_ROWS or int(fmt) in ops.INT8_GEMM_FORMATS
+    rows = _rows_quantized(x) if integer else x
     want = rows.double() @ qw.dequantize().double().t()
     if bias is not None:
         want += bias.double()
@@ -129,6 +138,20 @@ def test_quant_linear_equals_the_dequantized_matmul(ops, fmt, m, k, n):
     fallback = qw.apply(x, bias, None)
     cosine = F.cosine_similarity(got.flatten(), fallback.flatten(), dim=0)
     assert cosine > 0.999
+
+
+@needs_kernels
+def test_the_integer_gemm_takes_the_formats_the_build_can(ops):
+    """vpdpbusd (AVX512-VNNI, AVX-VNNI) takes every format; AVX2's vpmaddubsw,
+    whose int16 pair sums overflow with 8-bit weights, the 4-bit ones only."""
+    four_bit = (int(QuantFormat.Q4_0), int(QuantFormat.Q4_1))
+    flags = build.cpu_isa_flags()
+    if os.environ.get("TANDEM_KERNEL_ISA") == "avx2":
+        assert tuple(ops.INT8_GEMM_FORMATS) == four_bit
+    elif "avx512_vnni" in flags or "avx_vnni" in flags:
+        assert tuple(ops.INT8_GEMM_FORMATS) == tuple(int(f) for f in FORMATS)
+    elif "avx2" in flags:
+        assert tuple(ops.INT8_GEMM_FORMATS) == four_bit
 
 
 @needs_kernels
