@@ -103,7 +103,7 @@ def test_command_listens_on_loopback_with_a_key():
 @pytest.mark.skipif(os.name != "posix", reason="a shebang script stands in for the server")
 def test_measures_a_server_and_stops_it(tmp_path):
     fake = executable(tmp_path / "llama-server", FAKE_SERVER.format(python=sys.executable))
-    with llamacpp.llama_server(fake, tmp_path / "m.gguf", slots=4, start_timeout_s=30) as server:
+    with llamacpp.llama_server(fake, tmp_path / "m.gguf", slots=4, start_timeout_s=120) as server:
         assert llamacpp.decode_tok_s(server, [1, 2, 3], 64) == 114.0
         assert llamacpp.prefill_tok_s(server, [1] * 8) == 900.0
         run = asyncio.run(llamacpp.parallel_run(server, [[1] * 5] * 4, 6))
