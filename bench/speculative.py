@@ -2,6 +2,12 @@
 unquantized transfer measured in the same run.
 
     python bench/speculative.py [--reps 3] [--tokens 128] [--prompts 24] [--transfer-reps 9]
+                                [--model PATH] [--quantization none] [--threads 1]
+                                [--parts decode,transfer,quality]
+
+With ``--model`` (e.g. ``smollm2-135m-instruct``, a trained instruct model) the
+"edit this file" prompts are a user turn of the model's chat template and the
+draft-model run is left out.
 
 1. Decode tokens/s of the default model (random weights) with and without
    prompt-lookup speculation, greedy, 1 and 4 streams, on
@@ -61,12 +67,22 @@ from protocol.sampling import SamplingParams
 K = 4
 
 
-def code_prompts(tokenizer, n: int, max_tokens: int) -> list[list[int]]:
+def code_prompts(tokenizer, n: int, max_tokens: int, chat: bool = False) -> list[list[int]]:
+    """``n`` "edit this file" prompts over standard library sources (the file cut
+    to ``max_tokens`` tokens); ``chat``: as a user turn of the model's chat template
+    (an instruct model), else as a plain completion (a random model)."""
     src = Path(sysconfig.get_paths()["stdlib"])
     files = sorted(p for p in src.glob("*.py") if 4000 < p.stat().st_size < 40000)
     out = []
     for path in files[:: max(1, len(files) // n)][:n]:
         text = path.read_text(errors="ignore")
+        if chat:
+            code = tokenizer.decode(tokenizer.encode(text)[:max_tokens])
+            ask = "Rename every variable `x` to `y` in this Python file; reply with the whole file."
+            message = {"role": "user", "content": f"{ask}\n\n```python\n{code}\n```"}
+            ids = tokenizer.apply_chat_template([message], add_generation_prompt=True)
+            out.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+            continue
         ids = tokenizer.encode(f"# Rename every variable `x` to `y`.\n{text}")[:max_tokens]
         out.append(ids + tokenizer.encode("\n# Edited file:\n"))
     return out
@@ -101,17 +117,23 @@ def decode_run(engine: LLMEngine, prompts, params) -> DecodeRun:
     return DecodeRun((sum(len(v) for v in out.values()) - first) / elapsed, steps, out)
 
 
+def engine_config(args, **kw) -> EngineConfig:
+    """The engine of every run: ``--model`` (None: the random tiny default) with
+    ``--quantization``."""
+    return EngineConfig(model=args.model, quantization=args.quantization, **kw)
+
+
 def decode_bench(args) -> dict:
-    base = EngineConfig(num_kv_blocks=2048, max_num_seqs=16)
+    base = engine_config(args, num_kv_blocks=2048, max_num_seqs=16)
     plain = LLMEngine(base)
-    target_dir = str(plain.model_dir)
-    draft = SpeculativeConfig("draft", K, draft_model=target_dir)
     engines = {
         "off": plain,
         "ngram": LLMEngine(dataclasses.replace(base, speculative=SpeculativeConfig("ngram", K))),
-        "draft=target": LLMEngine(dataclasses.replace(base, speculative=draft)),
     }
-    code = code_prompts(plain.tokenizer, 4, 384)
+    if args.model is None:  # a real model as its own draft costs two targets' memory and time
+        draft = SpeculativeConfig("draft", K, draft_model=str(plain.model_dir))
+        engines["draft=target"] = LLMEngine(dataclasses.replace(base, speculative=draft))
+    code = code_prompts(plain.tokenizer, 4, 384, chat=args.model is not None)
     randoms = random_prompts(4, 384)
     greedy = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
     sampled = SamplingParams(temperature=1.0, max_tokens=args.tokens, ignore_eos=True, seed=1)
@@ -227,7 +249,7 @@ def _decode_after_import(prefill, decoder, rid, prompt, wire, params):
 
 
 def quality_bench(args, prefill: LLMEngine, decoder: LLMEngine) -> dict:
-    prompts = code_prompts(prefill.tokenizer, args.prompts, 512)
+    prompts = code_prompts(prefill.tokenizer, args.prompts, 480, chat=args.model is not None)
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=0)
     out = {}
     ref = [
@@ -265,13 +287,25 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--prompts", type=int, default=24)
     parser.add_argument("--transfer-reps", type=int, default=9)
+    parser.add_argument(
+        "--model", default=None, help="a checkpoint or .gguf file, or smollm2-135m-instruct"
+    )
+    parser.add_argument("--quantization", default="none", help="engine.quantization")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--parts", default="decode,transfer,quality")
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    result = {"decode": decode_bench(args)}
-    prefill = LLMEngine(EngineConfig(num_kv_blocks=1024))
-    decoder = LLMEngine(EngineConfig(num_kv_blocks=1024))
-    result["transfer_2048_tokens"] = transfer_bench(args, prefill.kv_layout)
-    result["quantized_output"] = quality_bench(args, prefill, decoder)
+    parts = args.parts.split(",")
+    torch.set_num_threads(args.threads)
+    result: dict = {"model": args.model or "tandem-tiny-llama", "quantization": args.quantization}
+    if "decode" in parts:
+        result["decode"] = decode_bench(args)
+    if "transfer" in parts or "quality" in parts:
+        prefill = LLMEngine(engine_config(args, num_kv_blocks=1024))
+        decoder = LLMEngine(engine_config(args, num_kv_blocks=1024))
+        if "transfer" in parts:
+            result["transfer_2048_tokens"] = transfer_bench(args, prefill.kv_layout)
+        if "quality" in parts:
+            result["quantized_output"] = quality_bench(args, prefill, decoder)
     print(json.dumps(result))
 
 

@@ -165,8 +165,9 @@ class EngineConfig:
     plain-greedy tokens by screening it, recomputing only the candidate columns in
     float32; the tokens equal the full logits' argmax. Costs 1 or 2 bytes per head
     weight of memory; False computes the full float32 logits."""
-    quantization: Literal["none", "int8", "q4", "as_stored"] = "none"
-    """Weights of the linear layers and the LM head: none keeps the checkpoint's
+    quantization: Literal["auto", "none", "int8", "q4", "as_stored"] = "auto"
+    """Weights of the linear layers and the LM head: auto is int8 for the packaged
+    SmolLM2-135M-Instruct and none for every other model; none keeps the checkpoint's
     floats (a GGUF file's quantized tensors dequantized); int8 quantizes them at
     load per output channel (symmetric, a float32 scale a row); q4 to 4-bit blocks
     of 32 with a float16 scale and min (GGUF's Q4_1); as_stored keeps a GGUF file's

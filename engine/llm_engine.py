@@ -10,6 +10,7 @@ request's) and continues decoding there.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import itertools
 import logging
@@ -39,6 +40,7 @@ from engine.loader import (
     resolve_model_dir,
 )
 from engine.models.llama import LlamaModel
+from engine.packaged_model import resolve_quantization
 from engine.request_faults import RequestFaults
 from engine.sampling import (
     NONFINITE_LOGITS,
@@ -95,7 +97,9 @@ def load_tokenizer(path: str):
 
 class LLMEngine(RequestFaults):
     def __init__(self, config: EngineConfig | None = None) -> None:
-        self.config = config = config or EngineConfig()
+        config = config or EngineConfig()
+        quantization = resolve_quantization(config.quantization, config.model)
+        self.config = config = dataclasses.replace(config, quantization=quantization)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)

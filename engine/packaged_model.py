@@ -40,3 +40,31 @@ def default_model_name() -> str:
     if named:
         return named
     return SMOLLM2_SERVED_NAME if smollm2_path() is not None else DEFAULT_MODEL_NAME
+
+
+PACKAGED_QUANTIZATION = "int8"
+"""What ``quantization: auto`` (the default) gives the packaged SmolLM2: int8
+weights (per output channel) cost +0.17% perplexity and decode one stream
+several times faster than float32 (docs/quantization.md, "The default")."""
+
+
+def is_packaged_model(model: str | None) -> bool:
+    """Whether ``model`` (an ``EngineConfig.model``; None: the default model)
+    is the packaged SmolLM2: its name, its file, or None when that is what the
+    default resolves to."""
+    if model is None:
+        model = os.environ.get(DEFAULT_MODEL_ENV) or None
+        if model is None:
+            return smollm2_path() is not None
+    if model == SMOLLM2_NAME:
+        return True
+    path = smollm2_path()
+    return path is not None and Path(model).expanduser().resolve() == path.resolve()
+
+
+def resolve_quantization(quantization: str, model: str | None) -> str:
+    """``auto``: PACKAGED_QUANTIZATION for the packaged SmolLM2, none for every
+    other model (the tiny test models, other checkpoints); other values as given."""
+    if quantization != "auto":
+        return quantization
+    return PACKAGED_QUANTIZATION if is_packaged_model(model) else "none"

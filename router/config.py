@@ -116,8 +116,9 @@ class EngineSection(Section):
     """With the CPU kernels: an int8 (hidden size up to 512) or float16 copy of the LM
     head screens plain-greedy steps (same tokens, less work); false saves its memory
     (1 or 2 bytes per head weight)."""
-    quantization: Literal["none", "int8", "q4", "as_stored"] = "none"
-    """Weights of the linear layers and the LM head: none (the checkpoint's floats),
+    quantization: Literal["auto", "none", "int8", "q4", "as_stored"] = "auto"
+    """Weights of the linear layers and the LM head: auto (int8 for the packaged
+    SmolLM2-135M-Instruct, none for other models), none (the checkpoint's floats),
     int8 (per output channel, quantized at load), q4 (4-bit blocks of 32, GGUF's
     Q4_1, quantized at load) or as_stored (a GGUF file's Q8_0 / Q4_0 / Q4_1 tensors
     as stored; none for other checkpoints). Fewer bytes a weight: faster CPU decode,
