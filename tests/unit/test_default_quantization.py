@@ -16,6 +16,8 @@ from engine.packaged_model import (
 )
 from router.config import EngineSection
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture
 def installed(tmp_path, monkeypatch):

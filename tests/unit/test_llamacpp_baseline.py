@@ -15,6 +15,8 @@ import pytest
 
 from benchkit import llamacpp
 
+pytestmark = pytest.mark.unit
+
 # A stand-in for llama-server: the flags the helper passes, an API key, /health,
 # /completion unstreamed (timings) and streamed (one event a token, then stop).
 FAKE_SERVER = textwrap.dedent(
