@@ -212,3 +212,22 @@ def test_a_worker_recovered_while_retiring_stays_out_of_routing():
         assert backend.decode.workers == [worker]
 
     asyncio.run(go())
+
+
+def test_the_autoscalers_model_is_the_deployments_as_tandem_plan_builds_it(tmp_path):
+    import json
+
+    from benchkit.autoscale_scenario import PROFILE
+    from planner.settings import system_for
+    from router.autoscaler_model import model_for
+
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(PROFILE))
+    config = ServeConfig(
+        engine={"simulate": str(path), "kv_cache_memory_mb": 8, "max_num_seqs": 7},
+        routing={"local_prefill_tokens": 64},
+    )
+    system = model_for(str(path), config).system
+    assert system == system_for(config, PROFILE["kv_bytes_per_token"], simulated=True)
+    assert system.max_decode_seqs == 7 and system.local_prefill_tokens == 64
+    assert system.decode_kv_blocks == (8 << 20) // (PROFILE["kv_bytes_per_token"] * 16)
