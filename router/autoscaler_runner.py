@@ -10,9 +10,9 @@ time (each step serves as soon as it has started, not once the last one
 has), up to the latest target; and it shrinks one only by retiring workers
 (``PoolController.retire``: out of routing on every router once they see
 ``Members.leaving``, stopped once no router and the worker itself hold
-anything on it). A router that loses the lease stops its growths. Each change is one structured log
-line (``autoscale_decision``) and the figures behind it are metrics
-(router/metrics.py).
+anything on it). A router that loses the lease stops its growths. Each
+change is one structured log line (``autoscale_decision``) and the figures
+behind it are metrics (router/metrics.py).
 """
 
 from __future__ import annotations
