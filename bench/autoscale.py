@@ -49,6 +49,8 @@ def main() -> int:
     finally:
         ray.shutdown()
     figures = out.figures(scenario)
+    fixed = out.fixed
+    assert fixed is not None
     print(
         f"trace: {figures['requests']} requests, x = {scenario.unit_rps:g} req/s, phases "
         f"{scenario.phases_s} s; SLO ttft {scenario.ttft_ms:g} ms, tpot {scenario.tpot_ms:g} ms"
@@ -61,10 +63,12 @@ def main() -> int:
         f"{out.at_minimum_after_s} s after the load"
     )
     print(
-        f"fixed {out.fixed_split}: attainment {figures['fixed_attainment']:.3f}; cheapest "
-        f"fixed meeting the SLO (planner) {out.cheapest}: worker-seconds ratio "
+        f"fixed {fixed.split}: attainment {figures['fixed_attainment']:.3f}; cheapest "
+        f"fixed meeting the SLO (planner) {fixed.cheapest}: worker-seconds ratio "
         f"{figures['worker_seconds_ratio']:.2f}"
     )
+    if out.autoscaled.tokens != fixed.replay.tokens:
+        print("outputs differ between the autoscaled and the fixed replay")
     print(json.dumps(figures))
     return 0
 

@@ -13,7 +13,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from planner.profile import Profile
 from planner.simulator import SystemConfig, simulate
@@ -144,13 +144,19 @@ def replay(address: str, trace: Trace, sizes: Callable[[], tuple[int, int]]) -> 
 
 
 def simulated(
-    profile: Profile, trace: Trace, prefill: int, decode: int, ttft_slo_s: float, tpot_slo_s: float
+    profile: Profile,
+    system: SystemConfig,
+    trace: Trace,
+    prefill: int,
+    decode: int,
+    ttft_slo_s: float,
+    tpot_slo_s: float,
 ) -> float:
-    """The planner's attainment of ``trace`` on a fixed split."""
-    system = SystemConfig(prefill, decode, kv_bytes_per_token=profile.kv_bytes_per_token)
+    """The planner's attainment of ``trace`` on a fixed split of ``system``
+    (the deployment's, planner/settings.py ``system_for``)."""
     res = simulate(
         trace.planner_trace(),
-        system,
+        replace(system, num_prefill=prefill, num_decode=decode),
         profile.prefill_s,
         profile.decode_step_s,
         ttft_slo_s=ttft_slo_s,
@@ -161,7 +167,12 @@ def simulated(
 
 
 def best_split(
-    profile: Profile, trace: Trace, total: int, ttft_slo_s: float, tpot_slo_s: float
+    profile: Profile,
+    system: SystemConfig,
+    trace: Trace,
+    total: int,
+    ttft_slo_s: float,
+    tpot_slo_s: float,
 ) -> tuple[int, int, float]:
     """The (prefill, decode) of ``total`` workers the planner rates best on
     ``trace`` (attainment rises, then falls, with the prefill share: a
@@ -170,7 +181,7 @@ def best_split(
 
     def score(p: int) -> float:
         if p not in scores:
-            scores[p] = simulated(profile, trace, p, total - p, ttft_slo_s, tpot_slo_s)
+            scores[p] = simulated(profile, system, trace, p, total - p, ttft_slo_s, tpot_slo_s)
         return scores[p]
 
     lo, hi = 1, total - 1
@@ -186,6 +197,7 @@ def best_split(
 
 def cheapest_fixed(
     profile: Profile,
+    system: SystemConfig,
     trace: Trace,
     ttft_slo_s: float,
     tpot_slo_s: float,
@@ -194,13 +206,13 @@ def cheapest_fixed(
 ) -> tuple[int, int, float]:
     """The fewest workers in a fixed split the planner finds meeting ``target``
     on ``trace`` (a binary search over the total)."""
-    found = best_split(profile, trace, max_workers, ttft_slo_s, tpot_slo_s)
+    found = best_split(profile, system, trace, max_workers, ttft_slo_s, tpot_slo_s)
     if found[2] < target:
         raise ValueError(f"no fixed split of up to {max_workers} workers meets {target:.0%}")
     lo, hi = 2, max_workers
     while lo < hi:
         mid = (lo + hi) // 2
-        split = best_split(profile, trace, mid, ttft_slo_s, tpot_slo_s)
+        split = best_split(profile, system, trace, mid, ttft_slo_s, tpot_slo_s)
         if split[2] >= target:
             hi, found = mid, split
         else:

@@ -1,11 +1,13 @@
 """The autoscaler's rate step on the simulated engine (what
 tests/integration/test_autoscale.py asserts and bench/autoscale.py prints):
-one deployment, two replays of one trace.
+one deployment, replays of one trace.
 
 1. Autoscaled: the pools start at their minimum and the autoscaler
-   (router/autoscaler_runner.py) runs in the router.
-2. Fixed: the autoscaler stopped, the pools set to the planner's best split
-   of the autoscaled run's mean worker count, the same trace again.
+   (router/autoscaler_runner.py) runs in the router; once the pools are
+   back at their minimum, the trace's first requests again (same outputs).
+2. Fixed (bench/autoscale.py only): the autoscaler stopped, the pools set
+   to the planner's best split of the autoscaled run's mean worker count,
+   the same trace again.
 
 The planner's cheapest fixed split meeting the targets on the same trace is
 the worker-seconds baseline.
@@ -22,7 +24,8 @@ from pathlib import Path
 from benchkit.autoscale_run import Replay, Trace, best_split, cheapest_fixed, replay
 from benchkit.deployment import Deployment
 from planner.profile import Profile
-from router.autoscaler_model import PlannerModel
+from planner.settings import system_for
+from router.autoscaler_model import model_for
 from router.autoscaler_runner import AutoscaleRunner, lifecycle_arrivals
 from router.config import ServeConfig
 
@@ -88,34 +91,49 @@ class Scenario:
         )
 
 
+AGAIN = 20  # requests replayed again after the load, at the minimum (same outputs)
+
+
+@dataclass
+class Fixed:
+    """The fixed-split replay (bench/autoscale.py) and the planner's baseline."""
+
+    replay: Replay
+    split: tuple[int, int]  # the planner's best of the autoscaled run's mean worker count
+    cheapest: tuple[int, int]  # the planner's cheapest split meeting the targets
+    cheapest_attainment: float  # the planner's
+
+
 @dataclass
 class Outcome:
     autoscaled: Replay
-    fixed: Replay
-    fixed_split: tuple[int, int]
-    cheapest: tuple[int, int]
-    cheapest_attainment: float  # the planner's
+    again: Replay  # the first AGAIN requests, replayed once the pools were at their minimum
     at_minimum_after_s: float | None  # how long after the load the pools were at their minimum
     decisions: int
     leaks: dict[str, int]
+    fixed: Fixed | None = None
 
     def figures(self, s: Scenario) -> dict[str, float]:
         ttft, tpot = s.ttft_ms / 1e3, s.tpot_ms / 1e3
-        span = self.autoscaled.sizes[-1][0] - self.autoscaled.sizes[0][0]
-        cheapest_ws = sum(self.cheapest) * span
-        return {
+        out = {
             "autoscaled_attainment": self.autoscaled.attainment(ttft, tpot),
-            "fixed_attainment": self.fixed.attainment(ttft, tpot),
-            "worker_seconds_ratio": self.autoscaled.worker_seconds / cheapest_ws,
             "autoscaled_mean_workers": self.autoscaled.mean_workers,
             "autoscaled_peak_workers": max(p + d for _, p, d in self.autoscaled.sizes),
-            "fixed_workers": sum(self.fixed_split),
-            "cheapest_fixed_workers": sum(self.cheapest),
-            "cheapest_fixed_planner_attainment": self.cheapest_attainment,
             "autoscaled_failed": len(self.autoscaled.errors),
-            "fixed_failed": len(self.fixed.errors),
             "requests": len(self.autoscaled.ttft_s),
             "decisions": self.decisions,
+        }
+        f = self.fixed
+        if f is None:
+            return out
+        span = self.autoscaled.sizes[-1][0] - self.autoscaled.sizes[0][0]
+        return out | {
+            "fixed_attainment": f.replay.attainment(ttft, tpot),
+            "worker_seconds_ratio": self.autoscaled.worker_seconds / (sum(f.cheapest) * span),
+            "fixed_workers": sum(f.split),
+            "cheapest_fixed_workers": sum(f.cheapest),
+            "cheapest_fixed_planner_attainment": f.cheapest_attainment,
+            "fixed_failed": len(f.replay.errors),
         }
 
 
@@ -124,43 +142,54 @@ def _sizes(d: Deployment):
     return lambda: (members.count("prefill"), members.count("decode"))
 
 
-def run(s: Scenario, workdir: Path) -> Outcome:
-    """Both replays on one deployment (Ray must be up)."""
+def run(s: Scenario, workdir: Path, fixed: bool = True) -> Outcome:
+    """The autoscaled replay, then ``AGAIN`` of its requests once the pools are
+    at their minimum, and with ``fixed`` the fixed-split replay and the
+    planner's baseline, on one deployment (Ray must be up)."""
     path = workdir / "autoscale-profile.json"
     path.write_text(json.dumps(PROFILE))
     profile = Profile.load(path)
     trace = s.trace()
-    ttft, tpot = s.ttft_ms / 1e3, s.tpot_ms / 1e3
-    cheapest = cheapest_fixed(profile, trace, ttft, tpot, max_workers=2 * s.max_workers)
-    d = Deployment(s.config(path))
+    config = s.config(path)
+    d = Deployment(config)
     try:
         runner = AutoscaleRunner(
             d.backend,
             d.server.metrics,
             lifecycle_arrivals(d.server.lifecycle),
-            PlannerModel(profile),
+            model_for(str(path), config),
         )
         loop_task = asyncio.run_coroutine_threadsafe(runner.run(), d.loop)
         autoscaled = replay(d.address, trace, _sizes(d))
         at_min = _wait_minimum(d, s, timeout_s=s.phases_s[-1] + 30)
         loop_task.cancel()
-        mean = max(2, round(autoscaled.mean_workers))
-        p, dd, _ = best_split(profile, trace, mean, ttft, tpot)
-        d.run(d.backend.scale(p, dd, 30.0), timeout=300)
-        fixed = replay(d.address, trace, _sizes(d))
+        head = Trace(trace.arrivals[:AGAIN], trace.prompt_len, trace.output_len, trace.seed)
+        again = replay(d.address, head, _sizes(d))
+        baseline = _fixed(d, s, profile, config, trace, autoscaled) if fixed else None
         leaks = d.wait_no_leaks()
     finally:
         d.stop()
-    return Outcome(
-        autoscaled,
-        fixed,
-        (p, dd),
-        cheapest[:2],
-        cheapest[2],
-        at_min,
-        sum(len(o.decisions) for o in runner.outcomes),
-        leaks,
-    )
+    decisions = sum(len(o.decisions) for o in runner.outcomes)
+    return Outcome(autoscaled, again, at_min, decisions, leaks, baseline)
+
+
+def _fixed(
+    d: Deployment,
+    s: Scenario,
+    profile: Profile,
+    config: ServeConfig,
+    trace: Trace,
+    autoscaled: Replay,
+) -> Fixed:
+    """The planner's best split of the autoscaled run's mean worker count,
+    replayed; and the planner's cheapest split meeting the targets."""
+    ttft, tpot = s.ttft_ms / 1e3, s.tpot_ms / 1e3
+    system = system_for(config, profile.kv_bytes_per_token, simulated=True)
+    cheapest = cheapest_fixed(profile, system, trace, ttft, tpot, max_workers=2 * s.max_workers)
+    mean = max(2, round(autoscaled.mean_workers))
+    p, dd, _ = best_split(profile, system, trace, mean, ttft, tpot)
+    d.run(d.backend.scale(p, dd, 30.0), timeout=300)
+    return Fixed(replay(d.address, trace, _sizes(d)), (p, dd), cheapest[:2], cheapest[2])
 
 
 def _wait_minimum(d: Deployment, s: Scenario, timeout_s: float) -> float | None:

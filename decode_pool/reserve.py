@@ -101,6 +101,12 @@ class PushReserve:
             return  # an earlier transfer for the request let its blocks go
         self._track(entry, holder)
 
+    def num_expected(self) -> int:
+        """Pushes expected (not past their time) or holding blocks, whose
+        requests have not joined the batch yet."""
+        now = time.monotonic()
+        return sum(1 for e in list(self._expected.values()) if e.held or e.forget_at >= now)
+
     def pending(self) -> int:
         """Blocks the pushes in flight still need to reach their requests'
         longest length."""

@@ -154,7 +154,10 @@ class DecodeWorker(EngineWorker):
 
     def stats(self) -> WorkerStats:
         return dataclasses.replace(
-            super().stats(), num_push_preemptions=self.reserve.num_push_preemptions
+            super().stats(),
+            num_push_preemptions=self.reserve.num_push_preemptions,
+            num_expected_pushes=self.reserve.num_expected(),
+            num_transfer_leases=len(self.kv_server.service.leases),
         )
 
     def _report_room(self) -> None:

@@ -88,6 +88,7 @@ class PrefillWorker(EngineWorker):
             super().stats(),
             kv_bytes_pushed=self.kv_bytes_pushed,
             kv_bytes_pulled=self.kv_bytes_pulled,
+            num_transfer_leases=len(self.kv_server.service.leases),
         )
 
     async def _pull_prefix(self, req: PrefillRequest) -> Held | None:

@@ -86,6 +86,11 @@ class WorkerStats:
     """Speculative decoding: proposed tokens the target model accepted."""
     spec_emitted_tokens: int = 0
     """Speculative decoding: tokens its steps emitted (the accepted ones + one per step)."""
+    num_expected_pushes: int = 0
+    """Decode workers: KV pushes accepted (``PushReserve``) whose requests have
+    not joined the batch yet (0 on others)."""
+    num_transfer_leases: int = 0
+    """KV transfers its server holds blocks for now (open leases, kv_transfer/lease.py)."""
     kv_bytes_pushed: int = 0
     """Prefill workers: KV bytes pushed to decode workers (0 on others)."""
     kv_bytes_pulled: int = 0
@@ -117,6 +122,16 @@ class WorkerStats:
             self.num_requests == 0
             and self.num_holders == self.initial_num_holders
             and self.free_blocks == self.initial_free_blocks
+        )
+
+    @property
+    def holds_no_request(self) -> bool:
+        """No request, no push expected and no transfer open: a worker that may
+        stop without failing anything (router/pool_controller.py retires it)."""
+        return (
+            self.num_requests == 0
+            and self.num_expected_pushes == 0
+            and self.num_transfer_leases == 0
         )
 
     @property

@@ -16,15 +16,19 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from planner.profile import Profile
 from planner.profiles import load_profile
+from planner.settings import system_for
 from planner.simulator import SystemConfig, simulate
 from planner.trace import Trace, TraceRequest
 from router.autoscaler_observe import Load
+
+if TYPE_CHECKING:
+    from router.config import ServeConfig
 
 MIN_REQUESTS = 60  # a prediction simulates at least this many requests
 MAX_REQUESTS = 300  # and at most this many (a prediction takes tens of ms)
@@ -101,19 +105,17 @@ class PlannerModel:
         return Trace("autoscale", tuple(requests))
 
 
-def model_for(profile: str | None, prefill_token_budget: int = 512) -> PlannerModel:
-    """The planner's model of ``profile``: a shipped profile's name or a profile
-    file (``tandem plan --profile-out``)."""
+def model_for(profile: str | None, config: ServeConfig) -> PlannerModel:
+    """The planner's model of ``profile`` (a shipped profile's name or a profile
+    file, ``tandem plan --profile-out``) on ``config``'s deployment: its token
+    budgets, batch and block sizes, KV pools and routing rules, as ``tandem
+    plan`` builds them (planner/settings.py ``system_for``)."""
     if profile is None:
         raise ValueError(
             "autoscale.profile: give a profile (a file or a shipped name) unless the "
             "engine is simulated (engine.simulate)"
         )
     loaded = load_profile(profile)
-    system = SystemConfig(
-        1,
-        1,
-        prefill_token_budget=prefill_token_budget,
-        kv_bytes_per_token=loaded.kv_bytes_per_token,
-    )
+    simulated = config.engine.simulate is not None
+    system = system_for(config, loaded.kv_bytes_per_token, simulated=simulated)
     return PlannerModel(loaded, system)

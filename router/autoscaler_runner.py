@@ -4,13 +4,15 @@ Every ``autoscale.interval_s`` the router reports its load to the
 deployment's owner (router/autoscaler_lease.py); the router holding the
 lease decides (router/autoscaler.py) on every router's load added up and
 resizes, in the background so that neither a slow start nor a drain holds
-up the next decision: it grows a pool through ``RayBackend.scale``,
-``GROW_STEP`` workers at a time (each step serves as soon as it has
-started, not once the last one has), up to the latest target; and it
-shrinks one only by retiring workers (``PoolController.retire``: out of
-routing at once, stopped once empty). Each change is one structured log
-line (``autoscale_decision``) and the figures behind it are metrics
-(router/metrics.py).
+up the next decision: it grows a pool through a grow-only call
+(``WorkerChanges.grow_to``: never a removal), ``GROW_STEP`` workers at a
+time (each step serves as soon as it has started, not once the last one
+has), up to the latest target; and it shrinks one only by retiring workers
+(``PoolController.retire``: out of routing on every router once they see
+``Members.leaving``, stopped once no router and the worker itself hold
+anything on it). A router that loses the lease stops its growths. Each
+change is one structured log line (``autoscale_decision``) and the figures
+behind it are metrics (router/metrics.py).
 """
 
 from __future__ import annotations
@@ -119,9 +121,15 @@ class AutoscaleRunner:
         """One round; the outcome when this router decided, else None."""
         load = await self.load()
         turn = await self.backend.deployment.call(
-            "autoscale_turn", self.backend.router_id, load, self.settings.leader_lease_s
+            "autoscale_turn",
+            self.backend.router_id,
+            load,
+            self.settings.leader_lease_s,
+            self.in_flight(),
         )
         if not turn.leader:
+            for task in self.growing.values():  # the new leader decides the sizes now
+                task.cancel()
             return None
         sizes = self.sizes()
         observed = self.observer.observed(self.settings.target_attainment)
@@ -136,6 +144,13 @@ class AutoscaleRunner:
             self._log(decision, outcome, load)
             await self._apply(decision)
         return outcome
+
+    def in_flight(self) -> dict[str, int]:
+        """This router's requests in flight on each member it knows (in
+        routing or not): the owner retires a worker only once every router
+        reports none on it."""
+        known = self.backend.members.known
+        return {name: w.in_flight for name, w in known.items() if w.in_flight}
 
     async def load(self) -> Load:
         """This router's load; the backlog: prompts on the prefill workers now."""
@@ -165,7 +180,10 @@ class AutoscaleRunner:
         count = min(decision.current - decision.target, len(pool.workers) - 1)
         if count <= 0:
             return
-        names = [w.name for w in pool.take_out(count)]
+        # The least loaded, newest first; they leave routing once the owner
+        # lists them leaving (router/member_sync.py), the one way out.
+        order = sorted(reversed(pool.workers), key=lambda w: w.in_flight)
+        names = [w.name for w in order[:count]]
         self.leaving |= set(names)
         task = asyncio.create_task(self._retire(decision.pool, names))
         self.retiring[decision.pool] = task
@@ -175,8 +193,7 @@ class AutoscaleRunner:
         try:
             while (now := self.sizes()[pool]) < self.wanted[pool]:
                 total = min(self.wanted[pool], now + GROW_STEP) + self._retiring(pool)
-                sizes = (total, None) if pool == "prefill" else (None, total)
-                await self.backend.scale(*sizes)
+                await self.backend.changes.grow_to(pool, total)
         except asyncio.CancelledError:
             raise
         except Exception:

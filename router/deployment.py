@@ -182,11 +182,14 @@ class DeploymentOwner:
         return await (await self._ready()).shrink(role, names)
 
     async def retire(self, role: str, names: list[str]) -> Members:
-        return await (await self._ready()).retire(role, names)
+        return await (await self._ready()).retire(role, names, self.lease.routed)
 
-    async def autoscale_turn(self, router_id: str, load: Load, lease_s: float) -> Turn:
-        """Whether ``router_id`` decides this round (router/autoscaler_lease.py)."""
-        return self.lease.turn(router_id, load, lease_s)
+    async def autoscale_turn(
+        self, router_id: str, load: Load, lease_s: float, in_flight: dict[str, int] | None = None
+    ) -> Turn:
+        """Whether ``router_id`` decides this round (router/autoscaler_lease.py);
+        ``in_flight``: its requests in flight per worker."""
+        return self.lease.turn(router_id, load, lease_s, in_flight)
 
     async def autoscale_leave(self, router_id: str) -> None:
         self.lease.leave(router_id)

@@ -87,7 +87,24 @@ class MemberSync:
 
     async def join_all(self) -> None:
         for worker in self.known.values():
-            await self._enter(worker)
+            await self.backend.streams.subscribe(worker)
+            self.enter(worker)
+
+    def enter(self, worker: WorkerHandle) -> bool:
+        """Put ``worker`` in routing: the one way in (new members, a retirement
+        called off, a recovered worker, router/worker_recovery.py). Refused
+        (False) for a worker recovery watches as down, one retiring, one not
+        a member (any more), or one in routing already."""
+        pool = self.backend.pool_of(worker.role)
+        if (
+            self.backend.recovery.is_down(worker)
+            or worker.name in self.retiring
+            or self.known.get(worker.name) is not worker
+            or any(w.name == worker.name for w in pool.workers)
+        ):
+            return False
+        pool.workers.append(worker)
+        return True
 
     async def sync(self, members: Members) -> None:
         """Take ``members`` (a newer generation) as the membership."""
@@ -118,12 +135,13 @@ class MemberSync:
                         self.backend.changes.lost.add(ref.name)  # the next check reports it
                     if isinstance(worker, BaseException):
                         raise worker
-                    await self._enter(worker)
+                    await self.backend.streams.subscribe(worker)
                 except Exception as exc:
                     log.warning("new worker %s not taken yet: %r", ref.name, exc)
                     complete = False
                     continue
                 self.known[ref.name] = worker
+                self.enter(worker)
             if complete:  # else the next poll tries the missing ones again
                 self.generation = members.generation
 
@@ -141,20 +159,16 @@ class MemberSync:
 
     def _retiring(self, leaving: frozenset[str]) -> None:
         """Workers the owner retires leave routing (their requests go on: they
-        keep their streams until they leave the membership); one no longer
-        retiring (its retirement was called off) comes back."""
+        keep their streams until they leave the membership): the one way out
+        for a retirement. One no longer retiring (its retirement was called
+        off) comes back through ``enter`` (not while recovery has it down)."""
         for name in (leaving & set(self.known)) - self.retiring:
             worker = self.known[name]
             self.backend.pool_of(worker.role).remove([worker])
             self.retiring.add(name)
         for name in self.retiring - leaving:
-            worker = self.known[name]
-            self.backend.pool_of(worker.role).workers.append(worker)
             self.retiring.discard(name)
-
-    async def _enter(self, worker: WorkerHandle) -> None:
-        await self.backend.streams.subscribe(worker)
-        self.backend.pool_of(worker.role).workers.append(worker)
+            self.enter(self.known[name])
 
     async def _leave(self, worker: WorkerHandle) -> None:
         log.warning("worker %s left the deployment", worker.name)

@@ -14,12 +14,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import ray
 
-from protocol.workers import WorkerInfo
+from protocol.workers import WorkerInfo, WorkerStats
 from router import health
 from router.config import ServeConfig
 from router.membership import Membership, new_worker_name
@@ -39,6 +41,11 @@ DEATH_CHECK_TIMEOUT_S = 10.0
 # routers take to see it leave (router/member_sync.py, MEMBERSHIP_POLL_S, 1 s).
 RETIRE_QUIET_S = 3.0
 RETIRE_POLL_S = 0.2
+STATS_TIMEOUT_S = 5.0  # one stats call of a retiring worker; past it, it counts as not answering
+
+# Requests every live router has in flight on a worker, from their reports
+# since a time (time.monotonic); None while one has not reported since.
+Routed = Callable[[str, float], "int | None"]
 
 
 @dataclass(frozen=True)
@@ -153,24 +160,33 @@ class PoolController:
         self.membership.resize(role)
         return await self.remove(names)
 
-    async def retire(self, role: str, names: list[str], quiet_s: float = RETIRE_QUIET_S) -> Members:
-        """Drain-only removal, for an explicit new size of ``role``: the workers
-        leave routing at once (``Members.leaving``), and each stops only once it
-        has held no request for ``quiet_s`` (every router has seen it leave by
-        then), however long that takes: no request on it fails. Other changes go
-        on meanwhile."""
+    async def retire(
+        self,
+        role: str,
+        names: list[str],
+        routed: Routed | None = None,
+        quiet_s: float = RETIRE_QUIET_S,
+    ) -> Members:
+        """Drain-only removal, for an explicit new size of ``role`` (what was
+        owed to it is settled now, not after the drain: a worker lost during
+        it is still owed a replacement): the workers leave routing at once
+        (``Members.leaving``), and each stops only once, for ``quiet_s``, its
+        own stats show nothing held (``WorkerStats.holds_no_request``) and
+        ``routed`` (every live router's requests in flight on it, None while
+        one has not reported since) says none, however long that takes: no
+        request on it fails. Other changes go on meanwhile."""
         async with self._lock:
             names = [n for n in names if self.membership.has(n) and n not in self.leaving]
+            self.membership.resize(role)
             self.leaving |= set(names)
             workers = [self.handles[n] for n in names]
         try:
-            await _drain_quiet(workers, quiet_s)
+            await _drain_quiet(workers, quiet_s, routed or _no_routers)
         except BaseException:  # not drained (cancelled): they stay, in routing again
             self.leaving -= set(names)
             raise
         async with self._lock:
             self.leaving -= set(names)
-            self.membership.resize(role)
             gone = [self.handles.pop(n) for n in self.membership.remove(names)]
             for worker in gone:
                 self._release_cores(worker)
@@ -276,18 +292,29 @@ async def _drain(workers: list[WorkerHandle], timeout_s: float) -> None:
     log.warning("drain timed out after %.1f s; stopping the workers anyway", timeout_s)
 
 
-async def _drain_quiet(workers: list[WorkerHandle], quiet_s: float) -> None:
-    """Until every worker has held no request (by its own count) for ``quiet_s``;
-    a worker that does not answer (dead) counts as empty. No timeout."""
-    loop = asyncio.get_running_loop()
+def _no_routers(worker: str, since: float) -> int | None:
+    return 0
+
+
+async def _stats(worker: WorkerHandle) -> WorkerStats:
+    return await asyncio.wait_for(worker.actor.stats.remote(), STATS_TIMEOUT_S)
+
+
+async def _drain_quiet(workers: list[WorkerHandle], quiet_s: float, routed: Routed) -> None:
+    """Until, for ``quiet_s``, every worker holds nothing by its own stats and
+    by the routers' counts (``routed``), taken from reports made ``quiet_s``
+    after the start at the earliest (every router has seen the workers leave
+    routing by then). A worker whose stats fail or take over STATS_TIMEOUT_S
+    (dead, or hung) counts as holding nothing itself; the routers' counts
+    still hold it while they have a request on it."""
+    seen_from = time.monotonic() + quiet_s
     quiet_since: dict[str, float] = {}
     while True:
-        stats = await asyncio.gather(
-            *(w.actor.stats.remote() for w in workers), return_exceptions=True
-        )
-        now = loop.time()
+        stats = await asyncio.gather(*(_stats(w) for w in workers), return_exceptions=True)
+        now = time.monotonic()
         for worker, s in zip(workers, stats, strict=True):
-            if isinstance(s, BaseException) or s.num_requests == 0:
+            empty = isinstance(s, BaseException) or s.holds_no_request
+            if empty and routed(worker.name, seen_from) == 0:
                 quiet_since.setdefault(worker.name, now)
             else:
                 quiet_since.pop(worker.name, None)

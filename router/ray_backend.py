@@ -117,6 +117,7 @@ class RayBackend:
             recovery_timeout_s=config.pools.worker_recovery_timeout_s,
             health_timeout_s=config.tuning.health_timeout_s,
             on_lost=self.changes.worker_lost,
+            enter=lambda worker: self.members.enter(worker),
         )
         self.watchdog = Watchdog(
             self.recovery,

@@ -59,6 +59,18 @@ class WorkerChanges:
                 await b.members.sync(members)
             return len(b.prefill.workers), len(b.decode.workers)
 
+    async def grow_to(self, role: str, n: int) -> int:
+        """Grow ``role``'s pool to ``n`` members through the deployment, never
+        shrinking it (the autoscaler's growth: a retirement, not this, takes
+        workers away). Returns its members afterwards."""
+        b = self.backend
+        assert b.deployment is not None, "backend not started"
+        async with self._scale_lock:
+            pool = b.pool_of(role)
+            if n > b.members.count(role):
+                await b.members.sync(await self._grow(pool, n))
+            return b.members.count(role)
+
     async def _grow(self, pool: WorkerPool, n: int):
         """The deployment grows ``pool`` to ``n`` within ``pools.placement_timeout_s``;
         past it the new workers are gone and PlacementTimeout says so."""

@@ -47,6 +47,7 @@ class WorkerRecovery:
         stats: FailoverStats,
         *,
         on_lost: Callable[[WorkerHandle, WorkerPool], None] | None = None,
+        enter: Callable[[WorkerHandle], bool] | None = None,
         recovery_timeout_s: float = 120.0,
         health_timeout_s: float = 10.0,
         poll_s: float = 0.5,
@@ -56,6 +57,7 @@ class WorkerRecovery:
         self.on_down = on_down
         self.on_back = on_back
         self.stats = stats
+        self.enter = enter  # puts a worker back in routing, or refuses (router/member_sync.py)
         self.on_lost = on_lost
         self.recovery_timeout_s = recovery_timeout_s
         self.health_timeout_s = health_timeout_s
@@ -106,9 +108,12 @@ class WorkerRecovery:
                     log.error("worker %s died for good; forgetting it", worker.name)
                     break
                 if healthy and await self._back(worker):
-                    pool.workers.append(worker)
+                    self.down.pop(worker, None)  # no longer down: ``enter`` may take it
                     self.stats.workers_recovered += 1
-                    log.warning("worker %s is back in routing", worker.name)
+                    if self._enter(worker, pool):
+                        log.warning("worker %s is back in routing", worker.name)
+                    else:
+                        log.warning("worker %s is back, not in routing (retiring)", worker.name)
                     return
                 await asyncio.sleep(self.poll_s)
             else:
@@ -123,6 +128,14 @@ class WorkerRecovery:
             log.exception("recovering worker %s failed", worker.name)
         finally:
             self.down.pop(worker, None)
+
+    def _enter(self, worker: WorkerHandle, pool: WorkerPool) -> bool:
+        if self.enter is not None:
+            return self.enter(worker)
+        if worker in pool.workers:
+            return False
+        pool.workers.append(worker)
+        return True
 
     async def _back(self, worker: WorkerHandle) -> bool:
         try:

@@ -299,7 +299,7 @@ def start_autoscaler(
 
     joined = joined_config(backend, config)
     profile = config.autoscale.profile or joined.engine.simulate
-    model = model_for(profile, joined.engine.max_num_batched_tokens)
+    model = model_for(profile, joined)
     arrived = lifecycle_arrivals(server.lifecycle)
     runner = AutoscaleRunner(backend, server.metrics, arrived, model)  # type: ignore[arg-type]
     log.info("autoscaling: %s", config.autoscale.model_dump())

@@ -224,6 +224,10 @@ def test_planner_model_falls_with_more_workers_and_counts_the_backlog():
 class _Stats:
     num_requests: int
 
+    @property
+    def holds_no_request(self) -> bool:
+        return self.num_requests == 0
+
 
 class _Remote:
     def __init__(self, counts: list[int]) -> None:
@@ -245,6 +249,7 @@ class _Actor:
 class _Worker:
     name: str
     actor: _Actor
+    in_flight: int = 0
 
 
 def test_a_retiring_worker_waits_until_it_has_been_empty_for_the_quiet_time(monkeypatch):
@@ -253,7 +258,7 @@ def test_a_retiring_worker_waits_until_it_has_been_empty_for_the_quiet_time(monk
     worker = _Worker("decode-aa", _Actor(busy))
 
     async def go() -> None:
-        await asyncio.wait_for(_drain_quiet([worker], quiet_s=0.05), 5)
+        await asyncio.wait_for(_drain_quiet([worker], 0.05, lambda name, since: 0), 5)
 
     asyncio.run(go())
     assert worker.actor.stats.counts == [0]  # it kept asking through the late request
@@ -261,7 +266,7 @@ def test_a_retiring_worker_waits_until_it_has_been_empty_for_the_quiet_time(monk
 
 class _Members:
     def __init__(self, names: list[str]) -> None:
-        self.known = {n: None for n in names}
+        self.known = {n: _Worker(n, None) for n in names}
         self.retiring: set[str] = set()
 
     def count(self, role: str) -> int:
@@ -269,13 +274,9 @@ class _Members:
 
 
 class _Pool:
-    def __init__(self, role: str, names: list[str]) -> None:
+    def __init__(self, role: str, members: _Members) -> None:
         self.role = role
-        self.workers = [_Worker(n, None) for n in names if n.startswith(role)]
-
-    def take_out(self, n: int) -> list:
-        gone, self.workers = self.workers[-n:], self.workers[:-n]
-        return gone
+        self.workers = [w for n, w in members.known.items() if n.startswith(role)]
 
 
 class _Deployment:
@@ -292,6 +293,8 @@ class _Deployment:
             self.retired.append(names)
             for name in names:
                 self.backend.members.known.pop(name)
+            pool = self.backend.pool_of(_role)
+            pool.workers = [w for w in pool.workers if w.name not in names]
             return None
         if method == "autoscale_leave":
             return self.lease.leave(*args)
@@ -305,8 +308,10 @@ class _Backend:
         self.config = ServeConfig(autoscale={"enabled": True, "scale_down_delay_s": 0})
         self.router_id = "router-a"
         self.members = _Members(names)
-        self.prefill, self.decode = _Pool("prefill", names), _Pool("decode", names)
+        self.prefill = _Pool("prefill", self.members)
+        self.decode = _Pool("decode", self.members)
         self.deployment = _Deployment(self)
+        self.changes = _Changes(self)
         self.scaled: list[tuple] = []
 
     def pool_of(self, role: str) -> _Pool:
@@ -316,12 +321,26 @@ class _Backend:
         return []
 
     async def scale(self, prefill, decode, drain_timeout_s: float = 30.0):
-        self.scaled.append((prefill, decode))
-        for role, n in (("prefill", prefill), ("decode", decode)):
-            while n is not None and self.members.count(role) < n:
-                name = f"{role}-{len(self.members.known):012x}"
-                self.members.known[name] = None
-                self.pool_of(role).workers.append(_Worker(name, None))
+        raise AssertionError("the autoscaler grows through grow_to, never scale")
+
+
+class _Changes:
+    def __init__(self, backend: _Backend) -> None:
+        self.backend = backend
+        self.started = asyncio.Event()  # set by a test to hold a growth
+        self.hold: asyncio.Event | None = None
+
+    async def grow_to(self, role: str, n: int) -> int:
+        b = self.backend
+        if self.hold is not None:
+            self.started.set()
+            await self.hold.wait()
+        b.scaled.append((n, None) if role == "prefill" else (None, n))
+        while b.members.count(role) < n:
+            name = f"{role}-{len(b.members.known):012x}"
+            b.members.known[name] = _Worker(name, None)
+            b.pool_of(role).workers.append(b.members.known[name])
+        return b.members.count(role)
 
 
 class _Sync(_Members):
@@ -361,3 +380,35 @@ def test_the_runner_grows_in_steps_and_retires_by_draining():
     text = metrics.render().decode()
     assert 'tandem_pool_target_workers{pool="prefill"} 1.0' in text
     assert 'tandem_autoscaler_decisions_total{direction="up",pool="prefill"} 1.0' in text
+
+
+def test_a_router_that_loses_the_lease_stops_its_growth_and_reports_its_requests():
+    from router.autoscaler_runner import AutoscaleRunner
+    from router.metrics import RouterMetrics
+
+    names = ["prefill-000000000001", "decode-000000000002"]
+    backend = _Backend(names)
+    backend.members.__class__ = _Sync
+    backend.members.known["decode-000000000002"].in_flight = 3
+    backend.changes.hold = asyncio.Event()  # the growth waits on its start
+    arrived = [0]
+    clock = Clock()
+    runner = AutoscaleRunner(backend, RouterMetrics(), lambda: arrived[0], FakeModel(), clock)
+    lease = backend.deployment.lease
+
+    async def go() -> None:
+        clock.now, arrived[0] = 1.0, 0
+        await runner.tick()
+        clock.now, arrived[0] = 2.0, 36
+        await runner.tick()
+        growth = runner.growing["prefill"]
+        await backend.changes.started.wait()
+        assert lease.routed("decode-000000000002", 0.0) == 3
+        lease.leader = "router-b"  # another router took the lease (this one stalled)
+        lease.turn("router-b", IDLE, 10.0, {})
+        assert await runner.tick() is None
+        with pytest.raises(asyncio.CancelledError):
+            await growth
+        assert backend.scaled == []  # no start went through after the lease was lost
+
+    asyncio.run(go())
