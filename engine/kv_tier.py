@@ -55,7 +55,6 @@ class TierStats:
     capacity_blocks: int = 0
     blocks: int = 0  # entries held now
     hits: int = 0  # blocks restored into the device pool
-    misses: int = 0  # lookups past the device pool's prefix that found nothing usable
     rejected: int = 0  # entries whose tokens or digest did not match (dropped)
     spilled: int = 0  # blocks copied in from the device pool
     evicted: int = 0  # entries dropped for room
@@ -201,7 +200,6 @@ class KVTier:
         (and nothing written) when there is none with these tokens and bytes."""
         entry = self._entries.get(block_hash)
         if entry is None or entry.tokens != tuple(tokens):
-            self.stats.misses += 1
             return False
         if self._digest(entry.slot) != entry.digest:
             self.stats.rejected += 1
