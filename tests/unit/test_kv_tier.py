@@ -12,9 +12,9 @@ import os
 import pytest
 import torch
 
+from benchkit.kv_tier_workload import Workload, play
 from engine import EngineConfig, LLMEngine
 from engine.kv_tier import mapped_file
-from engine.kv_tier_workload import Workload, play
 from tests.pool_checks import leftover_holders
 
 pytestmark = pytest.mark.unit
