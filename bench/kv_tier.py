@@ -1,5 +1,5 @@
 """The second KV tier on returning conversations (engine/kv_tier.py): a
-multi-turn workload (engine/kv_tier_workload.py) played on
+multi-turn workload (benchkit/kv_tier_workload.py) played on
 
 - big:        a pool 8x the small one, holding every prefix (the reference),
 - small:      the small pool alone (evicted prefixes are recomputed),
@@ -30,8 +30,8 @@ import statistics
 import tempfile
 import time
 
+from benchkit.kv_tier_workload import Played, Workload, play
 from engine import EngineConfig, LLMEngine
-from engine.kv_tier_workload import Played, Workload, play
 from protocol.sampling import SamplingParams
 
 

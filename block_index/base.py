@@ -51,10 +51,19 @@ class TierCounts:
 
     blocks: int
     host: int = 0
+    device_lead: int | None = None
+    """Leading blocks before the first host-only one (None: all ``blocks``,
+    when none is host-only). A KV pull can take only these from the worker:
+    its pool lends device blocks (kv_transfer/pool_store.py ``pin_hashes``)."""
 
     @property
     def device(self) -> int:
         return self.blocks - self.host
+
+    @property
+    def pullable(self) -> int:
+        """Leading blocks a KV pull from this worker can take."""
+        return self.blocks if self.device_lead is None else self.device_lead
 
 
 @runtime_checkable

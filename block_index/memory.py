@@ -156,16 +156,17 @@ class InMemoryIndex:
         try:
             with self._lock:
                 counts = self._lookup(hashes)
-                return {
-                    w: TierCounts(n, self._host_count(w, hashes[:n])) for w, n in counts.items()
-                }
+                return {w: self._tier_counts(w, hashes[:n]) for w, n in counts.items()}
         except Exception:  # never raise into the router
             logger.exception("block index lookup failed")
             return {}
 
-    def _host_count(self, worker: str, hashes: Sequence[bytes]) -> int:
+    def _tier_counts(self, worker: str, hashes: Sequence[bytes]) -> TierCounts:
         host = self._host.get(worker)
-        return sum(h in host for h in hashes) if host else 0
+        in_host = [h in host for h in hashes] if host else []
+        if not any(in_host):
+            return TierCounts(len(hashes))
+        return TierCounts(len(hashes), sum(in_host), in_host.index(True))
 
     def host_blocks(self, worker: str) -> set[bytes]:
         """A copy of the hashes ``worker`` holds only in its host tier."""

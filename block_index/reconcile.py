@@ -12,8 +12,13 @@ not in the snapshot). A block evicted in between is rightly retracted (its
 removal event is on its way; removing twice is harmless). The one race
 left: a block evicted and cached again between the listing and the
 retraction, whose stored event the index applied first, is retracted
-though held; that costs one cache miss until the worker caches it again,
-never a wrong answer (the worker's own cache decides what is reused).
+though held. That entry then stays lost for as long as the block stays
+resident (the worker sends no new event for a block it already caches):
+the router does not count that block for that worker, so it may route the
+prefix elsewhere or predict less than the worker gives, until the block is
+evicted and cached again or the worker resets its index. The next pass
+sees it among ``missing_entries`` but does not re-add it. Never a wrong
+answer: the worker's own cache decides what is reused.
 """
 
 from __future__ import annotations

@@ -134,6 +134,7 @@ class BlockPool:
         self._changes: dict[BlockHash, bool] = {}
         self.tier: BlockTier | None = None
         self.num_hits = 0  # prefix blocks found on the device (a tier counts its own)
+        self.uncounted_hits = 0  # of the last match_prefix(count_hits=False)
 
     def attach_tier(self, tier: BlockTier) -> None:
         """Spill evicted cached blocks to ``tier`` and restore prefix hits from it."""
@@ -175,14 +176,23 @@ class BlockPool:
         return blocks
 
     def match_prefix(
-        self, holder: Holder, hashes: Sequence[BlockHash], token_blocks: Sequence[Sequence[int]]
+        self,
+        holder: Holder,
+        hashes: Sequence[BlockHash],
+        token_blocks: Sequence[Sequence[int]],
+        *,
+        count_hits: bool = True,
     ) -> list[int]:
         """Longest run of cached blocks for ``hashes``; ``holder`` acquires each.
 
         The tokens are compared too, so a hash collision is a miss, never
-        wrong output.
+        wrong output. ``count_hits=False``: the blocks found on the device are
+        left in ``uncounted_hits`` for ``count_hits()`` once the caller keeps
+        the match (the scheduler retries an admission every step while a
+        request waits: a retry must not count its prefix again).
         """
         matched: list[int] = []
+        device_hits = 0
         for block_hash, tokens in zip(hashes, token_blocks, strict=False):
             block = self._block_of.get(block_hash)
             if block is None:
@@ -193,10 +203,19 @@ class BlockPool:
                 break
             else:  # referenced at once: a restore's fresh block must not evict it
                 self._ref([block])
-                self.num_hits += 1
+                device_hits += 1
             matched.append(block)
         self._add(holder, matched)
+        if count_hits:
+            self.num_hits += device_hits
+        else:
+            self.uncounted_hits = device_hits
         return matched
+
+    def count_hits(self) -> None:
+        """Count the device hits of the last ``match_prefix(count_hits=False)``."""
+        self.num_hits += self.uncounted_hits
+        self.uncounted_hits = 0
 
     def acquire(self, holder: Holder, blocks: Sequence[int]) -> None:
         """``holder`` takes a reference to blocks that are in use or cached."""

@@ -12,13 +12,16 @@ block and asks the tier to ``restore`` the next hash into it.
 Storage:
 
 - behind a GPU pool: pinned host memory (``torch.empty(pin_memory=True)``),
-- behind a CPU pool: a memory-mapped file (``torch.from_file(shared=True)``),
-  so the tier can be larger than RAM: the kernel writes cold pages back to
-  the file. The file is created 0600 in ``directory`` (default
-  ``$XDG_STATE_HOME/tandem/kv-tier``), sized sparse, mapped, and unlinked at
-  once: the mapping keeps it alive until the process ends, a stopped or
-  killed worker leaves nothing behind, and a restarted worker starts with an
-  empty tier (it never reads a previous one's content).
+- behind a CPU pool: a memory-mapped file (``mapped_file``), so the tier can
+  be larger than RAM: the kernel writes cold pages back to the file. The
+  file is created 0600 in ``directory`` (default
+  ``$XDG_STATE_HOME/tandem/kv-tier``; it must be the worker's own and not
+  group- or world-writable), unlinked at once, its whole size reserved on
+  disk (``posix_fallocate``: no room fails at start-up, not mid-step) and
+  mapped through its open descriptor: the mapping keeps it alive until the
+  process ends, a stopped or killed worker leaves nothing behind, and a
+  restarted worker starts with an empty tier (it never reads a previous
+  one's content).
 
 Each entry keeps the block's token ids and a blake2b digest of its bytes:
 a hit checks both, so a hash collision, a stale entry or corrupted bytes
@@ -30,7 +33,9 @@ no bytes. It has its own size and its own LRU order.
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
+import stat
 import uuid
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -50,7 +55,6 @@ class TierStats:
     capacity_blocks: int = 0
     blocks: int = 0  # entries held now
     hits: int = 0  # blocks restored into the device pool
-    misses: int = 0  # lookups past the device pool's prefix that found nothing usable
     rejected: int = 0  # entries whose tokens or digest did not match (dropped)
     spilled: int = 0  # blocks copied in from the device pool
     evicted: int = 0  # entries dropped for room
@@ -72,17 +76,54 @@ def default_directory() -> Path:
 
 
 def mapped_file(directory: Path, nbytes: int) -> torch.Tensor:
-    """``nbytes`` of a new file in ``directory`` (0600), mapped shared, the file
-    unlinked once mapped; a uint8 tensor."""
+    """``nbytes`` of a new file in ``directory`` (0600), its disk space
+    reserved, mapped shared and unlinked at once; a uint8 tensor over the
+    mapping.
+
+    ``directory`` (created 0700 if missing) must be a directory this process
+    owns that no group or other user may write: the file is created in it by
+    name (O_EXCL) and mapped through the descriptor it was opened with, never
+    reopened by path. Raises ``OSError`` when the disk lacks room for the
+    whole tier: a sparse file would fail later, mid-step, with SIGBUS."""
     directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-    path = directory / f"kv-tier-{os.getpid()}-{uuid.uuid4().hex[:12]}.bin"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     try:
-        os.ftruncate(fd, nbytes)  # sparse: disk is used as blocks are written
-        os.close(fd)
-        return torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
+        _check_private(directory, os.fstat(dir_fd))
+        name = f"kv-tier-{os.getpid()}-{uuid.uuid4().hex[:12]}.bin"
+        fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600, dir_fd=dir_fd)
+        try:
+            os.unlink(name, dir_fd=dir_fd)
+            _reserve(fd, nbytes, directory)
+            mapping = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)  # the mapping keeps the file
     finally:
-        path.unlink(missing_ok=True)
+        os.close(dir_fd)
+    return torch.frombuffer(mapping, dtype=torch.uint8)  # keeps `mapping` alive
+
+
+def _check_private(directory: Path, st: os.stat_result) -> None:
+    if st.st_uid != os.geteuid():
+        raise PermissionError(
+            f"kv_tier_dir {directory} is owned by uid {st.st_uid}, not by this worker "
+            f"(uid {os.geteuid()}): choose a directory the worker owns"
+        )
+    if st.st_mode & 0o022:
+        raise PermissionError(
+            f"kv_tier_dir {directory} is writable by group or others "
+            f"(mode {stat.filemode(st.st_mode)}): make it 0700 or choose another"
+        )
+
+
+def _reserve(fd: int, nbytes: int, directory: Path) -> None:
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as e:
+        raise OSError(
+            e.errno,
+            f"cannot reserve {nbytes} bytes for the KV tier in {directory}: {e.strerror} "
+            "(lower engine.kv_tier_mb or choose another kv_tier_dir)",
+        ) from e
 
 
 class KVTier:
@@ -159,7 +200,6 @@ class KVTier:
         (and nothing written) when there is none with these tokens and bytes."""
         entry = self._entries.get(block_hash)
         if entry is None or entry.tokens != tuple(tokens):
-            self.stats.misses += 1
             return False
         if self._digest(entry.slot) != entry.digest:
             self.stats.rejected += 1

@@ -165,7 +165,7 @@ class Scheduler:
             usable = (len(tokens) - 1) // bs  # keep one token to compute: it gives the logits
             hashes = seq.full_block_hashes(usable, bs, self.root)
             chunks = [tokens[j * bs : (j + 1) * bs] for j in range(usable)]
-            matched = self.pool.match_prefix(seq.holder, hashes, chunks)
+            matched = self.pool.match_prefix(seq.holder, hashes, chunks, count_hits=False)
         seq.block_table = list(matched)
         seq.block_hashes = hashes[: len(matched)]
         seq.num_computed = len(matched) * self.block_size
@@ -178,6 +178,7 @@ class Scheduler:
             self.free_blocks(seq)
             return 0
         seq.block_table += blocks
+        self.pool.count_hits()  # admitted: its prefix hits count, once
         if not seq.output_token_ids:
             seq.num_cached_tokens = seq.num_computed
         return n

@@ -8,7 +8,7 @@ How to read them: docs/prefix-caching.md.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -86,11 +86,14 @@ class ReconcileStats:
     last: ReconcileReport | None = None
     last_at: float = 0.0  # time.time() of the last pass
     last_error: str = ""
-    by_worker: dict[str, int] = field(default_factory=dict)  # stale removed, since the start
+    by_worker: dict[str, int] = field(default_factory=dict)  # stale removed, of workers in routing
 
-    def record(self, report: ReconcileReport) -> None:
+    def record(self, report: ReconcileReport, workers: Collection[str]) -> None:
+        """``workers``: those in routing at this pass; a worker that left loses
+        its count (and its metric's label: autoscaled names never come back)."""
         self.passes += 1
         self.stale_removed += report.stale_entries
+        self.by_worker = {w: n for w, n in self.by_worker.items() if w in workers}
         for w, n in report.stale_by_worker.items():
             self.by_worker[w] = self.by_worker.get(w, 0) + n
         self.last, self.last_at = report, time.time()

@@ -54,7 +54,7 @@ class IndexReconciler:
             except Exception as e:
                 self.stats.failed(f"{type(e).__name__}: {e}")
                 raise
-        self.stats.record(report)
+        self.stats.record(report, by_name)
         log_event(
             log,
             "index_reconciled",

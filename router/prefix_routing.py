@@ -99,14 +99,16 @@ class PrefixRouter:
         local = colocated or (
             d_blocks > 0 and self.local_prefill_tokens > 0 and uncached <= self.local_prefill_tokens
         )
-        available = self._hit(prompt, max(cached.values(), default=0))
+        routable = [*prefill, *decode]
+        available = self._hit(prompt, max((cached.get(w.name, 0) for w in routable), default=0))
         if local:
             hit = self._hit(prompt, d_blocks)
             return RoutePlan(
                 None, d, d_blocks, hashes, predicted_tokens=hit, available_tokens=available
             )
         p = self._best(prefill, worth)
-        plan = self._with_pull(RoutePlan(p, d, d_blocks, hashes), [*prefill, *decode], cached)
+        pullable = {w: c.pullable for w, c in tiers.items()}
+        plan = self._with_pull(RoutePlan(p, d, d_blocks, hashes), routable, cached, pullable)
         hit = self._hit(prompt, cached.get(p.name, 0) + len(plan.pull_hashes))
         return replace(plan, predicted_tokens=hit, available_tokens=available)
 
@@ -115,18 +117,25 @@ class PrefixRouter:
         return max(0, min(blocks, (len(prompt) - 1) // self.block_size)) * self.block_size
 
     def _with_pull(
-        self, plan: RoutePlan, workers: Sequence[WorkerHandle], cached: dict[str, int]
+        self,
+        plan: RoutePlan,
+        workers: Sequence[WorkerHandle],
+        cached: dict[str, int],
+        pullable: dict[str, int],
     ) -> RoutePlan:
         """Pull the prefix from the worker holding most of it when the chosen
         prefill worker lacks at least pull_min_blocks of it: moving a block's KV
-        costs far less than pushing its tokens through every layer again."""
+        costs far less than pushing its tokens through every layer again.
+        ``cached``: each worker's leading blocks in either tier (the prefill
+        worker restores its own from its tier); ``pullable``: those a source can
+        lend, its leading device blocks (its pool pins only those)."""
         assert plan.prefill is not None
         have = cached.get(plan.prefill.name, 0)
         holders = [w for w in workers if w is not plan.prefill and w.info.kv_address]
         if not self.pull_min_blocks or not holders:
             return plan
-        holder = max(holders, key=lambda w: cached.get(w.name, 0))
-        most = cached.get(holder.name, 0)
+        holder = max(holders, key=lambda w: pullable.get(w.name, 0))
+        most = pullable.get(holder.name, 0)
         if most - have < self.pull_min_blocks:
             return plan
         return RoutePlan(

@@ -97,7 +97,7 @@ class WorkerActor:
 
     async def cached_blocks(self) -> CachedBlocks:
         """The hashes of the blocks in the worker's prefix cache now."""
-        return CachedBlocks(self.worker.name, tuple(self.worker.cached_hashes()))
+        return CachedBlocks(self.worker.name, tuple(await self.worker.cached_blocks()))
 
     async def pid(self) -> int:
         """The actor's process id (chaos tests kill it)."""

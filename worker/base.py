@@ -226,8 +226,15 @@ class EngineWorker:
         the requests it owned here (none on a prefill worker)."""
 
     def cached_hashes(self) -> list[bytes]:
+        """The prefix cache's hashes now, under the engine lock (for threads)."""
         with self.loop.lock:
             return self.engine.block_pool.cached_hashes()
+
+    async def cached_blocks(self) -> list[bytes]:
+        """``cached_hashes``, taken on the engine thread between steps: the
+        caller's event loop (the actor's, which also answers health) goes on
+        while a step runs instead of waiting on the engine lock."""
+        return await self.loop.acall(lambda engine: engine.block_pool.cached_hashes())
 
     def _on_cache_events(
         self, stored: list[bytes], removed: list[bytes], host: Sequence[bytes] = ()

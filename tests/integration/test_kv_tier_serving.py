@@ -11,12 +11,12 @@ import time
 
 import pytest
 
-from benchkit.deployment import Deployment
 from engine import LLM
 from engine.hashing import hash_blocks
 from protocol.sampling import SamplingParams
 from router.client import TandemClient
 from router.config import ServeConfig
+from tests.deployment_helpers import deployed
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -48,17 +48,12 @@ def _until(check, timeout_s: float = 20.0):
 @pytest.fixture(scope="module")
 def deployment(ray_cluster):
     # A pool of 32 blocks of the tiny model, a host tier of 64.
-    d = Deployment(
-        ServeConfig(
-            pools={"mode": "colocated", "decode": 1},
-            engine={"kv_cache_memory_mb": 2, "kv_tier_mb": 4},
-        )
+    config = ServeConfig(
+        pools={"mode": "colocated", "decode": 1},
+        engine={"kv_cache_memory_mb": 2, "kv_tier_mb": 4},
     )
-    yield d
-    try:
-        assert d.wait_no_leaks() == {}
-    finally:
-        d.stop()
+    with deployed(config) as d:
+        yield d
 
 
 def test_an_evicted_conversation_returns_from_the_host_tier(deployment):

@@ -12,11 +12,13 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 
+from block_index import ReconcileReport
 from protos.tandem.v1 import admin_pb2, admin_pb2_grpc, generate_pb2_grpc
 from router.auth import ADMIN_KEYS_ENV, ApiKeys, client_metadata
 from router.backend import PlacementTimeout
 from router.client import build_request
 from router.config import PoolsSection, ServeConfig
+from router.index_fidelity import ReconcileStats
 from router.service import RouterServer, check_keys
 from tandem_cli.main import main
 from tandem_cli.serve import admin_keys, api_keys, cache_domains
@@ -84,6 +86,43 @@ def test_control_calls_need_an_admin_key_and_user_calls_a_user_key():
             assert [w.name for w in status.workers] == ["decode-0"]
             assert await generate(channel, USER) == grpc.StatusCode.OK
             assert await generate(channel, ADMIN) == grpc.StatusCode.UNAUTHENTICATED
+
+    asyncio.run(body())
+
+
+class _CountingReconciler:
+    def __init__(self) -> None:
+        self.runs = 0
+        self.stats = ReconcileStats()  # the router exports it
+
+    async def run(self) -> ReconcileReport:
+        self.runs += 1
+        return ReconcileReport(1, 3, 1, 0, stale_by_worker={"decode-0": 1})
+
+
+def test_reconcile_index_needs_an_admin_key():
+    async def body():
+        backend = FakePools(delay_s=0)
+        backend.reconciler = _CountingReconciler()
+        keys = {"api_keys": ApiKeys([USER]), "admin_keys": ApiKeys([ADMIN])}
+        async with serving(backend, **keys) as channel:
+            admin = admin_pb2_grpc.AdminStub(channel)
+            request = admin_pb2.ReconcileIndexRequest()
+            codes = {}
+            for who, key in (("none", None), ("stranger", "sk-x"), ("user", USER)):
+                code, _ = await status_of(
+                    admin.ReconcileIndex(request, metadata=client_metadata(key))
+                )
+                codes[who] = code
+            assert codes == {
+                "none": grpc.StatusCode.UNAUTHENTICATED,
+                "stranger": grpc.StatusCode.UNAUTHENTICATED,
+                "user": grpc.StatusCode.PERMISSION_DENIED,
+            }
+            assert backend.reconciler.runs == 0  # no refused call reached the index
+            reply = await admin.ReconcileIndex(request, metadata=client_metadata(ADMIN))
+            assert reply.stale_entries == 1 and dict(reply.stale_by_worker) == {"decode-0": 1}
+            assert backend.reconciler.runs == 1
 
     asyncio.run(body())
 

@@ -97,6 +97,10 @@ def test_the_reconciler_counts_and_exports_what_it_found():
     text = generate_latest(registry).decode()
     assert "tandem_index_stale_entries 0.0" in text  # the last pass found none
     assert 'tandem_index_stale_entries_removed_total{worker="w0"} 2.0' in text
+    workers.pop(0)  # w0 leaves (scaled in): its label goes with it
+    asyncio.run(reconciler.run())
+    text = generate_latest(registry).decode()
+    assert 'worker="w0"' not in text
     with pytest.raises(RuntimeError):
         asyncio.run(IndexReconciler(lambda: None, lambda: workers).run())
 

@@ -6,15 +6,15 @@ the tier as it found them."""
 
 from __future__ import annotations
 
+import errno
 import os
-from pathlib import Path
 
 import pytest
 import torch
 
+from benchkit.kv_tier_workload import Workload, play
 from engine import EngineConfig, LLMEngine
 from engine.kv_tier import mapped_file
-from engine.kv_tier_workload import Workload, play
 from tests.pool_checks import leftover_holders
 
 pytestmark = pytest.mark.unit
@@ -144,17 +144,67 @@ def test_a_restarted_worker_starts_with_an_empty_tier_and_no_file(llama_dir, tmp
 
 def test_the_tier_file_is_private(tmp_path, monkeypatch):
     seen: list[int] = []
-    real_unlink = Path.unlink
+    real_unlink = os.unlink
 
-    def unlink(self, missing_ok=False):
-        seen.append(os.stat(self).st_mode & 0o777)
-        real_unlink(self, missing_ok=missing_ok)
+    def unlink(name, *, dir_fd=None):
+        seen.append(os.stat(name, dir_fd=dir_fd).st_mode & 0o777)
+        real_unlink(name, dir_fd=dir_fd)
 
-    monkeypatch.setattr(Path, "unlink", unlink)
+    monkeypatch.setattr(os, "unlink", unlink)
     t = mapped_file(tmp_path / "d", 1 << 20)
     t[-1] = 7
     assert seen == [0o600] and int(t[-1]) == 7
     assert os.stat(tmp_path / "d").st_mode & 0o777 == 0o700
+    assert list((tmp_path / "d").iterdir()) == []
+
+
+def test_the_tier_file_is_mapped_through_its_descriptor(tmp_path, monkeypatch):
+    def no_reopen(*args, **kwargs):
+        raise AssertionError("the tier file was reopened by path")
+
+    monkeypatch.setattr(torch, "from_file", no_reopen)
+    t = mapped_file(tmp_path / "d", 1 << 16)
+    t[:] = 3
+    assert int(t.sum()) == 3 << 16
+
+
+def test_the_whole_tier_is_reserved_on_disk_at_start(tmp_path, monkeypatch):
+    reserved: list[int] = []
+
+    def fallocate(fd, offset, length):
+        reserved.append(length)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", fallocate)
+    with pytest.raises(OSError, match="cannot reserve 1048576 bytes for the KV tier"):
+        mapped_file(tmp_path / "d", 1 << 20)
+    assert reserved == [1 << 20]
+    assert list((tmp_path / "d").iterdir()) == []  # nothing left behind
+
+
+def test_a_shared_tier_directory_is_refused(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(PermissionError, match="writable by group or others"):
+        mapped_file(shared, 1 << 16)
+    assert list(shared.iterdir()) == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give the directory away")
+def test_a_tier_directory_of_another_user_is_refused(tmp_path):
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o700)
+    os.chown(theirs, 12345, 12345)
+    with pytest.raises(PermissionError, match="owned by uid 12345"):
+        mapped_file(theirs, 1 << 16)
+
+
+def test_a_tier_directory_that_is_a_symlink_is_refused(tmp_path):
+    (tmp_path / "real").mkdir(mode=0o700)
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    with pytest.raises(OSError):
+        mapped_file(tmp_path / "link", 1 << 16)
 
 
 def test_no_tier_without_prefix_caching(llama_dir, tmp_path):

@@ -116,6 +116,26 @@ def test_an_admission_that_does_not_fit_releases_its_matched_prefix():
     pool.verify()
 
 
+def test_prefix_hits_count_once_when_the_admission_succeeds():
+    pool, sched = _setup(3, caching=True)
+    a = _seq("a", [1, 2, 3], 0)
+    sched.add(a)
+    _step(sched, {"a": 10})  # a holds [0, 1]; block 0 is cached as [1 2]
+    assert pool.num_hits == 0
+    c = _seq("c", [1, 2, 7, 8, 9], 1)
+    sched.add(c)
+    for _ in range(3):  # c matches block 0 every step, then finds no room
+        _step(sched, {"a": 11})
+        assert sched.waiting[0] is c
+    assert pool.num_hits == 0  # the tries that failed count nothing
+    _finish(sched, a)
+    _step(sched, {"c": 20})
+    assert c.block_table[0] == 0 and c.num_cached_tokens == BS
+    assert pool.num_hits == 1  # counted once, by the admission that kept it
+    sched.remove(c)
+    pool.verify()
+
+
 def _finished(seq: Sequence) -> bool:
     return len(seq.output_token_ids) >= seq.params.max_tokens
 
