@@ -15,7 +15,6 @@ from dataclasses import replace
 
 import pytest
 
-from benchkit.deployment import Deployment
 from planner.calibrate import Calibration, fit, probe_trace
 from planner.predict import Prediction
 from planner.profile import Profile
@@ -25,6 +24,7 @@ from planner.trace import Trace, TraceRequest
 from planner.verify import compare, replay
 from router.config import ServeConfig
 from tandem_cli.main import main
+from tests.deployment_helpers import deployed
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -58,14 +58,10 @@ def config(profile_file) -> ServeConfig:
 
 @pytest.fixture(scope="module")
 def deployment(ray_cluster, config):
-    d = Deployment(config)
-    warm = _trace("warm-up", [0.0, 0.05], 600, 8, seed=99)  # first connections, first steps
-    asyncio.run(replay(d.address, warm))
-    yield d
-    try:
-        assert d.wait_no_leaks() == {}
-    finally:
-        d.stop()
+    with deployed(config) as d:
+        warm = _trace("warm-up", [0.0, 0.05], 600, 8, seed=99)  # first connections, first steps
+        asyncio.run(replay(d.address, warm))
+        yield d
 
 
 def _trace(name: str, arrivals: list[float], prompt_len: int, output_len: int, seed: int):
