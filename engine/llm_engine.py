@@ -185,6 +185,7 @@ class LLMEngine(RequestFaults):
         self.model_dir, self.spec, self.kv_layout = setup.profile_path, setup.spec, setup.kv_layout
         self.max_model_len = self._model_len(config, setup.spec, setup.num_blocks)
         self.model = self.simulated = setup.model
+        self._work_left = False  # unfinished requests when the last step ended
         return setup.num_blocks
 
     @staticmethod
@@ -375,7 +376,14 @@ class LLMEngine(RequestFaults):
         aborted and the step counts in ``failed_steps`` (the fault is then not
         known to be one request's; engine/request_faults.py, docs/failures.md)."""
         if self.simulated is not None:
-            self.simulated.begin_step()
+            self.simulated.begin_step(self._work_left)
+            try:
+                return self._step_batch(pool_lock)
+            finally:
+                self._work_left = self.has_unfinished()
+        return self._step_batch(pool_lock)
+
+    def _step_batch(self, pool_lock: threading.RLock | None) -> list[RequestOutput]:
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule()

@@ -23,7 +23,8 @@ Tokens do not depend on the sampling parameters.
 Each step waits, asleep, until the profile's time for the step has passed
 since the step began (``begin_step`` .. ``pace``): a worker uses no CPU
 while it "computes". When a step begins within one step's time of the
-previous one's end (the engine kept busy), it begins at that end instead:
+previous one's end and the engine had unfinished requests at that end (it
+kept busy rather than idling), it begins at that end instead:
 the worker's work between two steps (publishing outputs) then overlaps the
 step, as a GPU engine's CPU work overlaps its kernels, so back-to-back steps
 keep the profile's pace rather than adding this machine's overhead to it.
@@ -85,9 +86,11 @@ class SimulatedModel:
 
     # ---- timing -----------------------------------------------------------
 
-    def begin_step(self) -> None:
+    def begin_step(self, work_left: bool) -> None:
+        """``work_left``: the engine had unfinished requests when the previous
+        step ended (it went straight on to this one rather than idling)."""
         now = self.clock()
-        busy = now - self._deadline <= self.step_s  # right after the previous step
+        busy = work_left and now - self._deadline <= self.step_s  # right after the previous step
         self._started = self._deadline if busy else now
 
     def pace(self) -> None:

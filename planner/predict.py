@@ -130,6 +130,8 @@ def predict_trace(
         profile.decode_step_s,
         ttft_slo_s=slo.ttft_s if slo else float("inf"),
         tpot_slo_s=slo.tpot_s if slo else float("inf"),
+        # A CostProfile needs only the two methods (tests' fakes have no more);
+        # a Profile's own mixed-step rule when it has one.
         step_cost=getattr(profile, "step_s", None),
     )
     return Prediction.of(res)

@@ -72,7 +72,7 @@ class PlannerModel:
             replace(self.system, num_prefill=prefill, num_decode=decode),
             self.profile.prefill_s,
             self.profile.decode_step_s,
-            step_cost=getattr(self.profile, "step_s", None),
+            step_cost=self.profile.step_s,
         )
         q = quantile * 100
         tpot = result.tpot[result.tpot > 0]

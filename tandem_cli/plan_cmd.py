@@ -154,7 +154,7 @@ def command(args: argparse.Namespace) -> int:
             max_workers=args.max_workers,
             base=base,
             seed=args.seed,
-            step_cost=getattr(profile, "step_s", None),
+            step_cost=profile.step_s,
         )
     except ValueError as e:
         print(f"tandem plan: {e}", file=err)

@@ -21,6 +21,7 @@ from protos.tandem.v1 import admin_pb2, admin_pb2_grpc
 from router.client import TandemClient
 from router.config import ServeConfig
 from tandem_cli.main import main
+from tests.deployment_helpers import deployed
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -35,20 +36,15 @@ def _tokens(n: int, seed: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def deployment(ray_cluster):
-    d = Deployment(
-        ServeConfig(
-            engine={"kv_cache_memory_mb": 32, "block_size": BS},
-            # Every prompt through the prefill pool; reconcile on demand only.
-            routing={"local_prefill_tokens": 0, "index_reconcile_interval_s": 0},
-            server={"http_port": 0},
-            security={"admin_keys": [ADMIN]},
-        )
+    config = ServeConfig(
+        engine={"kv_cache_memory_mb": 32, "block_size": BS},
+        # Every prompt through the prefill pool; reconcile on demand only.
+        routing={"local_prefill_tokens": 0, "index_reconcile_interval_s": 0},
+        server={"http_port": 0},
+        security={"admin_keys": [ADMIN]},
     )
-    yield d
-    try:
-        assert d.wait_no_leaks() == {}
-    finally:
-        d.stop()
+    with deployed(config) as d:
+        yield d
 
 
 def _complete(address: str, prompt: list[int]):

@@ -11,11 +11,11 @@ import asyncio
 import pytest
 import torch
 
-from benchkit.deployment import Deployment
 from engine import LLM
 from protocol.sampling import SamplingParams
 from router.client import TandemClient
 from router.config import ServeConfig
+from tests.deployment_helpers import deployed
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -53,23 +53,16 @@ def reference() -> list[list[int]]:
     return [o.token_ids for o in llm.generate(PROMPTS, params)]
 
 
-def _deployment(config: ServeConfig):
-    deployment = Deployment(config)
-    yield deployment
-    try:
-        assert deployment.wait_no_leaks() == {}
-    finally:
-        deployment.stop()
-
-
 @pytest.fixture(scope="module")
 def sixteen(ray_cluster):
-    yield from _deployment(_config(prefill=8, decode=8))
+    with deployed(_config(prefill=8, decode=8)) as d:
+        yield d
 
 
 @pytest.fixture(scope="module")
 def colocated(ray_cluster):
-    yield from _deployment(_config(mode="colocated", decode=1))
+    with deployed(_config(mode="colocated", decode=1)) as d:
+        yield d
 
 
 async def _complete_all(address: str, prompts, **sampling):

@@ -52,6 +52,9 @@ def test_the_engine_section_is_the_workers_engine_config():
         "greedy_screen": False,
         "cuda_graphs": True,
         "quantization": "int8",
+        "simulate": None,  # refused with int8 (test below)
+        "kv_tier_mb": 5,
+        "kv_tier_dir": "/tier/x",
     }
     config = ServeConfig(
         engine=engine,
@@ -61,10 +64,17 @@ def test_the_engine_section_is_the_workers_engine_config():
     assert set(engine) == set(EngineSection.model_fields)  # the test covers every field
     for role, threads in (("prefill", 3), ("decode", 2), ("colocated", 2)):
         ec = config.engine_config(role, num_gpus=0)
-        got = {k: getattr(ec, k) for k in engine if k != "kv_cache_memory_mb"}
-        assert got == {k: v for k, v in engine.items() if k != "kv_cache_memory_mb"}
-        assert ec.kv_cache_memory_bytes == 48 << 20
+        in_mb = {"kv_cache_memory_mb", "kv_tier_mb"}
+        got = {k: getattr(ec, k) for k in engine if k not in in_mb}
+        assert got == {k: v for k, v in engine.items() if k not in in_mb}
+        assert (ec.kv_cache_memory_bytes, ec.kv_tier_memory_bytes) == (48 << 20, 5 << 20)
         assert (ec.num_threads, ec.device, ec.kv_transfer_dtype) == (threads, "cpu", "int8")
+
+
+def test_the_simulate_option_reaches_every_workers_engine():
+    config = ServeConfig(engine={"simulate": "llama-3.1-8b-h200"})
+    for role in ("prefill", "decode"):
+        assert config.engine_config(role, num_gpus=0).simulate == "llama-3.1-8b-h200"
 
 
 def test_the_transfer_and_security_sections_make_the_transfer_config():

@@ -159,6 +159,21 @@ def test_work_between_busy_steps_counts_in_the_next_one():
     engine.abort("a")
 
 
+def test_a_step_after_an_idle_gap_takes_its_whole_time():
+    engine, fake = _timed_engine()
+    profile = load_profile(PROFILE)
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    engine.add_request("a", PROMPTS[1], one)
+    engine.step()  # its one token: the engine is idle after this step
+    assert not engine.has_unfinished()
+    prefill = profile.prefill_s([40])
+    fake.spend(prefill / 2)  # a request arrives within one step's time of the last end
+    engine.add_request("b", PROMPTS[2], GREEDY)
+    engine.step()
+    assert fake.asked[1] == pytest.approx(prefill)  # counted from now, not the last end
+    engine.abort("b")
+
+
 def test_the_pool_holds_the_profiled_models_tokens():
     engine = LLMEngine(EngineConfig(simulate=PROFILE, kv_cache_memory_bytes=1 << 30))
     per_block = load_profile(PROFILE).kv_bytes_per_token * 16
