@@ -202,6 +202,8 @@ def make_backend(scripts: list[Script], colocated: bool = False) -> Setup:
     setup.decode = [cluster.handle(f"d{i}", role) for i in range(2)]
     backend.prefill.workers = list(setup.prefill)
     backend.decode.workers = list(setup.decode)
+    # Members as the deployment's membership would hand them over (member_sync.adopt).
+    backend.members.known = {w.name: w for w in [*setup.prefill, *setup.decode]}
     backend.streams = streams
     backend.index = InMemoryIndex()
     backend.routing = PrefixRouter(
