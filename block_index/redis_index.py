@@ -491,7 +491,7 @@ class RedisIndex:
         event on the stream, so every router's view drops them). Raises the
         client's error when Redis is unreachable (the local view is retracted)."""
         hashes = list(hashes)
-        self._view.apply(KVEvent(worker, removed=tuple(hashes)))
+        self._view.retract(worker, hashes)
         if not hashes:
             return
         pipe = self._client.pipeline(transaction=True)

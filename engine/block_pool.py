@@ -349,8 +349,7 @@ class BlockPool:
             return None
         block = self._fresh()  # may spill another block: the tier keeps this entry's slot
         if not tier.restore(block_hash, tokens, block):
-            self._refs[block] = 0
-            self._free.append(block)
+            self._unref(block)  # uncached, ref 1: back to the free list
             return None
         self._hash_of[block] = block_hash
         self._tokens_of[block] = tuple(tokens)

@@ -143,6 +143,7 @@ def test_a_retirement_called_off_puts_its_workers_back(monkeypatch):
     async def go() -> None:
         task = asyncio.create_task(controller.retire("decode", names, lambda n, s: None, 0.01))
         await asyncio.sleep(0.05)
+        assert controller.members().leaving == set(names)  # it was leaving: the call-off matters
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
