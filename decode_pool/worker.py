@@ -70,6 +70,7 @@ class DecodeWorker(EngineWorker):
 
     async def start(self) -> None:
         self.open_outputs(self.host, self.transfer)
+        self._report_room()  # every router's stream opens with it (OPEN)
         self.start_loop()
         await self.kv_server.start()
 
@@ -148,7 +149,7 @@ class DecodeWorker(EngineWorker):
             except Exception as exc:
                 log.warning("request %s could not start: %s", rid, exc)
                 out = RequestOutput.aborted(rid)
-            self.publish_outputs([out])  # with the cache events of the commit
+            self.publish_outputs([out], self._room_change())  # and the commit's cache events
 
         self._on_engine(begin)
 
@@ -162,18 +163,28 @@ class DecodeWorker(EngineWorker):
 
     def _report_room(self) -> None:
         """After each pass of the engine loop: the KV room to the routers when
-        it changed, and a wake-up for pushes waiting for room when it grew."""
+        it changed since the last report."""
+        room = self._room_change()
+        if room is not None:
+            self.publish_outputs([], room)
+
+    def _room_change(self) -> worker_pb2.KVRoom | None:
+        """On the engine thread: the KV room if it changed since the last
+        report, else None; a wake-up for pushes waiting for room when it grew.
+        A request's first output carries it: the router settles its promise
+        on that output, so a room sent later would leave a moment in which
+        the router counts the request's blocks nowhere."""
         with self.loop.lock:
             room = self.reserve.room()
             total = self.engine.block_pool.num_blocks
         if room == self._room or self.outputs is None:
-            return
+            return None
         grew = self._room is None or room > self._room
         self._room = room
-        self.publish_outputs([], worker_pb2.KVRoom(free_blocks=room, total_blocks=total))
         if grew and self._aio is not None:
             with contextlib.suppress(RuntimeError):  # the event loop is closed
                 self._aio.call_soon_threadsafe(self.kv_server.service.notify_room)
+        return worker_pb2.KVRoom(free_blocks=room, total_blocks=total)
 
     def _on_engine(self, fn: Callable[[LLMEngine], object]) -> None:
         """Run ``fn`` on the engine thread; its failure is logged, not lost."""
@@ -236,8 +247,8 @@ class DecodeWorker(EngineWorker):
 
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
         """On the engine thread, after each step: straight to the routers,
-        with the cache events since the last step's."""
-        self.publish_outputs(outputs)
+        with the cache events since the last step's and the room."""
+        self.publish_outputs(outputs, self._room_change())
         for out in outputs:
             if out.finished:
                 log_event(

@@ -111,6 +111,9 @@ def test_higher_priority_starts_before_earlier_lower_ones(colocated):
     async def run():
         worker = colocated.backend.decode.workers[0]
         queue = colocated.backend.admission.queue
+        rooms = colocated.backend.admission.rooms
+        # The worker's room came with its stream: the filler's blocks are promised.
+        assert rooms.total(worker.name) is not None
         async with TandemClient(colocated.address) as client:
             tasks = [asyncio.ensure_future(one(client, "filler", "x y z", **long))]
             await _until("the filler runs", lambda: worker.in_flight == 1)
