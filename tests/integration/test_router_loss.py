@@ -3,7 +3,7 @@ the first test): two routers on one named deployment, one in this process
 and one in a process of its own; 32 concurrent streams, each through a
 TandemClient that knows both routers and starts at the one in the other
 process; that process is SIGKILLed once every stream has tokens, or earlier
-once one stream is three quarters done (so that none has finished). Nothing
+once one stream has three quarters of its tokens (so that none has finished). Nothing
 fails: every stream goes on at the other router, after the tokens its client
 had; greedy output equals the engine alone, seeded sampled output an
 uninterrupted run; the worker actors are the same ones, in the same
@@ -90,10 +90,22 @@ class Stream:
 
 async def _streams_through_a_lost_router(victim: RouterProcess, survivor: str, kind: str):
     """STREAMS streams started at ``victim``, killed once all of them carry
-    tokens or one has KILL_AT (prefills are one after another: the first
-    streams could end before the last start)."""
+    tokens or one has KILL_AT tokens (prefills are one after another: the
+    first streams could end before the last start). The kill comes from the
+    stream whose response met the condition, before it awaits again: no other
+    response can slip in between (a chunk may carry several tokens)."""
     streams = [Stream() for _ in range(STREAMS)]
-    kill_now = asyncio.Event()
+    killed = False
+
+    def kill_if_ready(s: Stream) -> None:
+        nonlocal killed
+        tokens = sum(len(r.chunk.token_ids) for r in s.responses)
+        if killed or not (tokens >= KILL_AT or all(x.responses for x in streams)):
+            return
+        killed = True
+        victim.kill()  # synchronous: no more awaits before it
+        for x in streams:
+            x.at_kill = len(x.responses)
 
     async def one(i: int) -> None:
         s = streams[i]
@@ -102,16 +114,9 @@ async def _streams_through_a_lost_router(victim: RouterProcess, survivor: str, k
             sampling = {**_sampling(kind, i), "request_id": f"{kind}-{i}"}
             async for response in client.generate(PROMPTS[i], **sampling):
                 s.responses.append(response)
-                if len(s.responses) >= KILL_AT or all(x.responses for x in streams):
-                    kill_now.set()
+                kill_if_ready(s)
 
-    async def kill_when_ready() -> None:
-        await kill_now.wait()
-        victim.kill()  # synchronous: no more awaits before it
-        for s in streams:
-            s.at_kill = len(s.responses)
-
-    await asyncio.gather(kill_when_ready(), *(one(i) for i in range(STREAMS)))
+    await asyncio.gather(*(one(i) for i in range(STREAMS)))
     return streams
 
 
