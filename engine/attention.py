@@ -49,6 +49,9 @@ class AttentionMetadata:
     # padded to the widest, [num_decode, width] long, and context lengths.
     decode_tables: torch.Tensor | None = None
     decode_lens: torch.Tensor | None = None
+    # Deterministic mode: every sequence is a PrefillSlice (a decode one of one
+    # token) and each query row is attended so that its sums depend on it alone.
+    row_invariant: bool = False
 
 
 # The fused prefill kernel (engine/kernels/prefill_attention.cpp) holds each
@@ -82,11 +85,19 @@ def build_metadata(
     slots: list[int],
     device: torch.device,
     fused: bool = False,
+    row_invariant: bool = False,
 ) -> AttentionMetadata:
     """Tensors shared by every layer of one step. Decode sequences come
     sorted by length, shortest first (groups then pad little; tables of one
     group may still differ in length, e.g. a draft model's). ``fused``: for
-    the fused decode kernel, which reads every table itself (no groups)."""
+    the fused decode kernel, which reads every table itself (no groups).
+    ``row_invariant``: deterministic mode, which has no decode rows."""
+    if row_invariant:
+        if decode_tables:
+            raise ValueError("row-invariant attention takes one-token sequences as prefills")
+        return AttentionMetadata(
+            torch.tensor(slots, device=device), 0, [], prefills, row_invariant=True
+        )
     if fused:
         tables = lens = None
         if decode_tables:
@@ -153,7 +164,11 @@ def paged_attention(
         out[rows] = _decode(q[rows], kv, g, scale)
     for s in meta.prefills:
         rows = slice(s.start, s.start + s.num_tokens)
-        if ops is not None and s.context_len + s.num_tokens <= FUSED_PREFILL_MAX_KEYS:
+        if meta.row_invariant and ops is None:
+            out[rows] = _prefill_by_rows(q[rows], kv, s, scale)
+        elif ops is not None and (
+            meta.row_invariant or s.context_len + s.num_tokens <= FUSED_PREFILL_MAX_KEYS
+        ):  # the fused kernel's sums for a row depend on it alone (prefill_attention.cpp)
             fused = ops.paged_prefill_attention(q[rows], kv, s.block_table, s.context_len, scale)
             out[rows] = fused.view(s.num_tokens, heads, head_dim)
         else:
@@ -207,3 +222,23 @@ def _prefill(
         enable_gqa=True,
     )
     return out[0].transpose(0, 1)
+
+
+def _prefill_by_rows(
+    q: torch.Tensor, kv: torch.Tensor, s: PrefillSlice, scale: float
+) -> torch.Tensor:
+    """Deterministic mode's PyTorch attention: each query row (position p) over
+    keys [0, p] on its own, so every op sees the shapes of that row alone."""
+    total = s.context_len + s.num_tokens
+    context = kv.index_select(1, s.block_table).flatten(1, 2)[:, :total]
+    t, heads, head_dim = q.shape
+    kv_heads = context.shape[2]
+    keys = context[0].permute(1, 2, 0)  # [kv_heads, head_dim, total]
+    values = context[1].transpose(0, 1)  # [kv_heads, total, head_dim]
+    out = q.new_empty(t, heads, head_dim)
+    for i in range(t):
+        seen = s.context_len + i + 1
+        qg = q[i].view(kv_heads, heads // kv_heads, head_dim)
+        weights = torch.softmax(torch.matmul(qg, keys[..., :seen].contiguous()) * scale, dim=-1)
+        out[i] = torch.matmul(weights, values[:, :seen].contiguous()).view(heads, head_dim)
+    return out

@@ -192,6 +192,12 @@ class EngineConfig:
     kv_tier_dir: str | None = None
     """Directory of a CPU pool's tier file (created 0600 and unlinked once mapped);
     None: $XDG_STATE_HOME/tandem/kv-tier."""
+    deterministic: bool = False
+    """Greedy and seeded outputs, tokens and logprobs, bit-identical whatever else
+    is in the batch, however the prompt is chunked, after a prefix hit and when
+    a sequence is prefilled again elsewhere (docs/deterministic.md): every row
+    runs through kernels whose arithmetic does not depend on the other rows.
+    Slower; refuses lossy KV transfer, speculative decoding and CUDA graphs."""
 
     def __post_init__(self) -> None:
         checks = {
@@ -211,6 +217,8 @@ class EngineConfig:
             raise ValueError(f"kv_tier_memory_bytes must be >= 0, got {self.kv_tier_memory_bytes}")
         if self.simulate is not None:
             self._check_simulated()
+        if self.deterministic:
+            self._check_deterministic()
 
     def _check_simulated(self) -> None:
         """What a simulated model cannot do (engine/simulated.py)."""
@@ -220,3 +228,32 @@ class EngineConfig:
             raise ValueError("simulate: the simulated KV cache is float32 (dtype float32)")
         if self.kv_transfer_dtype != "auto":
             raise ValueError("simulate: KV moves as stored (kv_transfer_dtype auto)")
+
+    def _check_deterministic(self) -> None:
+        """What deterministic mode cannot keep bit-identical (docs/deterministic.md)."""
+        why = deterministic_conflict(
+            self.kv_transfer_dtype, self.speculative is not None, self.cuda_graphs
+        )
+        if why is not None:
+            raise ValueError(why)
+
+
+def deterministic_conflict(transfer_dtype: str, speculative: bool, cuda_graphs: bool) -> str | None:
+    """Why these settings break deterministic mode's promise, or None (EngineConfig's
+    check and the serve config's, so both say the same)."""
+    if transfer_dtype != "auto":
+        return (
+            f"deterministic: KV transfer {transfer_dtype} is lossy (the decode worker would "
+            "read other values than the prefill worker wrote); use transfer dtype auto"
+        )
+    if speculative:
+        return (
+            "deterministic: speculative decoding verifies as many proposed tokens as the "
+            "step's budget leaves, so seeded draws would depend on the batch; turn it off"
+        )
+    if cuda_graphs:
+        return (
+            "deterministic: CUDA graphs replay the batched decode kernel, whose sums "
+            "depend on the batch; turn cuda_graphs off"
+        )
+    return None

@@ -151,6 +151,8 @@ class LLMEngine(RequestFaults):
         if config.quantization != "none":  # other weights, other KV: no sharing with floats
             tagged = f"{fingerprint}:{config.quantization}".encode()
             fingerprint = hashlib.sha256(tagged).hexdigest()[:32]
+        if config.deterministic:  # its KV is summed otherwise: no sharing with other workers
+            fingerprint = hashlib.sha256(f"{fingerprint}:deterministic".encode()).hexdigest()[:32]
         self.kv_layout = KVLayout(
             model_fingerprint=fingerprint,
             dtype=config.dtype,
@@ -168,6 +170,7 @@ class LLMEngine(RequestFaults):
         self.model = LlamaModel(
             spec, state, hf_config, self.max_model_len, dtype, device, kernels,
             greedy_screen=config.greedy_screen, quantization=config.quantization,
+            deterministic=config.deterministic,
         )  # fmt: skip
         del state
         return num_blocks, kernels
@@ -459,6 +462,9 @@ class LLMEngine(RequestFaults):
         if self.model.screen_head is not None and all(map(Sampler.plain_greedy, requests)):
             tokens = self.model.greedy_tokens(hidden, self.sampler.vocab_size)
             out = [SampledToken(t, None, None) for t in tokens]
+        elif self.config.deterministic:  # the sampler's batched ops, a row at a time
+            logits = self.model.logits(hidden)
+            out = [self.sampler(logits[i : i + 1], [r])[0] for i, r in enumerate(requests)]
         else:
             out = self.sampler(self.model.logits(hidden), requests)
         for i in broken:
@@ -469,6 +475,8 @@ class LLMEngine(RequestFaults):
         """The step's pass: rows to sample (one per sequence that reaches its last
         token), rows to verify (every position of a speculating sequence), hidden."""
         bs = self.config.block_size
+        # (a simulated model's tokens are a function of the context already)
+        deterministic = self.config.deterministic and self.simulated is None
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -483,7 +491,7 @@ class LLMEngine(RequestFaults):
             table = seq.block_table
             spec = seq.spec_token_ids
             input_ids += seq.token_ids(start, start + n - len(spec)) + spec
-            if n == 1:
+            if n == 1 and not deterministic:
                 positions.append(start)
                 slots.append(table[start // bs] * bs + start % bs)
                 decode_tables.append(table)
@@ -504,8 +512,9 @@ class LLMEngine(RequestFaults):
             hidden = graphs.forward(input_ids, positions, slots, decode_tables, decode_lens)
             return sample_rows, spec_rows, hidden
         meta = build_metadata(
-            bs, decode_tables, decode_lens, prefills, slots, self.device, self.model.fused
-        )
+            bs, decode_tables, decode_lens, prefills, slots, self.device, self.model.fused,
+            row_invariant=deterministic,
+        )  # fmt: skip
         hidden = self.model.forward(
             torch.tensor(input_ids, device=self.device),
             torch.tensor(positions, device=self.device),

@@ -28,6 +28,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from engine.row_invariant import each_row
+
 Quantization = Literal["none", "int8", "q4", "as_stored"]
 BLOCK = 32  # inputs per block
 
@@ -116,14 +118,23 @@ class QuantWeight:
         return w.reshape(out, nb * BLOCK)[:, :k].to(dtype)
 
     def apply(
-        self, x: torch.Tensor, bias: torch.Tensor | None, kernels: ModuleType | None
+        self,
+        x: torch.Tensor,
+        bias: torch.Tensor | None,
+        kernels: ModuleType | None,
+        row_invariant: bool = False,
     ) -> torch.Tensor:
-        """x [M, in] @ W^T (+ bias): the CPU kernel when ``kernels``, else torch."""
+        """x [M, in] @ W^T (+ bias): the CPU kernel when ``kernels``, else torch.
+        ``row_invariant``: each row's sums do not depend on the other rows (the
+        kernel's integer path for every row count; torch: one row a matmul)."""
         if kernels is not None:
             return kernels.quant_linear(
-                x.contiguous(), self.data, self.scales, int(self.format), self.out_features, bias
-            )
+                x.contiguous(), self.data, self.scales, int(self.format), self.out_features, bias,
+                row_invariant,
+            )  # fmt: skip
         w = self.dequantize(x.dtype).to(x.device)
+        if row_invariant:
+            return each_row(lambda r: F.linear(r, w, bias), x)
         return F.linear(x, w, bias)
 
     def to(self, device: torch.device) -> QuantWeight:

@@ -138,6 +138,11 @@ class EngineSection(Section):
     kv_tier_dir: str | None = None
     """Directory of a CPU worker's tier file (created 0600, unlinked once mapped, so
     nothing is left after a stop); None: $XDG_STATE_HOME/tandem/kv-tier."""
+    deterministic: bool = False
+    """Greedy and seeded outputs (tokens and logprobs) bit-identical whatever else is
+    in the batch, after a prefix hit, a handoff from prefill to decode and a failover
+    (docs/deterministic.md); slower. Needs transfer dtype auto, no speculative
+    decoding and no CUDA graphs."""
 
     def engine_config(self, **worker: Any) -> EngineConfig:
         """The ``EngineConfig`` of one worker: this section plus what differs per
@@ -759,6 +764,19 @@ class ServeConfig(BaseModel):
             speculative=None if role == "prefill" else self.speculative.speculative_config(),
             kv_transfer_dtype=self.transfer.dtype,
         )
+
+    @model_validator(mode="after")
+    def _check_deterministic(self) -> ServeConfig:
+        """Deterministic mode refuses what would break it (engine.config says why)."""
+        from engine.config import deterministic_conflict
+
+        if self.engine.deterministic:
+            why = deterministic_conflict(
+                self.transfer.dtype, self.speculative.method != "none", self.engine.cuda_graphs
+            )
+            if why is not None:
+                raise ValueError(why)
+        return self
 
     def transfer_config(self) -> TransferConfig:
         """What every worker's KV server and client (and the router's streams) use."""

@@ -127,6 +127,12 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         help="seconds given to requests in flight on shutdown",
     )
     p.add_argument(
+        "--deterministic",
+        action="store_true",
+        default=None,
+        help="outputs bit-identical whatever else is in the batch (slower; docs/deterministic.md)",
+    )
+    p.add_argument(
         "--autoscale",
         action="store_true",
         default=None,

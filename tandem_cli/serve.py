@@ -42,6 +42,7 @@ SERVE_FLAGS = {
     "model": "engine.model",
     "load_format": "engine.load_format",
     "simulate": "engine.simulate",
+    "deterministic": "engine.deterministic",
     "prefill": "pools.prefill",
     "decode": "pools.decode",
     "mode": "pools.mode",

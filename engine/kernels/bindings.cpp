@@ -24,7 +24,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("n"), py::arg("bias") = py::none(), release());
   m.def("quant_linear", &quant_linear, "x @ W^T (+ bias), W quantized in blocks of 32 inputs",
         py::arg("x"), py::arg("weight"), py::arg("scales"), py::arg("format"), py::arg("n"),
-        py::arg("bias") = py::none(), release());
+        py::arg("bias") = py::none(), py::arg("row_invariant") = false, release());
 #ifdef TANDEM_GREEDY_HEAD
   m.def("greedy_head_f16", &greedy_head_f16, "greedy tokens from a float16 screen of the head",
         release());

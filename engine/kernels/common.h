@@ -152,7 +152,7 @@ bool amx_usable();
 // quant_linear.cpp
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight,
                         const std::optional<at::Tensor>& scales, int64_t format, int64_t n,
-                        const std::optional<at::Tensor>& bias);
+                        const std::optional<at::Tensor>& bias, bool row_invariant);
 // quant_gemm.cpp: the integer GEMM for many rows, where the build has one for
 // ``format`` (int8_gemm_supports): c [m, n] = x~ @ W^T, x quantized by rows.
 bool int8_gemm_supports(int64_t format);

@@ -16,6 +16,8 @@
 // scale into a float32 sum: y = sum_b d_w d_x isum_b (+ m_b sum(x_b)).
 // More rows (a prefill: arithmetic is the cost) dequantize one panel of 32
 // output rows into float32 and run the linear kernel's tiles over every row.
+// ``row_invariant`` keeps every row count on the integer path, whose sums for
+// a row are the same whatever the other rows (deterministic mode).
 
 #include "linear_tiles.h"
 #include "quant_blocks.h"
@@ -189,7 +191,7 @@ constexpr Path kPanels[4] = {&panel_path<kInt8>, &panel_path<kQ8_0>, &panel_path
 //   returns  [M, N] = x @ W^T (+ bias)
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight,
                         const std::optional<at::Tensor>& scales, int64_t format, int64_t n,
-                        const std::optional<at::Tensor>& bias) {
+                        const std::optional<at::Tensor>& bias, bool row_invariant) {
   check_rows(x, "x");
   TORCH_CHECK(format >= kInt8 && format <= kQ4_1, "unknown quantized format ", format);
   const int64_t m = x.size(0), k = x.size(1), nb = (k + kBlock - 1) / kBlock;
@@ -210,7 +212,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight,
   if (m == 0) return out;
   const auto* w = static_cast<const uint8_t*>(weight.data_ptr());
   float* c = out.data_ptr<float>();
-  if (m < kQuantPanelRows)
+  if (m < kQuantPanelRows || row_invariant)
     kInteger[format](x.data_ptr<float>(), x.stride(0), m, k, w, sp, n, c);
   else if (int8_gemm_supports(format))
     int8_gemm(format, x.data_ptr<float>(), x.stride(0), m, k, w, sp, n, c);

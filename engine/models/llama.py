@@ -23,6 +23,7 @@ from engine.config import ModelSpec
 from engine.kernels import HalfHead, Int8Head, PackedWeight, screen_for
 from engine.kv_cache import KVCache
 from engine.quant import AT_LOAD, HEAD_AT_LOAD, QuantFormat, Quantization, QuantWeight
+from engine.row_invariant import each_row
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +90,11 @@ def _linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None) -> torch.Tens
     return torch.mm(x, w) if bias is None else torch.addmm(bias, x, w)
 
 
+def _whole(fn, *xs: torch.Tensor) -> torch.Tensor:
+    """``fn`` on the whole batch (each_row's counterpart outside deterministic mode)."""
+    return fn(*xs)
+
+
 def _pack(w: Weight) -> Weight:
     """A float [in, out] matrix packed for the linear kernel; a quantized one as it is."""
     return PackedWeight.pack(w) if isinstance(w, torch.Tensor) else w
@@ -113,14 +119,19 @@ class LlamaModel:
         *,
         greedy_screen: bool = True,
         quantization: Quantization = "none",
+        deterministic: bool = False,
     ) -> None:
         """``kernels``: engine.kernels.cpu_ops() to run the fused CPU path, or None.
         ``greedy_screen``: with kernels, an int8 or float16 copy of the head screens
         greedy steps (engine.kernels.screen_for); not with a quantized head.
         ``quantization``: int8 or q4 quantize the matrices (engine/quant.py);
         as_stored keeps the QuantWeight values of ``state`` (a GGUF file's) as they
-        are and the float ones in float."""
+        are and the float ones in float.
+        ``deterministic``: each row's arithmetic does not depend on the other rows
+        of the batch (docs/deterministic.md): torch ops run a row at a time, the
+        quantized kernel on its integer path; no greedy screen."""
         self.spec = spec
+        self.deterministic = deterministic
         self.kernels = kernels
         self.scale = spec.head_dim**-0.5
 
@@ -196,6 +207,7 @@ class LlamaModel:
         if kernels is not None:  # one copy of each matrix, in the linear kernel's layout
             self.lm_head = _pack(self.lm_head)
             screenable = isinstance(self.lm_head, PackedWeight)  # not a quantized head
+            screenable = screenable and not deterministic  # its batch cut-off picks the path
             if screenable and greedy_screen and hasattr(kernels, "greedy_head_i8"):
                 self.screen_head = screen_for(self.lm_head, kernels.INT8_ROW_LEVELS)
                 if isinstance(self.screen_head, HalfHead):
@@ -231,29 +243,40 @@ class LlamaModel:
         if self.kernels is not None:
             return self._forward_fused(input_ids, positions, meta, cache)
         spec = self.spec
-        eps, d = spec.rms_norm_eps, spec.head_dim
-        q_size, kv_size = spec.num_heads * d, spec.num_kv_heads * d
+        heads, kv_heads = spec.num_heads, spec.num_kv_heads
+        rows = each_row if self.deterministic else _whole
         cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]
         h = self._embed(input_ids)
         for i, w in enumerate(self.layers):
-            x = _rms_norm(h, w.input_norm, eps)
-            qkv = _linear(x, w.qkv, w.qkv_bias)
-            n = qkv.shape[0]
-            v = qkv[:, q_size + kv_size :].view(n, spec.num_kv_heads, d)
-            qk = qkv[:, : q_size + kv_size].view(n, spec.num_heads + spec.num_kv_heads, d)
-            if w.q_norm is not None:
-                q = _rms_norm(qk[:, : spec.num_heads], w.q_norm, eps)
-                k = _rms_norm(qk[:, spec.num_heads :], w.k_norm, eps)
-                qk = torch.cat((q, k), dim=1)
-            qk = _rotate(qk, cos, sin)  # queries and keys in one pass
-            q, k = qk[:, : spec.num_heads], qk[:, spec.num_heads :]
+            qkv = rows(lambda h, cos, sin, w=w: self._qkv(h, w, cos, sin), h, cos, sin)
+            q, k, v = qkv.split((heads, kv_heads, kv_heads), dim=1)
             attn = paged_attention(q, k, v, cache, i, meta, self.scale)
-            h = h + _linear(attn, w.o, w.o_bias)
-            x = _rms_norm(h, w.post_norm, eps)
-            gate_up = _linear(x, w.gate_up, w.gate_up_bias)
-            gate, up = gate_up.chunk(2, dim=-1)
-            h = h + _linear(F.silu(gate) * up, w.down, w.down_bias)
-        return _rms_norm(h, self.norm, eps)
+            h = rows(lambda h, attn, w=w: self._mlp(h, attn, w), h, attn)
+        return rows(lambda h: _rms_norm(h, self.norm, spec.rms_norm_eps), h)
+
+    def _qkv(
+        self, h: torch.Tensor, w: LayerWeights, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
+        """Rows of the residual stream to their queries, keys and values (RoPE
+        applied), [N, heads + 2 * kv_heads, head_dim]: the PyTorch path."""
+        spec = self.spec
+        eps, d, heads = spec.rms_norm_eps, spec.head_dim, spec.num_heads
+        qkv = _linear(_rms_norm(h, w.input_norm, eps), w.qkv, w.qkv_bias)
+        n, kv_size = qkv.shape[0], spec.num_kv_heads * d
+        v = qkv[:, heads * d + kv_size :].view(n, spec.num_kv_heads, d)
+        qk = qkv[:, : heads * d + kv_size].view(n, heads + spec.num_kv_heads, d)
+        if w.q_norm is not None:
+            q = _rms_norm(qk[:, :heads], w.q_norm, eps)
+            k = _rms_norm(qk[:, heads:], w.k_norm, eps)
+            qk = torch.cat((q, k), dim=1)
+        return torch.cat((_rotate(qk, cos, sin), v), dim=1)  # queries and keys in one pass
+
+    def _mlp(self, h: torch.Tensor, attn: torch.Tensor, w: LayerWeights) -> torch.Tensor:
+        """The residual stream after a layer's output projection and MLP: the PyTorch path."""
+        eps = self.spec.rms_norm_eps
+        h = h + _linear(attn, w.o, w.o_bias)
+        gate, up = _linear(_rms_norm(h, w.post_norm, eps), w.gate_up, w.gate_up_bias).chunk(2, -1)
+        return h + _linear(F.silu(gate) * up, w.down, w.down_bias)
 
     def _forward_fused(
         self,
@@ -274,8 +297,8 @@ class LlamaModel:
 
         def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None) -> torch.Tensor:
             if isinstance(w, QuantWeight):
-                return w.apply(x, bias, ops)
-            return ops.linear(x, w.panels, w.out_features, bias)
+                return w.apply(x, bias, ops, self.deterministic)
+            return ops.linear(x, w.panels, w.out_features, bias)  # a row's sums are its own
 
         h = self._embed(input_ids)  # a fresh tensor: the residual stream, updated in place
         x = ops.rms_norm(h, self.layers[0].input_norm, eps)
@@ -296,7 +319,7 @@ class LlamaModel:
             x = ops.add_rms_norm(h, linear(attn, w.o, w.o_bias), w.post_norm, eps)
             gate_up = w.gate_up
             if isinstance(gate_up, QuantWeight):
-                hidden = ops.silu_mul(gate_up.apply(x, w.gate_up_bias, ops))
+                hidden = ops.silu_mul(gate_up.apply(x, w.gate_up_bias, ops, self.deterministic))
             else:
                 hidden = ops.linear_silu_mul(
                     x, gate_up.panels, gate_up.out_features, w.gate_up_bias
@@ -357,5 +380,7 @@ class LlamaModel:
         if isinstance(head, PackedWeight):
             return self.kernels.linear(hidden.contiguous(), head.panels, head.out_features)
         if isinstance(head, QuantWeight):
-            return head.apply(hidden, None, self.kernels).float()
+            return head.apply(hidden, None, self.kernels, self.deterministic).float()
+        if self.deterministic:
+            return each_row(lambda x: torch.mm(x, head), hidden).float()
         return torch.mm(hidden, head).float()
