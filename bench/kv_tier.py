@@ -9,11 +9,12 @@ Prints the cached prompt tokens of returning turns and their median time to
 first token for each, then the last line, a JSON object with
 ``tier_hit_ratio`` (cached tokens of returning turns with small+tier over
 those with big), the TTFT ratio of small over small+tier, and
-``deterministic_cost`` (throughput without deterministic mode over with it),
-null with a reason while the engine has no such option.
+``deterministic_cost`` (throughput without deterministic mode over with it,
+docs/deterministic.md).
 
   python bench/kv_tier.py [--model DIR] [--conversations 16] [--turns 3]
                           [--first-tokens 400] [--small-blocks 64]
+                          [--parts tier,deterministic] [--quantization auto]
 """
 
 from __future__ import annotations
@@ -75,26 +76,28 @@ def _row(name: str, played: Played) -> dict:
 
 
 def deterministic_cost(args) -> dict:
-    """Throughput without deterministic mode over with it, on one batch; null
-    with a reason while EngineConfig has no ``deterministic`` option (the
-    place for that mode's figure)."""
-    if "deterministic" not in EngineConfig.__dataclass_fields__:
-        return {
-            "deterministic_cost": None,
-            "deterministic_cost_reason": "EngineConfig has no 'deterministic' option yet",
-        }
+    """Throughput without deterministic mode over with it: 16 requests of 64
+    prompt and 32 output tokens (greedy) on one engine, the second of two
+    rounds (the first warms it up), for each mode in turn."""
     rates = {}
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     for mode in (False, True):
-        engine = LLMEngine(EngineConfig(model=args.model, num_threads=args.threads,
-                                        deterministic=mode))  # fmt: skip
-        params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-        for i in range(16):
-            engine.add_request(f"d{i}", [10 + (7 * i + j) % 4000 for j in range(64)], params)
-        start, tokens = time.perf_counter(), 0
-        while engine.has_unfinished():
-            tokens += sum(len(o.new_token_ids) for o in engine.step())
-        rates[mode] = tokens / (time.perf_counter() - start)
-    return {"deterministic_cost": round(rates[False] / rates[True], 4)}
+        config = EngineConfig(model=args.model, num_threads=args.threads,
+                              quantization=args.quantization, deterministic=mode)  # fmt: skip
+        engine = LLMEngine(config)
+        for round_ in range(2):
+            for i in range(16):
+                prompt = [10 + (7 * i + 31 * round_ + j) % 4000 for j in range(64)]
+                engine.add_request(f"d{round_}-{i}", prompt, params)
+            start, tokens = time.perf_counter(), 0
+            while engine.has_unfinished():
+                tokens += sum(len(o.new_token_ids) for o in engine.step())
+            rates[mode] = tokens / (time.perf_counter() - start)
+        print(f"deterministic={mode}: {rates[mode]:.1f} output tokens/s", flush=True)
+    return {
+        "deterministic_cost": round(rates[False] / rates[True], 4),
+        "deterministic_quantization": args.quantization,
+    }
 
 
 def main() -> None:
@@ -107,7 +110,13 @@ def main() -> None:
     ap.add_argument("--output-tokens", type=int, default=8)
     ap.add_argument("--small-blocks", type=int, default=64)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--quantization", default="auto", help="weights of the deterministic_cost run")
+    ap.add_argument("--parts", default="tier,deterministic", help="tier, deterministic or both")
     args = ap.parse_args()
+    parts = set(args.parts.split(","))
+    if parts == {"deterministic"}:
+        print(json.dumps(deterministic_cost(args)))
+        return
     workload = Workload(args.conversations, args.turns, args.first_tokens, args.user_tokens,
                         args.output_tokens)  # fmt: skip
     small, big = args.small_blocks, 8 * args.small_blocks
@@ -131,7 +140,7 @@ def main() -> None:
         "tier": tier_stats,
         "workload": dataclasses.asdict(workload),
         "pool_blocks": {"small": small, "big": big, "tier": big},
-        **deterministic_cost(args),
+        **(deterministic_cost(args) if "deterministic" in parts else {}),
     }
     print(json.dumps(result))
 

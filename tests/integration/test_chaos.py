@@ -29,6 +29,7 @@ from router.config import ServeConfig
 from router.failover import RetryPolicy
 from router.pool_manager import WorkerHandle
 from tests.faults import FaultyPrefillActor, TransferFaults
+from tests.integration.worker_kills import freeze, kill, stop_midway
 
 # Kills, restarts and recoveries under load; the module's teardown waits up to
 # 240 s for every worker to be back.
@@ -115,20 +116,8 @@ def _wait_recovered(d: Deployment, timeout_s: float = 240) -> None:
     raise AssertionError(f"workers not back: {[w.name for w in b.recovery.down]}")
 
 
-def _freeze(worker: WorkerHandle) -> int:
-    """Stop the worker's process (SIGSTOP); its requests stay where they are."""
-    pid = ray.get(worker.actor.pid.remote(), timeout=30)
-    os.kill(pid, signal.SIGSTOP)
-    return pid
-
-
 def _kill(worker: WorkerHandle, pid: int, how: str) -> None:
-    """Kill a frozen worker: ray.kill (Ray restarts it) or SIGKILL of its process."""
-    if how == "ray.kill":
-        ray.kill(worker.actor, no_restart=False)
-        os.kill(pid, signal.SIGCONT)  # it takes the kill request and exits
-    else:
-        os.kill(pid, signal.SIGKILL)
+    kill(worker, pid, how)
     TOTALS["killed"] += 1
 
 
@@ -177,32 +166,6 @@ async def _load(address: str, actions: list[tuple[int, object]]) -> list:
     return results[: len(LOAD)]
 
 
-def _stop_midway(workers: list[WorkerHandle], streams, counts: dict[str, int]):
-    """Stop (SIGSTOP) the decode worker of a stream that has tokens and is not
-    finished, and return (worker, pid); None (nothing stopped) if there is no
-    such stream. Every decode worker is stopped while one is chosen, so no
-    stream can finish in between."""
-    pids = {w.name: ray.get(w.actor.pid.remote(), timeout=30) for w in workers}
-    victim = None
-    try:
-        for pid in pids.values():
-            os.kill(pid, signal.SIGSTOP)
-        time.sleep(0.5)  # tokens sent before the stop reach the client
-        midway = [
-            (n, worker)
-            for attempt, worker in streams.routed().items()
-            if 0 < (n := counts.get(attempt.split("#", 1)[0], 0)) < MAX_TOKENS
-            and worker.name in pids
-        ]
-        victim = min(midway, key=lambda x: x[0])[1] if midway else None  # furthest from its end
-    finally:  # whatever happens, only the victim stays stopped
-        for name, pid in pids.items():
-            if victim is None or name != victim.name:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGCONT)
-    return None if victim is None else (victim, pids[victim.name])
-
-
 def _check(outs: list, reference: dict) -> None:
     for (prompt, sampling), out in zip(LOAD, outs, strict=True):
         assert out.finish_reason == "length"
@@ -225,14 +188,14 @@ def test_kill_prefill_and_decode_during_load(cluster, reference, how):
     # streams are about a quarter through, and only while one of its streams is
     # mid-way (tokens sent, not finished): that stream must resume elsewhere.
     prefill = b.prefill.workers[0]
-    prefill_pid = _freeze(prefill)
+    prefill_pid = freeze(prefill)
     in_flight = []
 
     def kill_prefill():
         _kill(prefill, prefill_pid, how)
 
     def kill_decode(counts) -> bool:
-        stopped = _stop_midway(b.decode.workers, b.streams, counts)
+        stopped = stop_midway(b.decode.workers, b.streams, counts, MAX_TOKENS)
         if stopped is None:
             return False
         in_flight.append(stopped[0].in_flight)
@@ -265,7 +228,7 @@ def test_hung_decode_worker_fails_over(cluster, reference):
     resumed, stopped = b.failover.resumed, []
 
     def stop(counts) -> bool:  # the process hangs: no error, no broken stream, just silence
-        frozen = _stop_midway(b.decode.workers, b.streams, counts)
+        frozen = stop_midway(b.decode.workers, b.streams, counts, MAX_TOKENS)
         if frozen is not None:
             stopped.append(frozen[1])
         return frozen is not None
@@ -331,7 +294,7 @@ def test_colocated_worker_killed_mid_stream(ray_cluster, reference):
     try:
 
         def kill(counts) -> bool:
-            stopped = _stop_midway(d.backend.decode.workers, d.backend.streams, counts)
+            stopped = stop_midway(d.backend.decode.workers, d.backend.streams, counts, MAX_TOKENS)
             if stopped is not None:
                 _kill(*stopped, "SIGKILL")
             return stopped is not None

@@ -55,6 +55,7 @@ def test_the_engine_section_is_the_workers_engine_config():
         "simulate": None,  # refused with int8 (test below)
         "kv_tier_mb": 5,
         "kv_tier_dir": "/tier/x",
+        "deterministic": False,  # refused with int8 transfer; passed through: test_deterministic
     }
     config = ServeConfig(
         engine=engine,
