@@ -114,6 +114,8 @@ def main() -> None:
     ap.add_argument("--parts", default="tier,deterministic", help="tier, deterministic or both")
     args = ap.parse_args()
     parts = set(args.parts.split(","))
+    if not parts <= {"tier", "deterministic"}:
+        ap.error(f"--parts: {args.parts!r} (tier, deterministic or both)")
     if parts == {"deterministic"}:
         print(json.dumps(deterministic_cost(args)))
         return

@@ -253,7 +253,7 @@ def deterministic_conflict(transfer_dtype: str, speculative: bool, cuda_graphs: 
         )
     if cuda_graphs:
         return (
-            "deterministic: CUDA graphs replay the batched decode kernel, whose sums "
-            "depend on the batch; turn cuda_graphs off"
+            "deterministic: CUDA graphs are captured for decode steps, which this mode "
+            "runs as one-token prefills, so they would never replay; turn cuda_graphs off"
         )
     return None

@@ -151,8 +151,11 @@ class LLMEngine(RequestFaults):
         if config.quantization != "none":  # other weights, other KV: no sharing with floats
             tagged = f"{fingerprint}:{config.quantization}".encode()
             fingerprint = hashlib.sha256(tagged).hexdigest()[:32]
-        if config.deterministic:  # its KV is summed otherwise: no sharing with other workers
-            fingerprint = hashlib.sha256(f"{fingerprint}:deterministic".encode()).hexdigest()[:32]
+        kernels = select_kernels(config.cpu_kernels, device, dtype)
+        if config.deterministic:  # KV summed otherwise, bits of this path: shared with its like
+            path = f"{device.type}:{'fused' if kernels is not None else 'torch'}"
+            tagged = f"{fingerprint}:deterministic:{path}".encode()
+            fingerprint = hashlib.sha256(tagged).hexdigest()[:32]
         self.kv_layout = KVLayout(
             model_fingerprint=fingerprint,
             dtype=config.dtype,
@@ -166,7 +169,6 @@ class LLMEngine(RequestFaults):
         )
         self.max_model_len = self._model_len(config, spec, num_blocks)
         state = load_weights(config, model_dir, spec, hf_config)
-        kernels = select_kernels(config.cpu_kernels, device, dtype)
         self.model = LlamaModel(
             spec, state, hf_config, self.max_model_len, dtype, device, kernels,
             greedy_screen=config.greedy_screen, quantization=config.quantization,

@@ -63,8 +63,9 @@ def window_logprobs(engine, token_ids: list[int]) -> torch.Tensor:
         table = torch.tensor(blocks, device=device)
         slots = [blocks[p // bs] * bs + p % bs for p in range(n)]
         meta = build_metadata(
-            bs, [], [], [PrefillSlice(0, n, 0, table)], slots, device, engine.model.fused
-        )
+            bs, [], [], [PrefillSlice(0, n, 0, table)], slots, device, engine.model.fused,
+            row_invariant=engine.config.deterministic,
+        )  # fmt: skip
         ids = torch.tensor(token_ids, device=device)
         hidden = engine.model.forward(ids, torch.arange(n, device=device), meta, engine.kv_cache)
         logits = engine.model.logits(hidden[:-1])[:, : engine.spec.vocab_size].float()

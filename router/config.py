@@ -774,6 +774,12 @@ class ServeConfig(BaseModel):
             why = deterministic_conflict(
                 self.transfer.dtype, self.speculative.method != "none", self.engine.cuda_graphs
             )
+            gpus = {self.pools.prefill_resources.num_gpus, self.pools.decode_resources.num_gpus}
+            if why is None and self.pools.mode == "disaggregated" and len(gpus) > 1:
+                why = (
+                    "deterministic: the prefill and decode pools must run on the same kind of "
+                    "device (prefill_resources.num_gpus and decode_resources.num_gpus differ)"
+                )
             if why is not None:
                 raise ValueError(why)
         return self

@@ -23,7 +23,7 @@ from engine.config import ModelSpec
 from engine.kernels import HalfHead, Int8Head, PackedWeight, screen_for
 from engine.kv_cache import KVCache
 from engine.quant import AT_LOAD, HEAD_AT_LOAD, QuantFormat, Quantization, QuantWeight
-from engine.row_invariant import each_row
+from engine.row_invariant import each_row, whole
 
 log = logging.getLogger(__name__)
 
@@ -90,9 +90,9 @@ def _linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None) -> torch.Tens
     return torch.mm(x, w) if bias is None else torch.addmm(bias, x, w)
 
 
-def _whole(fn, *xs: torch.Tensor) -> torch.Tensor:
-    """``fn`` on the whole batch (each_row's counterpart outside deterministic mode)."""
-    return fn(*xs)
+def _dequantized(w: Weight, dtype: torch.dtype) -> Weight:
+    """A quantized matrix as a float [in, out] one (the PyTorch path's layout)."""
+    return w.dequantize(dtype).t().contiguous() if isinstance(w, QuantWeight) else w
 
 
 def _pack(w: Weight) -> Weight:
@@ -204,6 +204,12 @@ class LlamaModel:
         self.screen_head: Int8Head | HalfHead | None = None
         self.screen_rows = self.screen_misses = 0  # rows screened, and left unsettled
         self.screen_max_rows = 1 << 30  # more rows at once get the full logits
+        if deterministic and kernels is None:  # a row at a time: dequantize once, not per row
+            self.lm_head = _dequantized(self.lm_head, dtype)
+            for w in self.layers:
+                w.qkv, w.o, w.gate_up, w.down = (
+                    _dequantized(m, dtype) for m in (w.qkv, w.o, w.gate_up, w.down)
+                )
         if kernels is not None:  # one copy of each matrix, in the linear kernel's layout
             self.lm_head = _pack(self.lm_head)
             screenable = isinstance(self.lm_head, PackedWeight)  # not a quantized head
@@ -243,22 +249,22 @@ class LlamaModel:
         if self.kernels is not None:
             return self._forward_fused(input_ids, positions, meta, cache)
         spec = self.spec
-        heads, kv_heads = spec.num_heads, spec.num_kv_heads
-        rows = each_row if self.deterministic else _whole
+        heads = spec.num_heads
+        rows = each_row if self.deterministic else whole
         cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]
         h = self._embed(input_ids)
         for i, w in enumerate(self.layers):
-            qkv = rows(lambda h, cos, sin, w=w: self._qkv(h, w, cos, sin), h, cos, sin)
-            q, k, v = qkv.split((heads, kv_heads, kv_heads), dim=1)
+            qk, v = rows(lambda h, cos, sin, w=w: self._qkv(h, w, cos, sin), h, cos, sin)
+            q, k = qk[:, :heads], qk[:, heads:]
             attn = paged_attention(q, k, v, cache, i, meta, self.scale)
             h = rows(lambda h, attn, w=w: self._mlp(h, attn, w), h, attn)
         return rows(lambda h: _rms_norm(h, self.norm, spec.rms_norm_eps), h)
 
     def _qkv(
         self, h: torch.Tensor, w: LayerWeights, cos: torch.Tensor, sin: torch.Tensor
-    ) -> torch.Tensor:
-        """Rows of the residual stream to their queries, keys and values (RoPE
-        applied), [N, heads + 2 * kv_heads, head_dim]: the PyTorch path."""
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows of the residual stream to their queries and keys (RoPE applied),
+        [N, heads + kv_heads, head_dim], and values: the PyTorch path."""
         spec = self.spec
         eps, d, heads = spec.rms_norm_eps, spec.head_dim, spec.num_heads
         qkv = _linear(_rms_norm(h, w.input_norm, eps), w.qkv, w.qkv_bias)
@@ -269,7 +275,7 @@ class LlamaModel:
             q = _rms_norm(qk[:, :heads], w.q_norm, eps)
             k = _rms_norm(qk[:, heads:], w.k_norm, eps)
             qk = torch.cat((q, k), dim=1)
-        return torch.cat((_rotate(qk, cos, sin), v), dim=1)  # queries and keys in one pass
+        return _rotate(qk, cos, sin), v  # queries and keys in one pass
 
     def _mlp(self, h: torch.Tensor, attn: torch.Tensor, w: LayerWeights) -> torch.Tensor:
         """The residual stream after a layer's output projection and MLP: the PyTorch path."""
@@ -307,8 +313,9 @@ class LlamaModel:
             n = qkv.shape[0]
             if w.q_norm is not None:
                 qk = qkv[:, : (heads + kv_heads) * d].view(n, heads + kv_heads, d)
-                qk[:, :heads] = _rms_norm(qk[:, :heads], w.q_norm, eps)
-                qk[:, heads:] = _rms_norm(qk[:, heads:], w.k_norm, eps)
+                rows = each_row if self.deterministic else whole
+                qk[:, :heads] = rows(lambda x, w=w: _rms_norm(x, w.q_norm, eps), qk[:, :heads])
+                qk[:, heads:] = rows(lambda x, w=w: _rms_norm(x, w.k_norm, eps), qk[:, heads:])
             ops.rope_store_kv(
                 qkv, self.cos, self.sin, positions, meta.slots, cache.layers[i], heads, kv_heads
             )

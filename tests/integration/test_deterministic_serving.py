@@ -49,7 +49,7 @@ def reference() -> dict:
     engine: (token, logprob, top logprobs) per output token."""
     out = {}
     for prompt, sampling in {_key(p, s): (p, s) for p, s in LOAD}.values():
-        llm = LLM(None, deterministic=True, kv_cache_memory_bytes=32 << 20)
+        llm = LLM(None, deterministic=True, kv_cache_memory_bytes=32 << 20, num_threads=1)
         (result,) = llm.generate([prompt], [SamplingParams(**sampling)])
         got = [(x.token_id, x.logprob, tuple(x.top)) for x in result.logprobs]
         out[_key(prompt, sampling)] = got
