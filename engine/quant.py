@@ -28,8 +28,6 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from engine.row_invariant import each_row
-
 Quantization = Literal["none", "int8", "q4", "as_stored"]
 BLOCK = 32  # inputs per block
 
@@ -125,16 +123,15 @@ class QuantWeight:
         row_invariant: bool = False,
     ) -> torch.Tensor:
         """x [M, in] @ W^T (+ bias): the CPU kernel when ``kernels``, else torch.
-        ``row_invariant``: each row's sums do not depend on the other rows (the
-        kernel's integer path for every row count; torch: one row a matmul)."""
+        ``row_invariant``: the kernel's integer path for every row count, whose sums
+        for a row do not depend on the other rows (deterministic mode, whose
+        PyTorch path keeps its weights dequantized instead)."""
         if kernels is not None:
             return kernels.quant_linear(
                 x.contiguous(), self.data, self.scales, int(self.format), self.out_features, bias,
                 row_invariant,
             )  # fmt: skip
         w = self.dequantize(x.dtype).to(x.device)
-        if row_invariant:
-            return each_row(lambda r: F.linear(r, w, bias), x)
         return F.linear(x, w, bias)
 
     def to(self, device: torch.device) -> QuantWeight:

@@ -132,6 +132,7 @@ class LlamaModel:
         quantized kernel on its integer path; no greedy screen."""
         self.spec = spec
         self.deterministic = deterministic
+        self.rows = each_row if deterministic else whole  # how row-local torch code runs
         self.kernels = kernels
         self.scale = spec.head_dim**-0.5
 
@@ -249,8 +250,7 @@ class LlamaModel:
         if self.kernels is not None:
             return self._forward_fused(input_ids, positions, meta, cache)
         spec = self.spec
-        heads = spec.num_heads
-        rows = each_row if self.deterministic else whole
+        heads, rows = spec.num_heads, self.rows
         cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]
         h = self._embed(input_ids)
         for i, w in enumerate(self.layers):
@@ -313,7 +313,7 @@ class LlamaModel:
             n = qkv.shape[0]
             if w.q_norm is not None:
                 qk = qkv[:, : (heads + kv_heads) * d].view(n, heads + kv_heads, d)
-                rows = each_row if self.deterministic else whole
+                rows = self.rows
                 qk[:, :heads] = rows(lambda x, w=w: _rms_norm(x, w.q_norm, eps), qk[:, :heads])
                 qk[:, heads:] = rows(lambda x, w=w: _rms_norm(x, w.k_norm, eps), qk[:, heads:])
             ops.rope_store_kv(
@@ -388,6 +388,4 @@ class LlamaModel:
             return self.kernels.linear(hidden.contiguous(), head.panels, head.out_features)
         if isinstance(head, QuantWeight):
             return head.apply(hidden, None, self.kernels, self.deterministic).float()
-        if self.deterministic:
-            return each_row(lambda x: torch.mm(x, head), hidden).float()
-        return torch.mm(hidden, head).float()
+        return self.rows(lambda x: torch.mm(x, head), hidden).float()
