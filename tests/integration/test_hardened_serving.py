@@ -32,6 +32,7 @@ from protos.tandem.v1 import generate_pb2 as pb
 from router.client import TandemClient
 from router.config import ServeConfig
 from router.limits import MESSAGE_HEADROOM_BYTES
+from tandem_cli.serve import transport_message_limit
 from tests.deployment_helpers import deployed
 from tests.kv_harness import make_store
 from tests.tls_certs import make_certs, openssl_available
@@ -52,10 +53,15 @@ def certs(tmp_path_factory):
     return make_certs(tmp_path_factory.mktemp("hardened"), "cluster")
 
 
+ENGINE = {"kv_cache_memory_mb": 16, "max_model_len": MAX_MODEL_LEN}
+TRANSPORT_LIMIT = transport_message_limit(ServeConfig(engine=ENGINE))
+"""The gRPC port's own bound: bigger messages get gRPC's status, before our interceptor."""
+
+
 @pytest.fixture(scope="module")
 def hardened(ray_cluster, certs):
     config = ServeConfig(
-        engine={"kv_cache_memory_mb": 16, "max_model_len": MAX_MODEL_LEN},
+        engine=ENGINE,
         transfer={"lease_s": 120},  # blocks must come back through the abort paths, not the lease
         security={
             "tls_cert": certs.cert,
@@ -251,6 +257,8 @@ def test_fuzzed_generate_gets_a_precise_status_or_a_completion(hardened, certs, 
     event(code.name)
     if code == grpc.StatusCode.OK:
         _check_completion(req, responses)
+    elif code == grpc.StatusCode.RESOURCE_EXHAUSTED and req.ByteSize() > TRANSPORT_LIMIT:
+        assert "larger than max" in details, details  # the transport's bound, set when it binds
     elif code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # more than max_model_len can use
         assert req.ByteSize() > MESSAGE_HEADROOM_BYTES and "max_model_len" in details, details
     else:
