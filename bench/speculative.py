@@ -227,19 +227,27 @@ def transfer_bench(args, layout) -> dict:
     return out
 
 
-def _decode_after_import(prefill, decoder, rid, prompt, wire, params):
+def _exported(prefill, rid, prompt, params):
+    """The prompt's KV and first token, prefilled once (every wire format decodes
+    from the same export)."""
     prefill.add_request(rid, prompt, params, prefill_only=True)
     while prefill.has_unfinished():
         prefill.step()
     export = prefill.export_kv(rid)
     prefill.release(rid)
+    return export
+
+
+def _decode_after_import(decoder, rid, export, wire, params):
+    """Greedy tokens and logprobs after importing ``export`` through ``wire``
+    (None: float32, as exported)."""
     if wire is not None:
         data = export.data.clone()
         for layer in range(data.shape[0]):
             codes, scales = quantize(data[layer], wire)
             data[layer] = dequantize(codes, scales, data.dtype)
         export = dataclasses.replace(export, data=data)
-    decoder.import_kv(export, params)
+    decoder.import_kv(dataclasses.replace(export, request_id=rid), params)
     ids, logprobs = list(export.output_token_ids), []
     while decoder.has_unfinished():
         for o in decoder.step():
@@ -248,36 +256,40 @@ def _decode_after_import(prefill, decoder, rid, prompt, wire, params):
     return ids, logprobs
 
 
+def _compare(runs, ref) -> dict:
+    same_prompts, same_tokens, total, diffs = 0, 0, 0, []
+    for (ids, lps), (ref_ids, ref_lps) in zip(runs, ref, strict=True):
+        same_prompts += ids == ref_ids
+        same_tokens += sum(a == b for a, b in zip(ids, ref_ids, strict=True))
+        total += len(ids)
+        diverge = next(
+            (j for j, (a, b) in enumerate(zip(ids, ref_ids, strict=True)) if a != b), len(ids)
+        )
+        # logprobs cover the decoded tokens (after the prefill's first one)
+        diffs += [
+            abs(a - b) for a, b in zip(lps[: diverge - 1], ref_lps[: diverge - 1], strict=True)
+        ]
+    return {
+        "prompts_identical": round(same_prompts / len(runs), 3),
+        "tokens_equal": round(same_tokens / total, 3),
+        "mean_abs_logprob_diff": round(statistics.fmean(diffs), 5) if diffs else None,
+        "max_abs_logprob_diff": round(max(diffs), 5) if diffs else None,
+    }
+
+
 def quality_bench(args, prefill: LLMEngine, decoder: LLMEngine) -> dict:
     prompts = code_prompts(prefill.tokenizer, args.prompts, 480, chat=args.model is not None)
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=0)
+    wires = {"float32": None, "int8": "int8", "fp8": "fp8"}
+    runs: dict[str, list] = {name: [] for name in wires}
+    for i, p in enumerate(prompts):
+        export = _exported(prefill, f"q{i}", p, params)
+        for name, wire in wires.items():
+            runs[name].append(_decode_after_import(decoder, f"{name}{i}", export, wire, params))
     out = {}
-    ref = [
-        _decode_after_import(prefill, decoder, f"q{i}", p, None, params)
-        for i, p in enumerate(prompts)
-    ]
-    for wire in ("int8", "fp8"):
-        same_prompts, same_tokens, total, diffs = 0, 0, 0, []
-        for i, p in enumerate(prompts):
-            ids, lps = _decode_after_import(prefill, decoder, f"{wire}{i}", p, wire, params)
-            ref_ids, ref_lps = ref[i]
-            same_prompts += ids == ref_ids
-            same_tokens += sum(a == b for a, b in zip(ids, ref_ids, strict=True))
-            total += len(ids)
-            diverge = next(
-                (j for j, (a, b) in enumerate(zip(ids, ref_ids, strict=True)) if a != b), len(ids)
-            )
-            # logprobs cover the decoded tokens (after the prefill's first one)
-            diffs += [
-                abs(a - b) for a, b in zip(lps[: diverge - 1], ref_lps[: diverge - 1], strict=True)
-            ]
-        out[wire] = {
-            "prompts_identical": round(same_prompts / len(prompts), 3),
-            "tokens_equal": round(same_tokens / total, 3),
-            "mean_abs_logprob_diff": round(statistics.fmean(diffs), 5) if diffs else None,
-            "max_abs_logprob_diff": round(max(diffs), 5) if diffs else None,
-        }
-        print("quality", wire, out[wire], flush=True)
+    for name in ("int8", "fp8"):
+        out[name] = _compare(runs[name], runs["float32"])
+        print("quality", name, out[name], flush=True)
     return out
 
 

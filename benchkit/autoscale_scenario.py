@@ -110,6 +110,7 @@ class Outcome:
     again: Replay  # the first AGAIN requests, replayed once the pools were at their minimum
     at_minimum_after_s: float | None  # how long after the load the pools were at their minimum
     decisions: int
+    peak_target: int  # the most workers the autoscaler asked for at once
     leaks: dict[str, int]
     fixed: Fixed | None = None
 
@@ -119,6 +120,7 @@ class Outcome:
             "autoscaled_attainment": self.autoscaled.attainment(ttft, tpot),
             "autoscaled_mean_workers": self.autoscaled.mean_workers,
             "autoscaled_peak_workers": max(p + d for _, p, d in self.autoscaled.sizes),
+            "autoscaled_peak_target": self.peak_target,
             "autoscaled_failed": len(self.autoscaled.errors),
             "requests": len(self.autoscaled.ttft_s),
             "decisions": self.decisions,
@@ -170,7 +172,8 @@ def run(s: Scenario, workdir: Path, fixed: bool = True) -> Outcome:
     finally:
         d.stop()
     decisions = sum(len(o.decisions) for o in runner.outcomes)
-    return Outcome(autoscaled, again, at_min, decisions, leaks, baseline)
+    peak_target = max((sum(o.target.values()) for o in runner.outcomes), default=0)
+    return Outcome(autoscaled, again, at_min, decisions, peak_target, leaks, baseline)
 
 
 def _fixed(
