@@ -2,13 +2,15 @@
 greedy and seeded, are bit-identical alone and inside batches of 1 to 64 with
 different neighbours, at every chunked-prefill size, after a prefix hit and
 when prefilled again with part of its output (a failover's resume), on the
-fused CPU path (float32, int8, q4 weights) and the PyTorch path."""
+fused CPU path (float32, int8, q4 weights), the PyTorch path on CPU, and on
+CUDA where a GPU is present (skipped otherwise)."""
 
 from __future__ import annotations
 
 import random
 
 import pytest
+import torch
 
 from engine.attention import FUSED_PREFILL_MAX_KEYS
 from engine.config import EngineConfig, SpeculativeConfig
@@ -26,8 +28,16 @@ SEEDED = SamplingParams(
     temperature=0.9, top_p=0.95, seed=11, max_tokens=MAX_TOKENS, logprobs=3, ignore_eos=True
 )
 # (cpu_kernels, quantization): the fused float32, int8 and q4 paths, and PyTorch's
-# with float32 and int8 weights
-PATHS = [("auto", "none"), ("auto", "int8"), ("auto", "q4"), ("off", "none"), ("off", "int8")]
+# with float32 and int8 weights; ("cuda", ...): PyTorch's on a GPU
+NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+PATHS = [
+    ("auto", "none"),
+    ("auto", "int8"),
+    ("auto", "q4"),
+    ("off", "none"),
+    ("off", "int8"),
+    pytest.param(("cuda", "none"), marks=NO_CUDA),
+]
 
 RNG = random.Random(5)
 TARGET = [RNG.randrange(5, 500) for _ in range(37)]
@@ -35,7 +45,9 @@ TARGET = [RNG.randrange(5, 500) for _ in range(37)]
 
 def _engine(path: tuple[str, str], **options) -> LLMEngine:
     kernels, quantization = path
-    options = {"num_kv_blocks": 2048, "num_threads": 2, **options}
+    device = "cuda" if kernels == "cuda" else "cpu"
+    kernels = "off" if device == "cuda" else kernels
+    options = {"num_kv_blocks": 2048, "num_threads": 2, "device": device, **options}
     return LLMEngine(
         EngineConfig(cpu_kernels=kernels, quantization=quantization, deterministic=True, **options)
     )
@@ -150,6 +162,7 @@ def test_without_the_mode_outputs_do_change(path):
     attention sum otherwise), and a batch changes the PyTorch path's."""
     kernels, quantization = path
     config = {"cpu_kernels": kernels, "quantization": quantization, "num_kv_blocks": 2048}
+    config["device"] = "cpu"
 
     def fresh() -> LLMEngine:
         return LLMEngine(EngineConfig(num_threads=2, **config))
