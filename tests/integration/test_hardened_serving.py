@@ -7,9 +7,10 @@ cluster secret), then fuzzed.
 - Property-based fuzzing of ``Generate``: random field values, huge prompts,
   extreme sampling values, thousands of stop strings, out-of-vocabulary ids.
   Every call ends with a precise status (INVALID_ARGUMENT naming a field,
-  RESOURCE_EXHAUSTED for a message bigger than max_model_len can use) or
-  a valid completion, within a deadline, and every worker's free block count
-  returns to its start after each example.
+  RESOURCE_EXHAUSTED for a message bigger than max_model_len can use, or
+  gRPC's own for one past the port's bound) or a valid completion, within a
+  deadline, and every worker's free block count returns to its start after
+  each example.
 
 Examples: ``TANDEM_FUZZ_EXAMPLES`` (default 60; raise it for a long run).
 """
@@ -264,4 +265,19 @@ def test_fuzzed_generate_gets_a_precise_status_or_a_completion(hardened, certs, 
     else:
         assert code == grpc.StatusCode.INVALID_ARGUMENT, (code, details)
         assert details, "INVALID_ARGUMENT without a message"
+    assert hardened.wait_no_leaks() == {}
+
+
+def test_an_oversized_message_gets_resource_exhausted_naming_its_bound(hardened, certs):
+    """Between the model's bound and the port's: our interceptor's message, which
+    names max_model_len; past the port's: gRPC's own (the fuzzer reaches both
+    bands seldom)."""
+    limit = hardened.server.generate_message_limit()
+    assert MESSAGE_HEADROOM_BYTES < limit < TRANSPORT_LIMIT
+    ca = certs.ca.read_bytes()
+    for size, named in (((limit + TRANSPORT_LIMIT) // 2, "max_model_len"),
+                        (TRANSPORT_LIMIT + 1, "larger than max")):  # fmt: skip
+        request = pb.GenerateRequest(prompt="a" * size)
+        code, details, _ = asyncio.run(_call(hardened.address, ca, request))
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and named in details, (size, details)
     assert hardened.wait_no_leaks() == {}
