@@ -134,14 +134,28 @@ def test_metrics_count_what_was_sent(dep):
         )
     for _ in range(n_grpc):
         _grpc_complete(dep, PROMPTS[1], temperature=0, max_tokens=4, ignore_eos=True)
-    after = _samples(dep)
+
+    def counted(samples: dict, protocol: str) -> float:
+        return _requests(samples, protocol, "OK") - _requests(before, protocol, "OK")
+
+    # A call is counted when its handler returns, just after the client has
+    # read its last message: wait for the counts (then check them exactly).
+    deadline = time.monotonic() + 30
+    while True:
+        after = _samples(dep)
+        settled = (counted(after, "http"), counted(after, "grpc")) == (n_http, n_grpc)
+        if settled and after[("tandem_requests_in_flight", ())] == 0:
+            break
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
 
     def delta(name: str, labels: tuple = ()) -> float:
         return after.get((name, labels), 0.0) - before.get((name, labels), 0.0)
 
     n = n_http + n_grpc
-    assert _requests(after, "http", "OK") - _requests(before, "http", "OK") == n_http
-    assert _requests(after, "grpc", "OK") - _requests(before, "grpc", "OK") == n_grpc
+    assert counted(after, "http") == n_http
+    assert counted(after, "grpc") == n_grpc
     assert delta("tandem_time_to_first_token_seconds_count") == n
     assert delta("tandem_e2e_request_latency_seconds_count") == n
     assert delta("tandem_time_per_output_token_seconds_count") == n
