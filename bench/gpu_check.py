@@ -6,15 +6,21 @@
 1. Writes a random-weight checkpoint of a Llama-3.2-1B-shaped config (hidden
    2048, 16 layers, 32 heads, 8 kv heads, intermediate 8192, vocab 128256,
    tied embeddings) and checks that the engine's greedy tokens equal Hugging
-   Face ``generate`` on the same device, in --check-dtype (float32: exact;
-   in bf16/fp16 the two may part where logits nearly tie, so the matching
-   prefix of each prompt is printed, not asserted).
+   Face ``generate`` on the same device in each of --check-dtypes (float32:
+   exact; in bf16/fp16 the two may part where logits nearly tie, so the
+   matching prefix of each prompt is printed, not asserted).
 2. Decode step time at each --batches size (context --context tokens),
    eager and, on CUDA, replayed as CUDA graphs, against the HBM roofline:
-   (bytes of weights + bytes of KV read per step) / --bandwidth.
-3. KV transfer: --transfer-mib of blocks pushed between two pools on the
+   (bytes of weights + bytes of KV read per step) / --bandwidth. On a GPU,
+   for both attention paths: the Triton kernel that reads the paged cache in
+   place (``kernel``) and the PyTorch path it replaces (``gather``: blocks
+   gathered with index_select, then SDPA).
+3. Prefill tokens per second over --prefill-lengths, for the same paths and
+   for Hugging Face's forward in --dtype.
+4. KV transfer: --transfer-mib of blocks pushed between two pools on the
    device through the gRPC mover on loopback (device -> pinned host -> TCP ->
    pinned host -> device), against a plain device -> host -> device copy.
+5. Tensor parallelism: reported as not run where fewer than two GPUs exist.
 The last line is one JSON object with the figures.
 """
 
@@ -33,6 +39,12 @@ import time
 
 import torch
 
+from benchkit.engine_timing import (
+    attention_path,
+    decode_step_s,
+    hf_prefill_tokens_per_s,
+    prefill_tokens_per_s,
+)
 from benchkit.kv_peer import push_grant
 from engine import LLM, EngineConfig, LLMEngine
 from engine.block_pool import BlockPool, Holder
@@ -106,41 +118,6 @@ def roofline_s(spec: ModelSpec, itemsize: int, batch: int, context: int, bandwid
     return (weights + kv) * itemsize / bandwidth, (weights + kv) * itemsize
 
 
-def decode_step_s(
-    ckpt: Path, device, dtype: str, batch: int, context: int, steps: int, graphs: bool
-) -> float:
-    bs = 16
-    blocks = batch * (-(-(context + steps + 8) // bs)) + 8
-    config = EngineConfig(
-        model=str(ckpt),
-        device=str(device),
-        dtype=dtype,
-        num_kv_blocks=blocks,
-        max_num_seqs=batch,
-        max_num_batched_tokens=max(2048, context),
-        cuda_graphs=graphs,
-        block_size=bs,
-    )
-    engine = LLMEngine(config)
-    vocab = engine.spec.vocab_size
-    params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
-    for i in range(batch):
-        engine.add_request(
-            f"r{i}", [(i * 7919 + j * 104729) % (vocab - 10) + 10 for j in range(context)], params
-        )
-    first = set()
-    while len(first) < batch:  # prefill every request
-        first.update(o.request_id for o in engine.step())
-    for _ in range(3):  # warm up (and capture the graphs)
-        engine.step()
-    synchronize(engine.device)
-    start = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    synchronize(engine.device)
-    return (time.perf_counter() - start) / steps
-
-
 async def _push(src: PoolBlockStore, dst: PoolBlockStore, blocks: list[int], reps: int):
     transfer = TransferConfig()  # one random cluster secret for both ends
     server = GrpcKVServer(dst, transfer, host="127.0.0.1", port=0)
@@ -194,15 +171,82 @@ def transfer_check(ckpt: Path, device, dtype: str, mib: int, reps: int) -> dict:
     }
 
 
+def _engine(ckpt: Path, device, dtype: str, max_batch: int, context: int, steps: int):
+    bs = 16
+    return LLMEngine(
+        EngineConfig(
+            model=str(ckpt),
+            device=str(device),
+            dtype=dtype,
+            num_kv_blocks=max_batch * (-(-(context + steps + 16) // bs)) + 8,
+            max_num_seqs=max_batch,
+            max_num_batched_tokens=max(8192, context),
+            cuda_graphs=device.type == "cuda",
+            block_size=bs,
+        )
+    )
+
+
+def engine_timings(ckpt: Path, device, args, spec: ModelSpec) -> tuple[list[dict], dict]:
+    """Decode rows (one per batch size) and prefill rates, for each attention path."""
+    itemsize = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
+    batches = [int(b) for b in args.batches.split(",")]
+    lengths = [int(n) for n in args.prefill_lengths.split(",")]
+    rows = []
+    for batch in batches:
+        floor_s, nbytes = roofline_s(spec, itemsize, batch, args.context, args.bandwidth)
+        rows.append(
+            {
+                "batch": batch,
+                "context": args.context,
+                "bytes_per_step": nbytes,
+                "roofline_ms": round(floor_s * 1e3, 4),
+            }
+        )
+    prefill: dict = {"lengths": lengths}
+    paths = ("kernel", "gather") if device.type == "cuda" else ("host",)
+    for path in paths:
+        with attention_path("gather" if path == "gather" else "kernel"):
+            engine = _engine(ckpt, device, args.dtype, max(batches), args.context, args.steps)
+            for row in rows:
+                for graphs in (False, True) if device.type == "cuda" else (False,):
+                    step = decode_step_s(
+                        engine, row["batch"], args.context, args.steps, graphs, path
+                    )
+                    key = f"{path}_{'graphs' if graphs else 'eager'}"
+                    row[f"{key}_ms"] = round(step * 1e3, 4)
+                    row[f"{key}_of_roofline"] = float(f"{row['roofline_ms'] / 1e3 / step:.4g}")
+                print(f"decode ({path}): {row}", flush=True)
+            rate = prefill_tokens_per_s(engine, lengths, path)
+            prefill[f"{path}_tokens_per_s"] = round(rate, 1)
+            print(f"prefill ({path}): {rate:.0f} tokens/s", flush=True)
+            del engine
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    prefill["hf_tokens_per_s"] = round(hf_prefill_rate(ckpt, device, args.dtype, lengths), 1)
+    return rows, prefill
+
+
+def hf_prefill_rate(ckpt: Path, device, dtype: str, lengths: list[int]) -> float:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=getattr(torch, dtype))
+    model = model.to(device).eval()
+    rate = hf_prefill_tokens_per_s(model, lengths, model.config.vocab_size, device)
+    del model
+    return rate
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--check-dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--check-dtypes", default="float32,bfloat16")
     p.add_argument("--bandwidth", type=float, default=4.8e12, help="HBM bytes/s (H200: 4.8e12)")
-    p.add_argument("--batches", default="1,64")
+    p.add_argument("--batches", default="1,8,32,64,128,256")
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--prefill-lengths", default="2048,2048,2048,2048,8000")
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--transfer-mib", type=int, default=256)
     p.add_argument("--tiny", action="store_true", help="a tiny model and short runs (smoke test)")
@@ -210,38 +254,27 @@ def main() -> None:
     device = resolve_device(args.device)
     if args.tiny:
         args.batches, args.context, args.steps, args.new_tokens = "1,4", 32, 4, 8
+        args.prefill_lengths = "64,32"
         args.transfer_mib = min(args.transfer_mib, 4)
     result: dict = {"device": str(device), "tiny": args.tiny, "dtype": args.dtype}
+    gpus = torch.cuda.device_count() if device.type == "cuda" else 0
     if device.type == "cuda":
         result["gpu"] = torch.cuda.get_device_name(device)
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = build_checkpoint(Path(tmp) / "ckpt", args.tiny)
-        result["hf_check"] = check_against_hf(ckpt, device, args.check_dtype, args.new_tokens)
-        print(f"greedy vs HF ({args.check_dtype}): {result['hf_check']}", flush=True)
+        result["hf_check"] = []
+        for dtype in args.check_dtypes.split(","):
+            check = check_against_hf(ckpt, device, dtype, args.new_tokens)
+            print(f"greedy vs HF ({dtype}): {check}", flush=True)
+            result["hf_check"].append(check)
         from engine.loader import load_hf_config
 
         spec = ModelSpec.from_hf_config(load_hf_config(ckpt))
-        itemsize = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
-        result["decode"] = []
-        for batch in (int(b) for b in args.batches.split(",")):
-            floor_s, nbytes = roofline_s(spec, itemsize, batch, args.context, args.bandwidth)
-            row = {
-                "batch": batch,
-                "context": args.context,
-                "bytes_per_step": nbytes,
-                "roofline_ms": round(floor_s * 1e3, 4),
-            }
-            for graphs in (False, True) if device.type == "cuda" else (False,):
-                step = decode_step_s(
-                    ckpt, device, args.dtype, batch, args.context, args.steps, graphs
-                )
-                key = "graphs" if graphs else "eager"
-                row[f"{key}_ms"] = round(step * 1e3, 4)
-                row[f"{key}_of_roofline"] = float(f"{floor_s / step:.4g}")
-            print(f"decode: {row}", flush=True)
-            result["decode"].append(row)
+        result["decode"], result["prefill"] = engine_timings(ckpt, device, args, spec)
+        print(f"prefill: {result['prefill']}", flush=True)
         result["transfer"] = transfer_check(ckpt, device, args.dtype, args.transfer_mib, 3)
         print(f"KV transfer: {result['transfer']}", flush=True)
+    result["tensor_parallel"] = "not run: needs two GPUs" if gpus < 2 else "not built yet"
     print(json.dumps(result))
 
 

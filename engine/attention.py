@@ -7,7 +7,10 @@ are attended together; each sequence that adds several tokens (a prompt or
 a prompt chunk) is attended on its own.
 
 New keys and values are written into their slots first, so every query
-reads its whole context, cached prefix included, from the cache.
+reads its whole context, cached prefix included, from the cache. Three
+paths: the fused CPU kernels (engine/kernels/), one Triton kernel for the
+whole step on a GPU (engine/gpu/paged_attention.py), and the PyTorch
+reference (SDPA over gathered blocks) elsewhere.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.gpu import paged_attention as gpu
+from engine.gpu.paged_attention import PagedBatch
 from engine.kv_cache import KVCache
 
 
@@ -52,6 +57,9 @@ class AttentionMetadata:
     # Deterministic mode: every sequence is a PrefillSlice (a decode one of one
     # token) and each query row is attended so that its sums depend on it alone.
     row_invariant: bool = False
+    # On a GPU: every sequence of the step, decode rows first, for the Triton
+    # kernel that reads the cache in place (engine/gpu/paged_attention.py).
+    paged: PagedBatch | None = None
 
 
 # The fused prefill kernel (engine/kernels/prefill_attention.cpp) holds each
@@ -91,7 +99,9 @@ def build_metadata(
     sorted by length, shortest first (groups then pad little; tables of one
     group may still differ in length, e.g. a draft model's). ``fused``: for
     the fused decode kernel, which reads every table itself (no groups).
-    ``row_invariant``: deterministic mode, which has no decode rows."""
+    ``row_invariant``: deterministic mode, which has no decode rows. On a GPU
+    with Triton (and neither of those), every sequence goes to the kernel that
+    reads the cache in place."""
     if row_invariant:
         if decode_tables:
             raise ValueError("row-invariant attention takes one-token sequences as prefills")
@@ -106,6 +116,11 @@ def build_metadata(
             lens = torch.tensor(decode_lens)
         return AttentionMetadata(
             torch.tensor(slots, device=device), len(decode_tables), [], prefills, tables, lens
+        )
+    if gpu.available(device):
+        paged = _paged_batch(decode_tables, decode_lens, prefills, device)
+        return AttentionMetadata(
+            torch.tensor(slots, device=device), len(decode_tables), [], prefills, paged=paged
         )
     groups = []
     for start, end in _group_bounds([len(t) for t in decode_tables]) if decode_tables else []:
@@ -126,6 +141,28 @@ def build_metadata(
     )
 
 
+def _paged_batch(
+    decode_tables: list[list[int]],
+    decode_lens: list[int],
+    prefills: list[PrefillSlice],
+    device: torch.device,
+) -> PagedBatch:
+    """The step for the GPU kernel: decode rows (one query token each) first,
+    then the prompt slices, whose tables are on the device already."""
+    nd = len(decode_tables)
+    width = max([len(t) for t in decode_tables] + [len(s.block_table) for s in prefills])
+    q_starts = list(range(nd)) + [s.start for s in prefills]
+    q_lens = [1] * nd + [s.num_tokens for s in prefills]
+    seq_lens = decode_lens + [s.context_len + s.num_tokens for s in prefills]
+    host = torch.zeros(nd + len(prefills), width, dtype=torch.long)
+    for i, table in enumerate(decode_tables):
+        host[i, : len(table)] = torch.tensor(table)
+    batch = PagedBatch.build(host, q_starts, q_lens, seq_lens, device)
+    for i, s in enumerate(prefills):
+        batch.tables[nd + i, : len(s.block_table)] = s.block_table
+    return batch
+
+
 def paged_attention(
     q: torch.Tensor,  # [N, heads, head_dim]
     k: torch.Tensor,  # [N, kv_heads, head_dim]
@@ -139,14 +176,17 @@ def paged_attention(
     """With ``ops``, the step's keys and values are already in the cache (the
     kernel ``rope_store_kv`` put them there), the decode rows go to the
     fused kernel (``meta`` built with ``fused=True``) and so do prompts of up
-    to FUSED_PREFILL_MAX_KEYS keys; else they are stored here and attended in
-    ``meta.decode_groups``, and prompts with SDPA."""
+    to FUSED_PREFILL_MAX_KEYS keys; else they are stored here and attended by
+    the GPU kernel (``meta.paged``), or in ``meta.decode_groups`` and prompts
+    with SDPA."""
     kv = cache.layers[layer]
     if ops is None:
         flat = cache.flat(layer)  # [2, num_blocks * block_size, kv_heads, head_dim]
         flat[0].index_copy_(0, meta.slots, k)
         flat[1].index_copy_(0, meta.slots, v)
     n, heads, head_dim = q.shape
+    if meta.paged is not None:
+        return gpu.paged_attention(q, kv, meta.paged, scale).view(n, heads * head_dim)
     nd, groups = meta.num_decode, meta.decode_groups
     if not meta.prefills:  # the common decode step: no scatter
         if ops is not None:

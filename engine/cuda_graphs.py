@@ -10,8 +10,11 @@ static, so a step is padded:
   dropped;
 - the block tables up to a multiple of ``WIDTH_STEP`` blocks (padding
   entries point at block 0 and are masked out);
-- one attention group with a length mask for every row (``attention.py``'s
-  single-sequence shortcut cuts by a Python int, which a graph cannot).
+- on a GPU with Triton, one launch of the paged-attention kernel over
+  static tables, lengths and a grid of one query token a row
+  (engine/gpu/paged_attention.py); elsewhere one attention group with a
+  length mask for every row (``attention.py``'s single-sequence shortcut
+  cuts by a Python int, which a graph cannot).
 
 On the host (tests) the same padded forward runs eagerly, so the padding
 logic is checked without a GPU. Graphs are captured lazily, once per
@@ -23,6 +26,8 @@ from __future__ import annotations
 import torch
 
 from engine.attention import AttentionMetadata, DecodeGroup
+from engine.gpu import paged_attention as gpu
+from engine.gpu.paged_attention import PagedBatch
 from engine.kv_cache import KVCache
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -45,6 +50,10 @@ class _Shape:
         self.tables = torch.zeros(batch, width, **long)
         self.mask = torch.zeros(batch, 1, 1, width * block_size, dtype=torch.bool, device=device)
         self.token_positions = torch.arange(width * block_size, device=device)
+        paged = None
+        if gpu.available(device):  # the kernel reads tables and lengths in place
+            rows = torch.arange(batch, **long)
+            paged = PagedBatch(self.tables, rows, torch.ones_like(rows), self.lens, max_q_len=1)
         self.meta = AttentionMetadata(
             slots=self.slots,
             num_decode=batch,
@@ -52,6 +61,7 @@ class _Shape:
             prefills=[],
             decode_tables=self.tables,  # for a model on the fused CPU kernels
             decode_lens=self.lens,
+            paged=paged,
         )
         self.graph: torch.cuda.CUDAGraph | None = None
         self.output: torch.Tensor | None = None
@@ -135,8 +145,9 @@ class DecodeGraphRunner:
         shape.slots.copy_(host[2], non_blocking=True)
         shape.lens.copy_(host[3], non_blocking=True)
         shape.tables.copy_(torch.tensor(rows), non_blocking=True)
-        visible = shape.token_positions[None, :] < shape.lens[:, None]
-        shape.mask.copy_(visible[:, None, None, :])
+        if shape.meta.paged is None:
+            visible = shape.token_positions[None, :] < shape.lens[:, None]
+            shape.mask.copy_(visible[:, None, None, :])
 
     def _run(self, shape: _Shape) -> torch.Tensor:
         return self.model.forward(shape.input_ids, shape.positions, shape.meta, self.cache)

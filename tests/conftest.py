@@ -10,6 +10,11 @@ import torch
 
 torch.set_num_threads(2)
 
+# Without a GPU, Triton kernels (engine/gpu/) run under Triton's interpreter on
+# CPU tensors; Triton reads this when it is first imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # Tests set their own API keys and cluster secrets; ones exported in the caller's
 # shell would leak into every in-process deployment and Ray worker.
 for _name in ("TANDEM_API_KEYS", "TANDEM_API_KEY", "TANDEM_CLUSTER_SECRET"):

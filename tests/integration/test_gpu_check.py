@@ -1,5 +1,5 @@
 """bench/gpu_check.py in its host smoke mode: a tiny model, greedy equal to
-Hugging Face, decode step times beside the roofline, a KV push."""
+Hugging Face, decode step times beside the roofline, prefill rates, a KV push."""
 
 from __future__ import annotations
 
@@ -27,11 +27,14 @@ def test_gpu_check_smoke_mode_on_the_host():
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["device"] == "cpu"
-    assert result["hf_check"]["equal"] is True
-    assert result["hf_check"]["matching_prefix"] == [8, 8, 8, 8]
+    exact, low = result["hf_check"]
+    assert exact["dtype"] == "float32" and exact["equal"] is True
+    assert exact["matching_prefix"] == [8, 8, 8, 8]
+    assert low["dtype"] == "bfloat16" and len(low["matching_prefix"]) == 4
     assert [row["batch"] for row in result["decode"]] == [1, 4]
     for row in result["decode"]:
-        assert row["eager_ms"] > 0 and row["roofline_ms"] > 0
-        assert "graphs_ms" not in row  # CUDA graphs only on a GPU
+        assert row["host_eager_ms"] > 0 and row["roofline_ms"] > 0
+        assert not any("graphs" in key or "kernel" in key for key in row)  # GPU only
+    assert result["prefill"]["host_tokens_per_s"] > 0 and result["prefill"]["hf_tokens_per_s"] > 0
     assert result["decode"][1]["bytes_per_step"] > result["decode"][0]["bytes_per_step"]
     assert result["transfer"]["bytes"] > 0 and result["transfer"]["push_gb_s"] > 0

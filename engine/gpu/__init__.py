@@ -1,0 +1,1 @@
+"""GPU kernels (Triton): used where the engine runs on a GPU."""
