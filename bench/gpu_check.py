@@ -19,7 +19,10 @@
    for Hugging Face's forward in --dtype.
 4. KV transfer: --transfer-mib of blocks pushed between two pools on the
    device through the gRPC mover on loopback (device -> pinned host -> TCP ->
-   pinned host -> device), against a plain device -> host -> device copy.
+   pinned host -> device), against a plain device -> host -> device copy;
+   and decode steps while another thread copies --transfer-mib of blocks to
+   pinned host memory as a push does, against the steps alone (the overlap
+   of the transfer's copies with compute).
 5. Tensor parallelism: reported as not run where fewer than two GPUs exist.
 The last line is one JSON object with the figures.
 """
@@ -41,6 +44,7 @@ import torch
 
 from benchkit.engine_timing import (
     attention_path,
+    copy_overlap,
     decode_step_s,
     hf_prefill_tokens_per_s,
     prefill_tokens_per_s,
@@ -187,8 +191,9 @@ def _engine(ckpt: Path, device, dtype: str, max_batch: int, context: int, steps:
     )
 
 
-def engine_timings(ckpt: Path, device, args, spec: ModelSpec) -> tuple[list[dict], dict]:
-    """Decode rows (one per batch size) and prefill rates, for each attention path."""
+def engine_timings(ckpt: Path, device, args, spec: ModelSpec) -> tuple[list[dict], dict, dict]:
+    """Decode rows (one per batch size) and prefill rates, for each attention
+    path; decode steps beside a push's copies (the engine's own path)."""
     itemsize = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
     batches = [int(b) for b in args.batches.split(",")]
     lengths = [int(n) for n in args.prefill_lengths.split(",")]
@@ -204,6 +209,7 @@ def engine_timings(ckpt: Path, device, args, spec: ModelSpec) -> tuple[list[dict
             }
         )
     prefill: dict = {"lengths": lengths}
+    overlap: dict = {}
     paths = ("kernel", "gather") if device.type == "cuda" else ("host",)
     for path in paths:
         with attention_path("gather" if path == "gather" else "kernel"):
@@ -217,6 +223,11 @@ def engine_timings(ckpt: Path, device, args, spec: ModelSpec) -> tuple[list[dict
                     row[f"{key}_ms"] = round(step * 1e3, 4)
                     row[f"{key}_of_roofline"] = float(f"{row['roofline_ms'] / 1e3 / step:.4g}")
                 print(f"decode ({path}): {row}", flush=True)
+            if path != "gather":
+                overlap = copy_overlap(
+                    engine, min(32, max(batches)), args.context, args.steps, args.transfer_mib
+                )
+                print(f"KV copies during decode: {overlap}", flush=True)
             rate = prefill_tokens_per_s(engine, lengths, path)
             prefill[f"{path}_tokens_per_s"] = round(rate, 1)
             print(f"prefill ({path}): {rate:.0f} tokens/s", flush=True)
@@ -224,7 +235,7 @@ def engine_timings(ckpt: Path, device, args, spec: ModelSpec) -> tuple[list[dict
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     prefill["hf_tokens_per_s"] = round(hf_prefill_rate(ckpt, device, args.dtype, lengths), 1)
-    return rows, prefill
+    return rows, prefill, overlap
 
 
 def hf_prefill_rate(ckpt: Path, device, dtype: str, lengths: list[int]) -> float:
@@ -270,7 +281,8 @@ def main() -> None:
         from engine.loader import load_hf_config
 
         spec = ModelSpec.from_hf_config(load_hf_config(ckpt))
-        result["decode"], result["prefill"] = engine_timings(ckpt, device, args, spec)
+        timings = engine_timings(ckpt, device, args, spec)
+        result["decode"], result["prefill"], result["copy_overlap"] = timings
         print(f"prefill: {result['prefill']}", flush=True)
         result["transfer"] = transfer_check(ckpt, device, args.dtype, args.transfer_mib, 3)
         print(f"KV transfer: {result['transfer']}", flush=True)

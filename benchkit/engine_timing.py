@@ -5,14 +5,17 @@ as a baseline for the GPU kernel (bench/gpu_check.py)."""
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Iterator
 
 import torch
 
 from engine import LLMEngine
+from engine.block_pool import Holder
 from engine.device import synchronize
 from engine.gpu import paged_attention as gpu
+from kv_transfer import PoolBlockStore
 from protocol.sampling import SamplingParams
 
 
@@ -102,3 +105,50 @@ def hf_prefill_tokens_per_s(model, lengths: list[int], vocab: int, device) -> fl
         model(ids, use_cache=False, logits_to_keep=1)
     synchronize(device)
     return sum(lengths) / (time.perf_counter() - start)
+
+
+def copy_overlap(engine: LLMEngine, batch: int, context: int, steps: int, mib: int) -> dict:
+    """Decode steps alone and while another thread reads ``mib`` MiB of KV
+    blocks into page-locked host memory over and over, as a push does
+    (kv_transfer's PoolBlockStore, its copies on a stream of their own): how
+    much the copies slow the steps, and their rate with and without them."""
+    store = PoolBlockStore(engine.block_pool, engine.kv_cache)
+    layout = store.layout
+    decode_needs = batch * -(-(context + steps + 16) // layout.block_size)
+    n = min((mib << 20) // layout.block_bytes, store.num_free - decode_needs)
+    holder = Holder("lease", "copy-overlap")
+    blocks = store.reserve(holder, n)
+    if n < 1 or blocks is None:
+        raise RuntimeError(f"no room for {mib} MiB of blocks to copy beside the decode")
+    staging = store.staging_buffer(n * layout.block_bytes)
+    nbytes = n * layout.block_bytes
+
+    def copy_rate(stop: threading.Event, rates: list[float]) -> None:
+        start, copies = time.perf_counter(), 0
+        while not stop.is_set() or copies == 0:
+            store.read_into(blocks, 0, layout.num_layers, staging)
+            copies += 1
+        rates.append(copies * nbytes / (time.perf_counter() - start))
+
+    try:
+        alone_rate: list[float] = []
+        stop = threading.Event()
+        stop.set()  # one copy, timed
+        copy_rate(stop, alone_rate)
+        alone = decode_step_s(engine, batch, context, steps, graphs=True, tag="overlap-a")
+        stop, busy_rate = threading.Event(), []
+        thread = threading.Thread(target=copy_rate, args=(stop, busy_rate))
+        thread.start()
+        together = decode_step_s(engine, batch, context, steps, graphs=True, tag="overlap-b")
+        stop.set()
+        thread.join()
+    finally:
+        store.release(holder)
+    return {
+        "batch": batch,
+        "copy_mib": nbytes >> 20,
+        "step_alone_ms": round(alone * 1e3, 4),
+        "step_with_copies_ms": round(together * 1e3, 4),
+        "copy_gb_s_alone": round(alone_rate[0] / 1e9, 3),
+        "copy_gb_s_during_decode": round(busy_rate[0] / 1e9, 3),
+    }

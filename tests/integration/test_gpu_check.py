@@ -37,4 +37,7 @@ def test_gpu_check_smoke_mode_on_the_host():
         assert not any("graphs" in key or "kernel" in key for key in row)  # GPU only
     assert result["prefill"]["host_tokens_per_s"] > 0 and result["prefill"]["hf_tokens_per_s"] > 0
     assert result["decode"][1]["bytes_per_step"] > result["decode"][0]["bytes_per_step"]
+    overlap = result["copy_overlap"]
+    assert overlap["step_alone_ms"] > 0 and overlap["step_with_copies_ms"] > 0
+    assert overlap["copy_gb_s_alone"] > 0 and overlap["copy_gb_s_during_decode"] > 0
     assert result["transfer"]["bytes"] > 0 and result["transfer"]["push_gb_s"] > 0
