@@ -48,6 +48,7 @@ from benchkit.engine_timing import (
     decode_step_s,
     hf_prefill_tokens_per_s,
     prefill_tokens_per_s,
+    profile_decode,
 )
 from benchkit.kv_peer import push_grant
 from engine import LLM, EngineConfig, LLMEngine
@@ -228,6 +229,8 @@ def engine_timings(ckpt: Path, device, args, spec: ModelSpec) -> tuple[list[dict
                     engine, min(32, max(batches)), args.context, args.steps, args.transfer_mib
                 )
                 print(f"KV copies during decode: {overlap}", flush=True)
+                if args.profile:
+                    print(profile_decode(engine, 1, args.context, args.steps), flush=True)
             rate = prefill_tokens_per_s(engine, lengths, path)
             prefill[f"{path}_tokens_per_s"] = round(rate, 1)
             print(f"prefill ({path}): {rate:.0f} tokens/s", flush=True)
@@ -260,6 +263,7 @@ def main() -> None:
     p.add_argument("--prefill-lengths", default="2048,2048,2048,2048,8000")
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--transfer-mib", type=int, default=256)
+    p.add_argument("--profile", action="store_true", help="print where decode's host time goes")
     p.add_argument("--tiny", action="store_true", help="a tiny model and short runs (smoke test)")
     args = p.parse_args()
     device = resolve_device(args.device)

@@ -74,6 +74,35 @@ def decode_step_s(
         engine.decode_graphs = runner
 
 
+def profile_decode(engine: LLMEngine, batch: int, context: int, steps: int) -> str:
+    """cProfile's top functions (cumulative time) over ``steps`` decode steps:
+    where a step's host time goes."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    timed = engine.step
+
+    def step(*args, **kwargs):
+        with contextlib.ExitStack() as stack:
+            if profiling:
+                profiler.enable()
+                stack.callback(profiler.disable)
+            return timed(*args, **kwargs)
+
+    profiling = False
+    engine.step = step
+    try:
+        profiling = True  # decode_step_s's prefill and warm-up steps are profiled too
+        decode_step_s(engine, batch, context, steps, graphs=True, tag="profile")
+    finally:
+        del engine.step
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("cumulative").print_stats(25)
+    return out.getvalue()
+
+
 def prefill_tokens_per_s(engine: LLMEngine, lengths: list[int], tag: str) -> float:
     """Prompt tokens per second until every prompt of ``lengths`` has its
     first token (no prefix hits: the prompts differ from the first token)."""
