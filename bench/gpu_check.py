@@ -13,10 +13,12 @@
    eager and, on CUDA, replayed as CUDA graphs, against the HBM roofline:
    (bytes of weights + bytes of KV read per step) / --bandwidth. On a GPU,
    for both attention paths: the Triton kernel that reads the paged cache in
-   place (``kernel``) and the PyTorch path it replaces (``gather``: blocks
-   gathered with index_select, then SDPA).
+   place (``kernel``, EngineConfig.attention auto) and the PyTorch path it
+   replaces (``gather``, attention sdpa: blocks gathered with index_select,
+   then SDPA); and one row at batch 1 with --long-context tokens.
 3. Prefill tokens per second over --prefill-lengths, for the same paths and
-   for Hugging Face's forward in --dtype.
+   for Hugging Face's forward in --dtype; and the same tails after a cached
+   prefix of --prefill-cached tokens (they attend over the cached blocks).
 4. KV transfer: --transfer-mib of blocks pushed between two pools on the
    device through the gRPC mover on loopback (device -> pinned host -> TCP ->
    pinned host -> device), against a plain device -> host -> device copy;
@@ -43,7 +45,6 @@ import time
 import torch
 
 from benchkit.engine_timing import (
-    attention_path,
     copy_overlap,
     decode_step_s,
     hf_prefill_tokens_per_s,
@@ -176,69 +177,84 @@ def transfer_check(ckpt: Path, device, dtype: str, mib: int, reps: int) -> dict:
     }
 
 
-def _engine(ckpt: Path, device, dtype: str, max_batch: int, context: int, steps: int):
+# bench name of each attention path -> EngineConfig.attention
+PATHS = {"kernel": "auto", "gather": "sdpa"}
+
+
+def _engine(ckpt: Path, device, args, attention: str, batches: list[int]) -> LLMEngine:
     bs = 16
+    per_seq = -(-(args.context + 2 * args.steps + 64) // bs)
+    long_seq = -(-(args.long_context + 2 * args.steps + 64) // bs)
     return LLMEngine(
         EngineConfig(
             model=str(ckpt),
             device=str(device),
-            dtype=dtype,
-            num_kv_blocks=max_batch * (-(-(context + steps + 16) // bs)) + 8,
-            max_num_seqs=max_batch,
-            max_num_batched_tokens=max(8192, context),
+            dtype=args.dtype,
+            attention=attention,
+            # every batch's sequences, the long one, and blocks for copy_overlap to read
+            num_kv_blocks=max(batches) * per_seq + long_seq + 4 * per_seq,
+            max_num_seqs=max(batches),
+            max_num_batched_tokens=max(8192, args.context),
             cuda_graphs=device.type == "cuda",
             block_size=bs,
         )
     )
 
 
-def engine_timings(ckpt: Path, device, args, spec: ModelSpec) -> tuple[list[dict], dict, dict]:
-    """Decode rows (one per batch size) and prefill rates, for each attention
-    path; decode steps beside a push's copies (the engine's own path)."""
+def _decode_row(spec: ModelSpec, args, batch: int, context: int) -> dict:
     itemsize = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
+    floor_s, nbytes = roofline_s(spec, itemsize, batch, context, args.bandwidth)
+    return {
+        "batch": batch,
+        "context": context,
+        "bytes_per_step": nbytes,
+        "roofline_ms": round(floor_s * 1e3, 4),
+    }
+
+
+def _time_row(engine: LLMEngine, row: dict, path: str, graphs: bool, steps: int) -> None:
+    step = decode_step_s(engine, row["batch"], row["context"], steps, graphs)
+    key = f"{path}_{'graphs' if graphs else 'eager'}"
+    row[f"{key}_ms"] = round(step * 1e3, 4)
+    row[f"{key}_of_roofline"] = float(f"{row['roofline_ms'] / 1e3 / step:.4g}")
+
+
+def engine_timings(ckpt: Path, device, args, spec: ModelSpec) -> dict:
+    """Decode rows (one per batch size, and one long context at batch 1) and
+    prefill rates (fresh prompts, and tails over a cached prefix) for each
+    attention path; decode steps beside a push's copies (the engine's path)."""
     batches = [int(b) for b in args.batches.split(",")]
     lengths = [int(n) for n in args.prefill_lengths.split(",")]
-    rows = []
-    for batch in batches:
-        floor_s, nbytes = roofline_s(spec, itemsize, batch, args.context, args.bandwidth)
-        rows.append(
-            {
-                "batch": batch,
-                "context": args.context,
-                "bytes_per_step": nbytes,
-                "roofline_ms": round(floor_s * 1e3, 4),
-            }
-        )
-    prefill: dict = {"lengths": lengths}
-    overlap: dict = {}
-    paths = ("kernel", "gather") if device.type == "cuda" else ("host",)
-    for path in paths:
-        with attention_path("gather" if path == "gather" else "kernel"):
-            engine = _engine(ckpt, device, args.dtype, max(batches), args.context, args.steps)
-            for row in rows:
-                for graphs in (False, True) if device.type == "cuda" else (False,):
-                    step = decode_step_s(
-                        engine, row["batch"], args.context, args.steps, graphs, path
-                    )
-                    key = f"{path}_{'graphs' if graphs else 'eager'}"
-                    row[f"{key}_ms"] = round(step * 1e3, 4)
-                    row[f"{key}_of_roofline"] = float(f"{row['roofline_ms'] / 1e3 / step:.4g}")
-                print(f"decode ({path}): {row}", flush=True)
-            if path != "gather":
-                overlap = copy_overlap(
-                    engine, min(32, max(batches)), args.context, args.steps, args.transfer_mib
-                )
-                print(f"KV copies during decode: {overlap}", flush=True)
-                if args.profile:
-                    print(profile_decode(engine, 1, args.context, args.steps), flush=True)
-            rate = prefill_tokens_per_s(engine, lengths, path)
-            prefill[f"{path}_tokens_per_s"] = round(rate, 1)
-            print(f"prefill ({path}): {rate:.0f} tokens/s", flush=True)
-            del engine
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+    rows = [_decode_row(spec, args, b, args.context) for b in batches]
+    long_row = _decode_row(spec, args, 1, args.long_context)
+    prefill: dict = {"lengths": lengths, "cached_prefix": args.prefill_cached}
+    out = {"decode": rows, "long_context_decode": long_row, "prefill": prefill}
+    cuda = device.type == "cuda"
+    for path in ("kernel", "gather") if cuda else ("host",):
+        engine = _engine(ckpt, device, args, PATHS.get(path, "auto"), batches)
+        for row in rows:
+            for graphs in (False, True) if cuda else (False,):
+                _time_row(engine, row, path, graphs, args.steps)
+            print(f"decode ({path}): {row}", flush=True)
+        _time_row(engine, long_row, path, cuda, args.steps)
+        print(f"long-context decode ({path}): {long_row}", flush=True)
+        if path != "gather":
+            out["copy_overlap"] = copy_overlap(
+                engine, min(32, max(batches)), args.context, args.steps, args.transfer_mib
+            )
+            print(f"KV copies during decode: {out['copy_overlap']}", flush=True)
+            if args.profile:
+                print(profile_decode(engine, 1, args.context, args.steps), flush=True)
+        prefill[f"{path}_tokens_per_s"] = round(prefill_tokens_per_s(engine, lengths), 1)
+        tails = [n for n in lengths if n + args.prefill_cached < engine.max_model_len]
+        rate = prefill_tokens_per_s(engine, tails, cached=args.prefill_cached)
+        prefill[f"{path}_cached_tokens_per_s"] = round(rate, 1)
+        print(f"prefill ({path}): {prefill}", flush=True)
+        del engine
+        if cuda:
+            torch.cuda.empty_cache()
     prefill["hf_tokens_per_s"] = round(hf_prefill_rate(ckpt, device, args.dtype, lengths), 1)
-    return rows, prefill, overlap
+    return out
 
 
 def hf_prefill_rate(ckpt: Path, device, dtype: str, lengths: list[int]) -> float:
@@ -260,7 +276,9 @@ def main() -> None:
     p.add_argument("--batches", default="1,8,32,64,128,256")
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--long-context", type=int, default=7000, help="a batch-1 decode row")
     p.add_argument("--prefill-lengths", default="2048,2048,2048,2048,8000")
+    p.add_argument("--prefill-cached", type=int, default=4096, help="prefix tokens cached")
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--transfer-mib", type=int, default=256)
     p.add_argument("--profile", action="store_true", help="print where decode's host time goes")
@@ -269,7 +287,7 @@ def main() -> None:
     device = resolve_device(args.device)
     if args.tiny:
         args.batches, args.context, args.steps, args.new_tokens = "1,4", 32, 4, 8
-        args.prefill_lengths = "64,32"
+        args.prefill_lengths, args.prefill_cached, args.long_context = "64,32", 48, 200
         args.transfer_mib = min(args.transfer_mib, 4)
     result: dict = {"device": str(device), "tiny": args.tiny, "dtype": args.dtype}
     gpus = torch.cuda.device_count() if device.type == "cuda" else 0
@@ -285,8 +303,7 @@ def main() -> None:
         from engine.loader import load_hf_config
 
         spec = ModelSpec.from_hf_config(load_hf_config(ckpt))
-        timings = engine_timings(ckpt, device, args, spec)
-        result["decode"], result["prefill"], result["copy_overlap"] = timings
+        result.update(engine_timings(ckpt, device, args, spec))
         print(f"prefill: {result['prefill']}", flush=True)
         result["transfer"] = transfer_check(ckpt, device, args.dtype, args.transfer_mib, 3)
         print(f"KV transfer: {result['transfer']}", flush=True)

@@ -1,38 +1,26 @@
-"""Timing an LLMEngine's steps on any device: decode step time at a batch
-size and context, prefill tokens per second, and the PyTorch attention path
-as a baseline for the GPU kernel (bench/gpu_check.py)."""
+"""Timing an LLMEngine's steps on any device (bench/gpu_check.py): decode
+step time at a batch size and context, prefill tokens per second with and
+without a cached prefix, decode steps beside a push's KV copies, and where
+a step's host time goes."""
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
 
 import torch
 
 from engine import LLMEngine
 from engine.block_pool import Holder
 from engine.device import synchronize
-from engine.gpu import paged_attention as gpu
 from kv_transfer import PoolBlockStore
 from protocol.sampling import SamplingParams
 
-
-@contextlib.contextmanager
-def attention_path(name: str) -> Iterator[None]:
-    """``kernel``: the engine's own choice (the Triton kernel on a GPU);
-    ``gather``: the PyTorch path (blocks gathered with index_select, then
-    SDPA), the baseline the kernel replaces. Engines built inside keep it."""
-    if name == "kernel":
-        yield
-        return
-    available = gpu.available
-    gpu.available = lambda device: False
-    try:
-        yield
-    finally:
-        gpu.available = available
+_seeds = itertools.count(1)  # every prompt of a run its own: no prefix hits between runs
+WARM_UP_STEPS = 3
 
 
 def _tokens(seed: int, n: int, vocab: int) -> list[int]:
@@ -46,28 +34,42 @@ def _drain_first_tokens(engine: LLMEngine, ids: set[str]) -> None:
 
 
 def decode_step_s(
-    engine: LLMEngine, batch: int, context: int, steps: int, graphs: bool, tag: str
+    engine: LLMEngine,
+    batch: int,
+    context: int,
+    steps: int,
+    graphs: bool,
+    during: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
 ) -> float:
     """Mean seconds of a decode-only step of ``batch`` sequences of ``context``
-    tokens (CUDA graphs on or off where the engine has a runner); the
-    requests are aborted after, so the engine can be reused."""
+    tokens (CUDA graphs on or off where the engine has a runner), every
+    sequence running in every timed step; ``during()`` is entered around the
+    timed steps only. The requests are aborted after, so the engine can be
+    reused."""
     runner = engine.decode_graphs
     engine.decode_graphs = runner if graphs else None
     vocab = engine.spec.vocab_size
-    params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
-    ids = {f"{tag}-{batch}-{i}" for i in range(batch)}
+    # Enough tokens that none finishes while the last ones are still prefilling.
+    budget = engine.config.max_num_batched_tokens
+    max_tokens = steps + WARM_UP_STEPS + 2 * -(-batch * context // budget) + 8
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    ids = set()
     for i in range(batch):
-        engine.add_request(f"{tag}-{batch}-{i}", _tokens(batch * 1000 + i, context, vocab), params)
+        ids.add(rid := f"decode-{batch}-{i}-{next(_seeds)}")
+        engine.add_request(rid, _tokens(next(_seeds), context, vocab), params)
     try:
         _drain_first_tokens(engine, ids)
-        for _ in range(3):  # warm up (and capture the graphs)
+        for _ in range(WARM_UP_STEPS):  # (and the graphs' capture)
             engine.step()
         synchronize(engine.device)
-        start = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
-        synchronize(engine.device)
-        return (time.perf_counter() - start) / steps
+        with during():
+            start = time.perf_counter()
+            for _ in range(steps):
+                if len(engine.step()) != batch:
+                    raise RuntimeError(f"a decode step ran fewer than {batch} sequences")
+            synchronize(engine.device)
+            elapsed = time.perf_counter() - start
+        return elapsed / steps
     finally:
         for rid in ids:
             engine.abort(rid)
@@ -75,42 +77,44 @@ def decode_step_s(
 
 
 def profile_decode(engine: LLMEngine, batch: int, context: int, steps: int) -> str:
-    """cProfile's top functions (cumulative time) over ``steps`` decode steps:
-    where a step's host time goes."""
+    """cProfile's top functions (cumulative time) over ``steps`` timed decode
+    steps with CUDA graphs: where a step's host time goes."""
     import cProfile
     import io
     import pstats
 
     profiler = cProfile.Profile()
-    timed = engine.step
 
-    def step(*args, **kwargs):
-        with contextlib.ExitStack() as stack:
-            if profiling:
-                profiler.enable()
-                stack.callback(profiler.disable)
-            return timed(*args, **kwargs)
+    @contextlib.contextmanager
+    def profiling():
+        profiler.enable()
+        try:
+            yield
+        finally:
+            profiler.disable()
 
-    profiling = False
-    engine.step = step
-    try:
-        profiling = True  # decode_step_s's prefill and warm-up steps are profiled too
-        decode_step_s(engine, batch, context, steps, graphs=True, tag="profile")
-    finally:
-        del engine.step
+    decode_step_s(engine, batch, context, steps, graphs=True, during=profiling)
     out = io.StringIO()
     pstats.Stats(profiler, stream=out).sort_stats("cumulative").print_stats(25)
     return out.getvalue()
 
 
-def prefill_tokens_per_s(engine: LLMEngine, lengths: list[int], tag: str) -> float:
-    """Prompt tokens per second until every prompt of ``lengths`` has its
-    first token (no prefix hits: the prompts differ from the first token)."""
+def prefill_tokens_per_s(engine: LLMEngine, lengths: list[int], cached: int = 0) -> float:
+    """Prompt tokens computed per second until every prompt of ``lengths`` has
+    its first token. ``cached``: each prompt starts with that many tokens of
+    a prefix prefilled just before (a prefix-cache hit), so only its tail is
+    computed, attending over the cached blocks."""
     vocab = engine.spec.vocab_size
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    ids = {f"{tag}-p{i}" for i in range(len(lengths))}
-    for i, n in enumerate(lengths):
-        engine.add_request(f"{tag}-p{i}", _tokens(500_000 + i, n, vocab), params)
+    prefix = _tokens(next(_seeds), cached, vocab)
+    if cached:
+        engine.add_request(f"prefix-{next(_seeds)}", prefix, params)
+        while engine.has_unfinished():
+            engine.step()
+    ids = set()
+    for n in lengths:
+        ids.add(rid := f"prefill-{next(_seeds)}")
+        engine.add_request(rid, prefix + _tokens(next(_seeds), n, vocab), params)
     synchronize(engine.device)
     start = time.perf_counter()
     _drain_first_tokens(engine, ids)
@@ -124,9 +128,7 @@ def prefill_tokens_per_s(engine: LLMEngine, lengths: list[int], tag: str) -> flo
 @torch.inference_mode()
 def hf_prefill_tokens_per_s(model, lengths: list[int], vocab: int, device) -> float:
     """The same measure for a Hugging Face model: one forward per prompt."""
-    prompts = [
-        torch.tensor([_tokens(i + 1, n, vocab)], device=device) for i, n in enumerate(lengths)
-    ]
+    prompts = [torch.tensor([_tokens(next(_seeds), n, vocab)], device=device) for n in lengths]
     model(prompts[0][:, :16])  # warm up
     synchronize(device)
     start = time.perf_counter()
@@ -143,34 +145,44 @@ def copy_overlap(engine: LLMEngine, batch: int, context: int, steps: int, mib: i
     much the copies slow the steps, and their rate with and without them."""
     store = PoolBlockStore(engine.block_pool, engine.kv_cache)
     layout = store.layout
-    decode_needs = batch * -(-(context + steps + 16) // layout.block_size)
+    decode_needs = batch * -(-(context + 2 * steps + 64) // layout.block_size)
     n = min((mib << 20) // layout.block_bytes, store.num_free - decode_needs)
     holder = Holder("lease", "copy-overlap")
-    blocks = store.reserve(holder, n)
-    if n < 1 or blocks is None:
+    blocks = store.reserve(holder, n) if n > 0 else None
+    if blocks is None:
         raise RuntimeError(f"no room for {mib} MiB of blocks to copy beside the decode")
     staging = store.staging_buffer(n * layout.block_bytes)
     nbytes = n * layout.block_bytes
+    rates: list[float] = []
 
-    def copy_rate(stop: threading.Event, rates: list[float]) -> None:
+    def copy() -> None:
+        store.read_into(blocks, 0, layout.num_layers, staging)
+
+    def timed_copies(stop: threading.Event) -> None:
         start, copies = time.perf_counter(), 0
-        while not stop.is_set() or copies == 0:
-            store.read_into(blocks, 0, layout.num_layers, staging)
+        while not stop.is_set() or copies < 3:
+            copy()
             copies += 1
         rates.append(copies * nbytes / (time.perf_counter() - start))
 
-    try:
-        alone_rate: list[float] = []
+    @contextlib.contextmanager
+    def copying():
         stop = threading.Event()
-        stop.set()  # one copy, timed
-        copy_rate(stop, alone_rate)
-        alone = decode_step_s(engine, batch, context, steps, graphs=True, tag="overlap-a")
-        stop, busy_rate = threading.Event(), []
-        thread = threading.Thread(target=copy_rate, args=(stop, busy_rate))
+        thread = threading.Thread(target=timed_copies, args=(stop,))
         thread.start()
-        together = decode_step_s(engine, batch, context, steps, graphs=True, tag="overlap-b")
-        stop.set()
-        thread.join()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join()
+
+    try:
+        copy()  # warm up
+        done = threading.Event()
+        done.set()
+        timed_copies(done)  # three copies, alone
+        alone = decode_step_s(engine, batch, context, steps, graphs=True)
+        together = decode_step_s(engine, batch, context, steps, graphs=True, during=copying)
     finally:
         store.release(holder)
     return {
@@ -178,6 +190,6 @@ def copy_overlap(engine: LLMEngine, batch: int, context: int, steps: int, mib: i
         "copy_mib": nbytes >> 20,
         "step_alone_ms": round(alone * 1e3, 4),
         "step_with_copies_ms": round(together * 1e3, 4),
-        "copy_gb_s_alone": round(alone_rate[0] / 1e9, 3),
-        "copy_gb_s_during_decode": round(busy_rate[0] / 1e9, 3),
+        "copy_gb_s_alone": round(rates[0] / 1e9, 3),
+        "copy_gb_s_during_decode": round(rates[1] / 1e9, 3),
     }

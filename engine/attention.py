@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.gpu import paged_attention as gpu
+from engine.gpu import paged_attention as triton_attention
 from engine.gpu.paged_attention import PagedBatch
 from engine.kv_cache import KVCache
 
@@ -94,14 +94,15 @@ def build_metadata(
     device: torch.device,
     fused: bool = False,
     row_invariant: bool = False,
+    gpu_kernel: bool = False,
 ) -> AttentionMetadata:
     """Tensors shared by every layer of one step. Decode sequences come
     sorted by length, shortest first (groups then pad little; tables of one
     group may still differ in length, e.g. a draft model's). ``fused``: for
     the fused decode kernel, which reads every table itself (no groups).
-    ``row_invariant``: deterministic mode, which has no decode rows. On a GPU
-    with Triton (and neither of those), every sequence goes to the kernel that
-    reads the cache in place."""
+    ``row_invariant``: deterministic mode, which has no decode rows.
+    ``gpu_kernel``: every sequence goes to the Triton kernel that reads the
+    cache in place (the model's ``gpu_attention``)."""
     if row_invariant:
         if decode_tables:
             raise ValueError("row-invariant attention takes one-token sequences as prefills")
@@ -117,7 +118,7 @@ def build_metadata(
         return AttentionMetadata(
             torch.tensor(slots, device=device), len(decode_tables), [], prefills, tables, lens
         )
-    if gpu.available(device):
+    if gpu_kernel:
         paged = _paged_batch(decode_tables, decode_lens, prefills, device)
         return AttentionMetadata(
             torch.tensor(slots, device=device), len(decode_tables), [], prefills, paged=paged
@@ -141,6 +142,13 @@ def build_metadata(
     )
 
 
+def slice_table(table: list[int], device: torch.device, gpu_kernel: bool) -> torch.Tensor:
+    """A prompt slice's block table where its attention reads it: on the host
+    for the GPU kernel (``build_metadata`` packs every table of the step into
+    one copy), else on ``device``."""
+    return torch.tensor(table, device=None if gpu_kernel else device)
+
+
 def _paged_batch(
     decode_tables: list[list[int]],
     decode_lens: list[int],
@@ -148,19 +156,15 @@ def _paged_batch(
     device: torch.device,
 ) -> PagedBatch:
     """The step for the GPU kernel: decode rows (one query token each) first,
-    then the prompt slices, whose tables are on the device already."""
+    then the prompt slices (tables from ``slice_table``)."""
     nd = len(decode_tables)
-    width = max([len(t) for t in decode_tables] + [len(s.block_table) for s in prefills])
+    tables = decode_tables + [s.block_table.tolist() for s in prefills]
+    width = max(len(t) for t in tables)
+    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
     q_starts = list(range(nd)) + [s.start for s in prefills]
     q_lens = [1] * nd + [s.num_tokens for s in prefills]
     seq_lens = decode_lens + [s.context_len + s.num_tokens for s in prefills]
-    host = torch.zeros(nd + len(prefills), width, dtype=torch.long)
-    for i, table in enumerate(decode_tables):
-        host[i, : len(table)] = torch.tensor(table)
-    batch = PagedBatch.build(host, q_starts, q_lens, seq_lens, device)
-    for i, s in enumerate(prefills):
-        batch.tables[nd + i, : len(s.block_table)] = s.block_table
-    return batch
+    return PagedBatch.build(padded, q_starts, q_lens, seq_lens, device)
 
 
 def paged_attention(
@@ -186,7 +190,7 @@ def paged_attention(
         flat[1].index_copy_(0, meta.slots, v)
     n, heads, head_dim = q.shape
     if meta.paged is not None:
-        return gpu.paged_attention(q, kv, meta.paged, scale).view(n, heads * head_dim)
+        return triton_attention.attend(q, kv, meta.paged, scale).view(n, heads * head_dim)
     nd, groups = meta.num_decode, meta.decode_groups
     if not meta.prefills:  # the common decode step: no scatter
         if ops is not None:

@@ -177,6 +177,12 @@ class EngineConfig:
     cuda_graphs: bool = False
     """Replay decode-only steps as CUDA graphs captured at fixed batch sizes (CUDA only;
     ignored on other devices). One KV block is set aside for padding rows."""
+    attention: Literal["auto", "triton", "sdpa"] = "auto"
+    """How attention reads the paged KV cache: auto is triton on a GPU where Triton is
+    installed (not in deterministic mode) and sdpa elsewhere; triton, one kernel that
+    reads the blocks in place (engine/gpu/, docs/gpu.md); sdpa gathers each
+    sequence's blocks and calls PyTorch's scaled_dot_product_attention. On CPU the
+    fused kernels (cpu_kernels) take precedence over sdpa."""
     simulate: str | None = None
     """A profile file or a shipped profile's name (planner/profiles/): the simulated
     model (engine/simulated.py) replaces the model's forward pass by the profile's
@@ -232,13 +238,16 @@ class EngineConfig:
     def _check_deterministic(self) -> None:
         """What deterministic mode cannot keep bit-identical (docs/deterministic.md)."""
         why = deterministic_conflict(
-            self.kv_transfer_dtype, self.speculative is not None, self.cuda_graphs
-        )
+            self.kv_transfer_dtype, self.speculative is not None, self.cuda_graphs,
+            self.attention,
+        )  # fmt: skip
         if why is not None:
             raise ValueError(why)
 
 
-def deterministic_conflict(transfer_dtype: str, speculative: bool, cuda_graphs: bool) -> str | None:
+def deterministic_conflict(
+    transfer_dtype: str, speculative: bool, cuda_graphs: bool, attention: str = "auto"
+) -> str | None:
     """Why these settings break deterministic mode's promise, or None (EngineConfig's
     check and the serve config's, so both say the same)."""
     if transfer_dtype != "auto":
@@ -255,5 +264,10 @@ def deterministic_conflict(transfer_dtype: str, speculative: bool, cuda_graphs: 
         return (
             "deterministic: CUDA graphs are captured for decode steps, which this mode "
             "runs as one-token prefills, so they would never replay; turn cuda_graphs off"
+        )
+    if attention == "triton":
+        return (
+            "deterministic: the Triton attention kernel splits a decode row's keys by the "
+            "batch's shape, so its sums depend on the batch; use attention auto or sdpa"
         )
     return None

@@ -26,7 +26,6 @@ from __future__ import annotations
 import torch
 
 from engine.attention import AttentionMetadata, DecodeGroup
-from engine.gpu import paged_attention as gpu
 from engine.gpu.paged_attention import PagedBatch
 from engine.kv_cache import KVCache
 
@@ -41,23 +40,29 @@ def _bucket(n: int, sizes: tuple[int, ...]) -> int | None:
 class _Shape:
     """Static input buffers of one (batch, width) shape, and its graph."""
 
-    def __init__(self, batch: int, width: int, block_size: int, device: torch.device) -> None:
+    def __init__(
+        self, batch: int, width: int, block_size: int, device: torch.device, gpu_kernel: bool
+    ) -> None:
         long = dict(dtype=torch.long, device=device)
         self.input_ids = torch.zeros(batch, **long)
         self.positions = torch.zeros(batch, **long)
         self.slots = torch.zeros(batch, **long)
         self.lens = torch.ones(batch, **long)
         self.tables = torch.zeros(batch, width, **long)
-        self.mask = torch.zeros(batch, 1, 1, width * block_size, dtype=torch.bool, device=device)
-        self.token_positions = torch.arange(width * block_size, device=device)
-        paged = None
-        if gpu.available(device):  # the kernel reads tables and lengths in place
+        self.mask: torch.Tensor | None = None  # the length mask of the SDPA path
+        paged, groups = None, []
+        if gpu_kernel:  # the kernel reads tables and lengths in place
             rows = torch.arange(batch, **long)
             paged = PagedBatch(self.tables, rows, torch.ones_like(rows), self.lens, max_q_len=1)
+        else:
+            keys = width * block_size
+            self.mask = torch.zeros(batch, 1, 1, keys, dtype=torch.bool, device=device)
+            self.token_positions = torch.arange(keys, device=device)
+            groups = [DecodeGroup(0, batch, self.tables, self.mask, 0)]
         self.meta = AttentionMetadata(
             slots=self.slots,
             num_decode=batch,
-            decode_groups=[DecodeGroup(0, batch, self.tables, self.mask, 0)],
+            decode_groups=groups,
             prefills=[],
             decode_tables=self.tables,  # for a model on the fused CPU kernels
             decode_lens=self.lens,
@@ -115,7 +120,7 @@ class DecodeGraphRunner:
         shape = self._shapes.get((batch, width))
         if shape is None:
             shape = self._shapes[(batch, width)] = _Shape(
-                batch, width, self.block_size, self.device
+                batch, width, self.block_size, self.device, self.model.gpu_attention
             )
         pad = batch - n
         self._fill(shape, input_ids, positions, slots, tables, lens, pad, width)
@@ -145,7 +150,7 @@ class DecodeGraphRunner:
         shape.slots.copy_(host[2], non_blocking=True)
         shape.lens.copy_(host[3], non_blocking=True)
         shape.tables.copy_(torch.tensor(rows), non_blocking=True)
-        if shape.meta.paged is None:
+        if shape.mask is not None:
             visible = shape.token_positions[None, :] < shape.lens[:, None]
             shape.mask.copy_(visible[:, None, None, :])
 

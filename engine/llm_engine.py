@@ -23,12 +23,13 @@ from typing import Any
 
 import torch
 
-from engine.attention import PrefillSlice, build_metadata
+from engine.attention import PrefillSlice, build_metadata, slice_table
 from engine.block_pool import BlockPool, Held, Holder
 from engine.config import EngineConfig, ModelSpec
 from engine.cuda_graphs import BATCH_SIZES, DecodeGraphRunner
 from engine.detokenizer import IncrementalDetokenizer, StopMatcher
 from engine.device import resolve_device
+from engine.gpu.paged_attention import use_kernel as use_gpu_kernel
 from engine.hashing import BlockHash, root_hash
 from engine.kernels import select as select_kernels
 from engine.kv_cache import KVCache, KVLayout
@@ -151,7 +152,8 @@ class LLMEngine(RequestFaults):
         if config.quantization != "none":  # other weights, other KV: no sharing with floats
             tagged = f"{fingerprint}:{config.quantization}".encode()
             fingerprint = hashlib.sha256(tagged).hexdigest()[:32]
-        kernels = select_kernels(config.cpu_kernels, device, dtype)
+        gpu_attention = use_gpu_kernel(config.attention, device, config.deterministic)
+        kernels = None if gpu_attention else select_kernels(config.cpu_kernels, device, dtype)
         if config.deterministic:  # KV summed otherwise, bits of this path: shared with its like
             path = f"{device.type}:{'fused' if kernels is not None else 'torch'}"
             tagged = f"{fingerprint}:deterministic:{path}".encode()
@@ -172,7 +174,7 @@ class LLMEngine(RequestFaults):
         self.model = LlamaModel(
             spec, state, hf_config, self.max_model_len, dtype, device, kernels,
             greedy_screen=config.greedy_screen, quantization=config.quantization,
-            deterministic=config.deterministic,
+            deterministic=config.deterministic, gpu_attention=gpu_attention,
         )  # fmt: skip
         del state
         return num_blocks, kernels
@@ -499,8 +501,9 @@ class LLMEngine(RequestFaults):
                 decode_tables.append(table)
                 decode_lens.append(start + 1)
             else:
+                gpu = self.model.gpu_attention
                 prefills.append(
-                    PrefillSlice(len(slots), n, start, torch.tensor(table, device=self.device))
+                    PrefillSlice(len(slots), n, start, slice_table(table, self.device, gpu))
                 )
                 span = range(start, start + n)
                 positions += span
@@ -515,7 +518,7 @@ class LLMEngine(RequestFaults):
             return sample_rows, spec_rows, hidden
         meta = build_metadata(
             bs, decode_tables, decode_lens, prefills, slots, self.device, self.model.fused,
-            row_invariant=deterministic,
+            row_invariant=deterministic, gpu_kernel=self.model.gpu_attention,
         )  # fmt: skip
         hidden = self.model.forward(
             torch.tensor(input_ids, device=self.device),

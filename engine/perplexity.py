@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from engine.attention import PrefillSlice, build_metadata
+from engine.attention import PrefillSlice, build_metadata, slice_table
 from engine.block_pool import Holder
 
 MODULES = ("textwrap", "json/__init__", "functools", "argparse", "collections/__init__", "heapq")
@@ -60,11 +60,11 @@ def window_logprobs(engine, token_ids: list[int]) -> torch.Tensor:
         raise RuntimeError(f"the KV pool has no room for a window of {n} tokens")
     try:
         device = engine.device
-        table = torch.tensor(blocks, device=device)
+        table = slice_table(blocks, device, engine.model.gpu_attention)
         slots = [blocks[p // bs] * bs + p % bs for p in range(n)]
         meta = build_metadata(
             bs, [], [], [PrefillSlice(0, n, 0, table)], slots, device, engine.model.fused,
-            row_invariant=engine.config.deterministic,
+            row_invariant=engine.config.deterministic, gpu_kernel=engine.model.gpu_attention,
         )  # fmt: skip
         ids = torch.tensor(token_ids, device=device)
         hidden = engine.model.forward(ids, torch.arange(n, device=device), meta, engine.kv_cache)

@@ -65,6 +65,7 @@ class SimulatedModel:
     next token in place of hidden states; ``sample`` picks them."""
 
     fused = True
+    gpu_attention = False
     screen_head = None
 
     def __init__(

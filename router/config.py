@@ -126,6 +126,11 @@ class EngineSection(Section):
     cuda_graphs: bool = False
     """GPU workers replay decode steps as CUDA graphs captured at fixed batch sizes:
     less CPU overhead per step, at the cost of capture time and one KV block."""
+    attention: Literal["auto", "triton", "sdpa"] = "auto"
+    """How GPU workers attend over the paged KV cache: auto (triton where Triton is
+    installed, except in deterministic mode), triton (one kernel that reads the cache
+    blocks in place: docs/gpu.md) or sdpa (each sequence's blocks gathered, then
+    PyTorch's scaled_dot_product_attention). CPU workers use their fused kernels."""
     simulate: str | None = None
     """A profile file or a shipped profile's name (`tandem plan --profiles`): the workers
     run the simulated model (docs/simulated-engine.md), which sleeps the profile's step
@@ -772,8 +777,9 @@ class ServeConfig(BaseModel):
 
         if self.engine.deterministic:
             why = deterministic_conflict(
-                self.transfer.dtype, self.speculative.method != "none", self.engine.cuda_graphs
-            )
+                self.transfer.dtype, self.speculative.method != "none", self.engine.cuda_graphs,
+                self.engine.attention,
+            )  # fmt: skip
             gpus = {self.pools.prefill_resources.num_gpus, self.pools.decode_resources.num_gpus}
             if why is None and self.pools.mode == "disaggregated" and len(gpus) > 1:
                 why = (

@@ -15,7 +15,13 @@ attention), for each query token of the tile, laid out token-major::
 
 padded to at least 16 rows (the smallest matrix product Triton emits).
 A query at absolute position p sees keys [0, p]; the step's own keys and
-values are in the cache before the launch (``paged_attention`` writes them).
+values are in the cache before the launch (engine/attention.py writes them).
+
+A decode launch with few rows would leave most of the GPU idle (one program
+per sequence and kv head), so its keys are split into ranges, one program
+each ("flash decoding"); a second kernel merges the ranges' partial softmax
+sums. The split count follows from the batch's shape alone (``key_splits``),
+so a CUDA graph replays it.
 
 The kernel is plain Triton, so it also runs under Triton's interpreter on
 CPU tensors (TRITON_INTERPRET=1), which is how tests check it without a GPU.
@@ -23,7 +29,9 @@ CPU tensors (TRITON_INTERPRET=1), which is how tests check it without a GPU.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +39,8 @@ import torch
 _MIN_ROWS = 16  # tl.dot's smallest M
 _PREFILL_ROWS = 64  # rows of a prompt tile: BLOCK_M * GROUP_P
 _BLOCK_N = 64  # keys gathered per inner step
+_MIN_SPLIT_KEYS = 256  # a decode row's keys are split into ranges of at least this many
+_MAX_SPLITS = 64
 
 
 @dataclass
@@ -58,14 +68,15 @@ class PagedBatch:
         device: torch.device,
     ) -> PagedBatch:
         host = torch.tensor([q_starts, q_lens, seq_lens], dtype=torch.long)
-        host, tables = host.to(device, non_blocking=True), tables.to(device, non_blocking=True)
+        host = host.to(device, non_blocking=True)
+        tables = tables.to(device, torch.long, non_blocking=True)  # int64 offsets in the kernel
         return cls(tables, host[0], host[1], host[2], max(q_lens))
 
 
 @functools.cache
 def _triton():
-    """The triton module, imported on first need (it takes a fifth of a second),
-    or None: Triton ships with CUDA builds of torch; the host-only build has none."""
+    """The triton module, imported on first need, or None: Triton ships with
+    CUDA builds of torch; the host-only build has none."""
     try:
         import triton
     except ImportError:
@@ -73,52 +84,104 @@ def _triton():
     return triton
 
 
-def available(device: torch.device) -> bool:
-    """Whether the kernel can run on ``device``'s tensors: a GPU with Triton."""
-    return device.type == "cuda" and _triton() is not None
+def use_kernel(setting: str, device: torch.device, deterministic: bool) -> bool:
+    """Whether an engine with ``EngineConfig.attention`` = ``setting`` runs this
+    kernel on ``device``; raises where ``triton`` is asked for and cannot run."""
+    if setting == "sdpa":
+        return False
+    if setting == "auto":
+        return device.type == "cuda" and not deterministic and _triton() is not None
+    if deterministic:
+        raise ValueError("attention 'triton' is not row-invariant: deterministic mode refuses it")
+    if _triton() is None:
+        raise ValueError("attention 'triton' needs Triton, which is not installed")
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("attention 'triton' needs a CUDA device (or TRITON_INTERPRET=1, in tests)")
+    return True
 
 
 @functools.cache
-def _kernel():
-    """The kernel, compiled for the GPU on first launch; on a host where
-    TRITON_INTERPRET=1 was set before Triton was imported, Triton's interpreter
-    (CPU tensors: how tests check it without a GPU)."""
+def _kernels():
+    """The attention kernel and the one that merges split keys, compiled for the
+    GPU on first launch; on a host where TRITON_INTERPRET=1 was set before
+    Triton was imported, run by Triton's interpreter (CPU tensors: how tests
+    check them without a GPU)."""
+    from engine.gpu.attention_kernel import combine_splits_kernel, paged_attention_kernel
+
     triton = _triton()
-    if triton is None:
-        raise RuntimeError("the GPU attention kernel needs Triton, which is not installed")
-    from engine.gpu.attention_kernel import attend
-
-    return triton.jit(attend)
+    return triton.jit(paged_attention_kernel), triton.jit(combine_splits_kernel)
 
 
-def paged_attention(
+@functools.cache
+def _target_programs(device: torch.device) -> int:
+    """Programs a decode launch aims for: two per multiprocessor."""
+    if device.type != "cuda":
+        return 8
+    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def key_splits(batch: PagedBatch, block_size: int, kv_heads: int, device: torch.device) -> int:
+    """How many ranges a decode launch splits each sequence's keys into: enough
+    programs to fill the GPU, none shorter than _MIN_SPLIT_KEYS keys. Fixed by
+    the batch's shape (rows, table width), as a CUDA graph needs."""
+    if batch.max_q_len != 1:
+        return 1
+    rows, width = batch.tables.shape
+    by_length = -(-width * block_size // _MIN_SPLIT_KEYS)
+    by_occupancy = max(1, _target_programs(device) // (rows * kv_heads))
+    return max(1, min(by_length, by_occupancy, _MAX_SPLITS))
+
+
+def attend(
     q: torch.Tensor,  # [N, heads, head_dim]
     kv: torch.Tensor,  # [2, num_blocks, block_size, kv_heads, head_dim]
     batch: PagedBatch,
     scale: float,
-    out: torch.Tensor | None = None,  # [N, heads, head_dim]
+    splits: int | None = None,  # key ranges per decode row; None: key_splits()
 ) -> torch.Tensor:  # [N, heads, head_dim]
     """Each sequence's queries over its context in the cache (causal)."""
-    kernel, triton = _kernel(), _triton()
+    attention, combine = _kernels()
+    triton = _triton()
     _, heads, head_dim = q.shape
     block_size, kv_heads = kv.shape[2], kv.shape[3]
+    if splits is None:
+        splits = key_splits(batch, block_size, kv_heads, q.device)
+    if splits > 1 and batch.max_q_len != 1:
+        raise ValueError("keys are split for one-token (decode) launches only")
     group = heads // kv_heads
     group_p = triton.next_power_of_2(group)
     block_m = 1 if batch.max_q_len == 1 else max(1, _PREFILL_ROWS // group_p)
-    rows = max(_MIN_ROWS, block_m * group_p)
-    out = torch.empty_like(q) if out is None else out
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    out = torch.empty_like(q)
+    rows = batch.tables.shape[0]
+    # partial sums of split keys, float32: acc [rows, splits, heads, head_dim], (m, l) pairs
+    part_acc = torch.empty(rows * splits * heads * head_dim if splits > 1 else 1, device=q.device)
+    part_ml = torch.empty(rows * splits * heads * 2 if splits > 1 else 1, device=q.device)
     keys, values = kv[0], kv[1]
-    grid = (batch.tables.shape[0], triton.cdiv(batch.max_q_len, block_m), kv_heads)
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    kernel[grid](
-        q, keys, values, out,
-        batch.tables, batch.q_starts, batch.q_lens, batch.seq_lens,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        keys.stride(0), keys.stride(1), keys.stride(2),
-        values.stride(0), values.stride(1), values.stride(2),
-        batch.tables.stride(0), scale,
-        GROUP=group, GROUP_P=group_p, BLOCK_M=block_m, ROWS=rows,
-        BLOCK_N=_BLOCK_N, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), PRECISION=precision,
-    )  # fmt: skip
+    grid = (rows, triton.cdiv(batch.max_q_len, block_m) * splits, kv_heads)
+    with _on(q.device):
+        attention[grid](
+            q, keys, values, out, part_acc, part_ml,
+            batch.tables, batch.q_starts, batch.q_lens, batch.seq_lens, splits,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            keys.stride(0), keys.stride(1), keys.stride(2),
+            values.stride(0), values.stride(1), values.stride(2),
+            batch.tables.stride(0), scale,
+            GROUP=group, GROUP_P=group_p, BLOCK_M=block_m,
+            ROWS=max(_MIN_ROWS, block_m * group_p), BLOCK_N=_BLOCK_N, BLOCK_SIZE=block_size,
+            HEAD_DIM=head_dim, BLOCK_D=block_d,
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        )  # fmt: skip
+        if splits > 1:
+            combine[(rows, heads)](
+                part_acc, part_ml, out, batch.q_starts, splits, out.stride(0), out.stride(1),
+                SPLITS_P=triton.next_power_of_2(splits), HEAD_DIM=head_dim, BLOCK_D=block_d,
+            )  # fmt: skip
     return out
+
+
+def _on(device: torch.device):
+    """Triton launches on the current CUDA device: make it the tensors' one."""
+    if device.type == "cuda" and device.index not in (None, torch.cuda.current_device()):
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()

@@ -120,6 +120,7 @@ class LlamaModel:
         greedy_screen: bool = True,
         quantization: Quantization = "none",
         deterministic: bool = False,
+        gpu_attention: bool = False,
     ) -> None:
         """``kernels``: engine.kernels.cpu_ops() to run the fused CPU path, or None.
         ``greedy_screen``: with kernels, an int8 or float16 copy of the head screens
@@ -129,9 +130,12 @@ class LlamaModel:
         are and the float ones in float.
         ``deterministic``: each row's arithmetic does not depend on the other rows
         of the batch (docs/deterministic.md): torch ops run a row at a time, the
-        quantized kernel on its integer path; no greedy screen."""
+        quantized kernel on its integer path; no greedy screen.
+        ``gpu_attention``: attention goes through the Triton kernel that reads the
+        paged cache in place (engine/gpu/); callers build metadata for it."""
         self.spec = spec
         self.deterministic = deterministic
+        self.gpu_attention = gpu_attention
         self.rows = each_row if deterministic else whole  # how row-local torch code runs
         self.kernels = kernels
         self.scale = spec.head_dim**-0.5

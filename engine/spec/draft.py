@@ -26,6 +26,7 @@ import torch
 from engine.block_pool import BlockPool, Holder
 from engine.config import EngineConfig, ModelSpec
 from engine.device import resolve_device
+from engine.gpu.paged_attention import use_kernel as use_gpu_kernel
 from engine.kernels import select as select_kernels
 from engine.kv_cache import KVCache, KVLayout
 from engine.loader import load_hf_config, load_weights, model_fingerprint, resolve_model_dir
@@ -64,12 +65,14 @@ class DraftProposer:
         self.device = device = resolve_device(config.device)
         dtype = getattr(torch, config.dtype)
         state = load_weights(draft_config, model_dir, spec, hf_config)
-        kernels = select_kernels(config.cpu_kernels, device, dtype)
+        gpu_attention = use_gpu_kernel(config.attention, device, config.deterministic)
+        kernels = None if gpu_attention else select_kernels(config.cpu_kernels, device, dtype)
         # The draft proposes from its logits (argmax or probabilities) and never
         # calls greedy_tokens: no screen copy of its head.
         self.model = LlamaModel(
-            spec, state, hf_config, max_len, dtype, device, kernels, greedy_screen=False
-        )
+            spec, state, hf_config, max_len, dtype, device, kernels,
+            greedy_screen=False, gpu_attention=gpu_attention,
+        )  # fmt: skip
         del state
         layout = KVLayout(
             model_fingerprint=model_fingerprint(

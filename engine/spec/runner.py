@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import PrefillSlice, build_metadata
+from engine.attention import PrefillSlice, build_metadata, slice_table
 from engine.kv_cache import KVCache
 from engine.models.llama import LlamaModel
 
@@ -44,15 +44,16 @@ def last_token_logits(
             decode_tables.append(table)
             decode_lens.append(c.start + 1)
         else:
-            table_t = torch.tensor(table, device=device)
+            table_t = slice_table(table, device, model.gpu_attention)
             prefills.append(PrefillSlice(len(slots), n, c.start, table_t))
         input_ids += c.token_ids
         positions += span
         slots += [table[p // bs] * bs + p % bs for p in span]
         last_rows[i] = len(slots) - 1
     meta = build_metadata(
-        bs, decode_tables, decode_lens, prefills, slots, device, fused=model.fused
-    )
+        bs, decode_tables, decode_lens, prefills, slots, device, fused=model.fused,
+        gpu_kernel=model.gpu_attention,
+    )  # fmt: skip
     hidden = model.forward(
         torch.tensor(input_ids, device=device), torch.tensor(positions, device=device), meta, cache
     )
