@@ -38,8 +38,10 @@ import torch
 from decode_pool.actor import DecodeActor
 from engine.llm_engine import LLMEngine
 from engine.sequence import Sequence
-from kv_transfer import GrpcKVClient, KVBlocks, PushResult
+from kv_transfer import GrpcKVClient, PushResult
+from kv_transfer.feed import KVFeed
 from kv_transfer.grpc_client import MessageFilter
+from kv_transfer.interface import PushHeader
 from prefill_pool.actor import PrefillActor
 from prefill_pool.worker import PrefillWorker
 
@@ -140,13 +142,13 @@ class FaultyPrefillWorker(PrefillWorker):
         self.faults = FaultPlan(TransferFaults())
         inject_nan(self.engine, starts_with_nan_prompt)
 
-    async def _push(self, address: str, blocks: KVBlocks) -> PushResult:
+    async def _push(self, address: str, header: PushHeader, feed: KVFeed) -> PushResult:
         fault = self.faults.next_filter()
         if fault is None:
-            return await super()._push(address, blocks)
+            return await super()._push(address, header, feed)
         client = GrpcKVClient(self.transfer_config, message_filter=fault)
         try:
-            return await client.push(address, self.store, blocks)
+            return await client.stream(address, header, feed)
         finally:
             await client.close()
 
