@@ -94,12 +94,14 @@ def decode_start(router_id: str, num_prompt_tokens: int) -> bytes:
         "router_id": router_id,
         "num_prompt_tokens": num_prompt_tokens,
         "params": {"temperature": 0.0, "max_tokens": 2, "ignore_eos": True},
-        "first_text": "x",
-        "first_logprobs": None,
-        "num_cached_tokens": 0,
-        "num_output_tokens": 1,
     }
     return json.dumps(start).encode()
+
+
+FIRST_TOKEN = json.dumps(
+    {"text": "x", "logprobs": None, "num_cached_tokens": 0, "num_output_tokens": 1}
+).encode()
+"""The commit's first token (protocol/decode_start.py's FirstToken)."""
 
 
 async def push(
@@ -121,7 +123,6 @@ async def push(
         block_hashes=hashes,
         token_ids=token_ids[: n * layout.block_size],
         total_bytes=n * layout.block_bytes,
-        next_token_ids=[token_ids[-1]],
         decode_start=decode_start(router_id, n * layout.block_size),
     )
     async with _channel(kv_address, secret) as channel:
@@ -144,7 +145,7 @@ async def push(
             ):
                 size = (span[1] - span[0]) * (span[3] - span[2]) * layout.block_bytes_per_layer
                 await call.write(wire.encode_chunk(span, hashes[span[2] : span[3]], size, _forge))
-            await call.write(wire.encode_commit())
+            await call.write(wire.encode_commit([token_ids[-1]], FIRST_TOKEN))
             await call.done_writing()
             reply = await call
         except grpc.aio.AioRpcError as e:
@@ -178,7 +179,6 @@ async def reserve(
         num_blocks=num_blocks,
         total_bytes=num_blocks * layout.block_bytes,
         token_ids=[1] * (num_blocks * layout.block_size),
-        next_token_ids=[1],
         decode_start=decode_start(router_id, num_blocks * layout.block_size),
     )
     channel = _channel(kv_address, secret)

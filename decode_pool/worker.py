@@ -34,7 +34,7 @@ from engine.config import EngineConfig
 from engine.detokenizer import stop_matcher
 from engine.llm_engine import LLMEngine
 from kv_transfer import CommittedPush, GrpcKVServer, TransferConfig, TransferError
-from protocol.decode_start import BadStart, DecodeStart
+from protocol.decode_start import BadStart, DecodeStart, FirstToken
 from protocol.outputs import RequestOutput
 from protocol.requests import DecodeRequest
 from protocol.workers import WorkerInfo, WorkerStats
@@ -108,17 +108,25 @@ class DecodeWorker(EngineWorker):
         stream, then it joins the batch. The blocks are the request's now."""
         rid = push.request_id
         start = DecodeStart.decode(push.decode_start)  # checked at the header
-        if self._was_aborted(rid) or not self._own(rid, start.router_id):
+        try:
+            first_token = FirstToken.decode(push.first_token)
+        except BadStart as exc:  # a broken sender: the request cannot start
+            log.warning("request %s could not start: %s", rid, exc)
+            first_token = None
+        refused = self._was_aborted(rid) or not self._own(rid, start.router_id)
+        if refused or first_token is None:
 
             def drop(engine) -> None:
                 self.reserve.settled(rid)  # its blocks leave the push's lease here
                 engine.block_pool.release_held([push.blocks])
+                if not refused:  # its router learns it failed
+                    self.publish_outputs([RequestOutput.aborted(rid)], self._room_change())
 
             self._on_engine(drop)
             return
         tokens = push.token_ids + push.next_token_ids
         prompt, outputs = tokens[: start.num_prompt_tokens], tokens[start.num_prompt_tokens :]
-        first = start.first_output(rid, push.next_token_ids)
+        first = first_token.output(rid, push.next_token_ids, start.num_prompt_tokens)
         matcher = stop_matcher(start.params.stop)  # here, not on the engine thread
         log_event(
             log,

@@ -52,7 +52,7 @@ from engine.sampling import (
     seed_for_token,
 )
 from engine.scheduler import ScheduledSeq, Scheduler
-from engine.sequence import SeqStatus, Sequence
+from engine.sequence import KVWatcher, SeqStatus, Sequence
 from engine.simulated import SimulatedModel
 from engine.spec import SpecDecoder
 from protocol.outputs import RequestOutput, TokenLogprobs
@@ -329,6 +329,7 @@ class LLMEngine(RequestFaults):
         output_token_ids: Seq[int] = (),
         stop_matcher: StopMatcher | None = None,
         cache_salt: bytes = b"",
+        kv_watcher: KVWatcher | None = None,
     ) -> None:
         """Queue a request. ``output_token_ids``: tokens it generated already
         (elsewhere, before a failover); they are computed with the prompt and
@@ -336,7 +337,9 @@ class LLMEngine(RequestFaults):
         count, stop strings, penalties and detokenizer state. ``stop_matcher``:
         ``stop_matcher(params.stop)`` built by the caller off the engine thread
         (None: built here). ``cache_salt``: its prefix-cache domain (every block
-        hash of it uses it); only requests of the same salt share cached blocks."""
+        hash of it uses it); only requests of the same salt share cached blocks.
+        ``kv_watcher``: told after each layer of each step where its KV stands
+        (engine/sequence.py), for a prefill that sends its KV as it goes."""
         seq = self._new_seq(
             request_id,
             prompt_token_ids,
@@ -346,6 +349,7 @@ class LLMEngine(RequestFaults):
             stop_matcher,
             cache_salt,
         )
+        seq.kv_watcher = kv_watcher
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> bool:
@@ -437,6 +441,9 @@ class LLMEngine(RequestFaults):
                 speculated.append(seq)
                 continue
             seq.num_computed += item.num_tokens
+            if seq.kv_watcher is not None:  # before a finish can free its blocks
+                done, layers = seq.num_computed, self.kv_layout.num_layers
+                seq.kv_watcher(seq.block_table, done - item.num_tokens, done, layers)
             outputs += self._guarded(seq, lambda seq=seq: self._cache_full_blocks(seq) or [])
         for seq, token in zip(to_sample, sampled, strict=True):
             if token.error is not None:
@@ -520,13 +527,34 @@ class LLMEngine(RequestFaults):
             bs, decode_tables, decode_lens, prefills, slots, self.device, self.model.fused,
             row_invariant=deterministic, gpu_kernel=self.model.gpu_attention,
         )  # fmt: skip
-        hidden = self.model.forward(
-            torch.tensor(input_ids, device=self.device),
-            torch.tensor(positions, device=self.device),
-            meta,
-            self.kv_cache,
-        )
+        with self._layer_reports(batch):
+            hidden = self.model.forward(
+                torch.tensor(input_ids, device=self.device),
+                torch.tensor(positions, device=self.device),
+                meta,
+                self.kv_cache,
+            )
         return sample_rows, spec_rows, hidden
+
+    @contextlib.contextmanager
+    def _layer_reports(self, batch: list[ScheduledSeq]) -> Iterator[None]:
+        """While the model computes: after each layer, tell the watched
+        sequences of ``batch`` that this layer holds their new tokens' KV."""
+        watched = [item for item in batch if item.seq.kv_watcher is not None]
+        if not watched or not isinstance(self.model, LlamaModel):
+            yield
+            return
+
+        def after_layer(layer: int) -> None:
+            for item in watched:
+                seq, start = item.seq, item.seq.num_computed
+                seq.kv_watcher(seq.block_table, start, start + item.num_tokens, layer + 1)
+
+        self.model.after_layer = after_layer
+        try:
+            yield
+        finally:
+            self.model.after_layer = None
 
     def _cache_full_blocks(self, seq: Sequence) -> None:
         if not self.config.enable_prefix_caching:

@@ -7,6 +7,7 @@ and live in protocol/outputs.py; they are re-exported here.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -19,6 +20,13 @@ from protocol.outputs import RequestOutput, TokenLogprobs
 from protocol.sampling import SamplingParams
 
 __all__ = ["RequestOutput", "SeqStatus", "Sequence", "TokenLogprobs"]
+
+
+KVWatcher = Callable[[list[int], int, int, int], None]
+"""Told during a step where a sequence's KV stands: (its blocks, the tokens
+whose KV every layer held before the step, the tokens whose KV layers
+[0, ``layers``) hold now, ``layers``). Called on the engine thread, from the
+model's forward pass too, while the blocks are the sequence's."""
 
 
 class SeqStatus(enum.Enum):
@@ -49,6 +57,7 @@ class Sequence:
     # Proposed tokens after the last one, verified by this step (engine/spec/);
     # never part of num_tokens and never hashed.
     spec_token_ids: list[int] = field(default_factory=list)
+    kv_watcher: KVWatcher | None = None  # a prefill that streams its KV out (LLMEngine.add_request)
 
     @cached_property
     def holder(self) -> Holder:

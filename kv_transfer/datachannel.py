@@ -100,7 +100,9 @@ END_FRAME = FRAME.pack(END_MAGIC, 0, 0, 0, 0, 0, 0)
 
 
 class DataSender:
-    """Sends a KVSender's chunks over one data connection, in a worker thread."""
+    """Sends a KVSender's chunks over one data connection: ``open``, then
+    ``send`` as chunks become ready, then ``end``; each call blocks (run them
+    in a worker thread, one at a time) and raises OSError on failure."""
 
     def __init__(
         self,
@@ -122,9 +124,9 @@ class DataSender:
         self._lock = threading.Lock()
         self._aborted = False
 
-    def run(self) -> None:
-        """Connect and send every chunk and the end frame; OSError on failure
-        (``connected`` tells whether the connection was made)."""
+    def open(self) -> None:
+        """Connect and answer the handshake (``connected`` tells whether the
+        connection was made)."""
         sock = socket.create_connection((self.host, self.port), timeout=self.timeout_s)
         self.connected = True
         ctx = self.security.client_ssl_context()
@@ -136,44 +138,61 @@ class DataSender:
             except BaseException:
                 sock.close()
                 raise
-        self.send_on(sock)
+        self.start_on(sock)
 
-    def send_on(self, sock: socket.socket) -> None:
-        """Answer the handshake, send every chunk and the end frame; closes ``sock``."""
+    def start_on(self, sock: socket.socket) -> None:
+        """Answer the handshake on a connected ``sock``, which is this sender's
+        from now on (closed by ``end`` or ``close``)."""
         with self._lock:
             if self._aborted:
                 sock.close()
                 raise ConnectionAbortedError("push abandoned")
             self._sock = sock
-        try:
-            tune(sock)
-            audience = handshake.tcp_audience(self.host, self.port)
-            handshake.connect(
-                sock, self.security, HANDSHAKE_TAG, self.token, audience, HANDSHAKE_TIMEOUT_S
-            )
-            for span, views in self.sender.chunks():
-                nbytes = sum(v.nbytes for v in views)
-                frame = encode_frame(span, nbytes, checksum(views))
-                if self.frame_filter is None:
-                    send_buffers(sock, [frame, *views])
-                else:
-                    out = self.frame_filter(frame + b"".join(views))
-                    if out is not None:
-                        sock.sendall(out)
-                self.sender.bytes_sent += nbytes
-            sock.sendall(END_FRAME)
-        finally:
-            with self._lock:
-                self._sock = None
-                sock.close()
+        tune(sock)
+        audience = handshake.tcp_audience(self.host, self.port)
+        handshake.connect(
+            sock, self.security, HANDSHAKE_TAG, self.token, audience, HANDSHAKE_TIMEOUT_S
+        )
+
+    def send(self, spans: Sequence[tuple[int, int, int, int]]) -> None:
+        """One frame per chunk, its payload straight from the blocks."""
+        sock = self._connected()
+        for span in spans:
+            views = self.sender.views(span)
+            nbytes = sum(v.nbytes for v in views)
+            frame = encode_frame(span, nbytes, checksum(views))
+            if self.frame_filter is None:
+                send_buffers(sock, [frame, *views])
+            else:
+                out = self.frame_filter(frame + b"".join(views))
+                if out is not None:
+                    sock.sendall(out)
+            self.sender.bytes_sent += nbytes
+
+    def end(self) -> None:
+        """The end frame; then the connection closes."""
+        self._connected().sendall(END_FRAME)
+        self.close()
+
+    def close(self) -> None:
+        with self._lock:
+            sock, self._sock = self._sock, None
+        if sock is not None:
+            sock.close()
 
     def abort(self) -> None:
-        """Make ``run`` stop soon (from another thread)."""
+        """Make a blocked call return soon (from another thread)."""
         with self._lock:
             self._aborted = True
             if self._sock is not None:
                 with contextlib.suppress(OSError):
                     self._sock.shutdown(socket.SHUT_RDWR)
+
+    def _connected(self) -> socket.socket:
+        with self._lock:
+            if self._aborted or self._sock is None:
+                raise ConnectionAbortedError("push abandoned")
+            return self._sock
 
 
 # ---- receiving side ----

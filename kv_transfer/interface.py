@@ -14,16 +14,20 @@ whatever moved the bytes.
 from __future__ import annotations
 
 import enum
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import grpc
 
 from engine.block_pool import Held, Holder
 from engine.kv_layout import KVLayout
 from net.security import ClusterSecurity
+
+if TYPE_CHECKING:
+    from .feed import KVFeed
 
 # Room a chunk message needs beyond its payload (block hashes, span, checksum).
 CHUNK_OVERHEAD_BYTES = 1 << 20
@@ -94,7 +98,8 @@ class TransferConfig:
     chunk_bytes: int = 8 << 20
     """Target payload size of one chunk message."""
     timeout_s: float = 60.0
-    """Default deadline of one client call."""
+    """Default deadline of one client pull, and the longest a push may go without
+    progress (a streamed push lasts as long as its prefill)."""
     data_channel: bool = True
     """gRPC mover: carry a push's chunks over a raw TCP connection negotiated
     in the PushBlocks call (datachannel.py; several times the throughput of
@@ -106,6 +111,12 @@ class TransferConfig:
     module). Off: under TLS, chunks go over the gRPC stream, which was as fast
     for bulk pushes and saves small pushes a TLS handshake per data
     connection (docs/benchmarks.md). Without TLS it has no effect."""
+    stream_push: bool = True
+    """A prefill worker opens its push as soon as the prompt's first step ran and
+    sends each block's KV once computed, layer by layer, while the rest of the
+    prompt is computed; the first token, sampled last, goes in the commit. False:
+    the push starts once the prefill is done (TTFT then includes the whole
+    transfer, and the decode worker holds the blocks only while they move)."""
     max_concurrent_pushes: int = 32
     """Pushes one client runs at once; more wait their turn before their call
     (and its deadline) starts, so that under a burst each push stays short
@@ -146,8 +157,26 @@ class TransferConfig:
 
 
 @dataclass(frozen=True)
+class PushHeader:
+    """What a push's header says: known before the KV of its blocks is
+    computed (a prefill pushes while it computes; kv_transfer/feed.py)."""
+
+    request_id: str
+    token_ids: Sequence[int]  # the tokens whose KV the blocks hold
+    block_hashes: Sequence[bytes | None] = ()  # one per block (None: a partial one), or none
+    decode_start: bytes = b""  # what the receiving decode worker checks and starts with
+    cache_salt: bytes = b""  # the request's prefix-cache domain (its blocks' hash ``extra``)
+    grant: bytes = field(default=b"", repr=False)  # the router's push grant (net/grants.py)
+
+    def hashes_of(self, start: int, end: int) -> list[bytes]:
+        """The hashes of blocks [start, end) as the header names them (b"": none)."""
+        named = self.block_hashes
+        return [(named[i] if i < len(named) else None) or b"" for i in range(start, end)]
+
+
+@dataclass(frozen=True)
 class KVBlocks:
-    """Blocks of one request on the sending side."""
+    """Blocks of one request on the sending side, all computed already."""
 
     request_id: str
     block_ids: Sequence[int]
@@ -157,6 +186,17 @@ class KVBlocks:
     decode_start: bytes = b""  # what the receiving decode worker starts the request with
     cache_salt: bytes = b""  # the request's prefix-cache domain (its blocks' hash ``extra``)
     grant: bytes = field(default=b"", repr=False)  # the router's push grant (net/grants.py)
+    first_token: bytes = b""  # the first token's details, for the commit (decode_start.py)
+
+    def header(self) -> PushHeader:
+        return PushHeader(
+            self.request_id,
+            self.token_ids,
+            self.block_hashes,
+            self.decode_start,
+            self.cache_salt,
+            self.grant,
+        )
 
 
 @dataclass(frozen=True)
@@ -186,10 +226,11 @@ class CommittedPush:
     request_id: str
     blocks: Held  # the transfer's holder and its blocks; the handler takes them on
     token_ids: list[int]  # the tokens whose KV the blocks hold
-    next_token_ids: list[int]  # sampled after them
-    decode_start: bytes
+    next_token_ids: list[int]  # sampled after them (from the commit)
+    decode_start: bytes  # from the header
     held_blocks: int  # leading blocks the receiver held before the push
     cache_salt: bytes = b""  # what its blocks are indexed under here (chain.py)
+    first_token: bytes = b""  # from the commit (protocol/decode_start.py's FirstToken)
 
 
 class PushHandler(Protocol):
@@ -272,9 +313,30 @@ class KVTransferClient(ABC):
     """Pushes blocks to, and pulls blocks from, a ``KVTransferServer``."""
 
     @abstractmethod
+    async def stream(
+        self,
+        address: str,
+        header: PushHeader,
+        feed: KVFeed,
+        *,
+        timeout_s: float | None = None,
+    ) -> PushResult:
+        """The push: the header once ``feed`` started, each chunk once the feed
+        has it, then the commit with the feed's final. ``timeout_s`` bounds the
+        time without progress (the feed's or the bytes'). The feed is closed
+        (its blocks released) when this returns or raises."""
+
     async def push(
         self, address: str, source: BlockSource, blocks: KVBlocks, *, timeout_s: float | None = None
-    ) -> PushResult: ...
+    ) -> PushResult:
+        """Push blocks whose KV is computed already: a feed ready at once."""
+        from .feed import Final, KVFeed
+        from .lease import lease_holder
+
+        holder = lease_holder("send", blocks.request_id)
+        final = Final(tuple(blocks.next_token_ids), blocks.first_token)
+        feed = KVFeed.ready(source, threading.RLock(), holder, blocks.block_ids, final)
+        return await self.stream(address, blocks.header(), feed, timeout_s=timeout_s)
 
     @abstractmethod
     async def pull(

@@ -34,7 +34,7 @@ from protos.tandem.v1 import kv_transfer_pb2 as pb
 from .chain import cache_salt_for, pulled_hashes, push_hashes
 from .interface import BlockSink, NoRoom, TransferError, TransferState
 from .lease import lease_holder
-from .wire import COMMIT, Chunk, Malformed, Message, layout_from_proto
+from .wire import Chunk, Commit, Malformed, Message, layout_from_proto
 
 if TYPE_CHECKING:
     from .datachannel import IncomingData
@@ -67,7 +67,8 @@ class KVReceiver:
         self.block_hashes: list[bytes] = []  # as the chunks name them
         self._cached_hashes: list[bytes] = []  # as the prefix cache indexes them
         self.token_ids: list[int] = []
-        self.next_token_ids: list[int] = []
+        self.next_token_ids: list[int] = []  # from the commit
+        self.first_token = b""  # from the commit
         self.bytes_received = 0
         self._seen: np.ndarray | None = None  # [num_layers, num_blocks] chunks written
         self._block_layer_bytes = sink.layout.block_bytes_per_layer
@@ -83,8 +84,8 @@ class KVReceiver:
                 self.on_header(msg)
             elif isinstance(msg, Chunk):
                 self.on_chunk(msg)
-            elif msg is COMMIT:
-                self.commit()
+            elif isinstance(msg, Commit):
+                self.commit(msg)
                 return True
         except NoRoom:
             raise  # nothing held, still pending: the header may come again
@@ -129,7 +130,6 @@ class KVReceiver:
         self._cached_hashes = hashes
         self.cache_salt = cache_salt_for(self.sink.layout.wire_dtype, header.cache_salt)
         self.token_ids = list(header.token_ids)
-        self.next_token_ids = list(header.next_token_ids)
         self.decode_start = header.decode_start
         self._seen = np.zeros((self.sink.layout.num_layers, n), dtype=bool)
         self._seen[:, : self.held_blocks] = True
@@ -245,8 +245,9 @@ class KVReceiver:
         assert self.holder is not None, "no header yet"
         return Held(self.holder, self.block_ids)
 
-    def commit(self) -> Held:
-        """Index the blocks; they are the caller's to release or hand over."""
+    def commit(self, message: Commit | None = None) -> Held:
+        """Index the blocks; they are the caller's to release or hand over.
+        ``message``: a push's commit, with the tokens sampled after the blocks'."""
         if self.state is not TransferState.TRANSFERRING or self._seen is None:
             raise TransferError(_INVALID, "commit before header")
         if self._inflight is not None:
@@ -255,6 +256,9 @@ class KVReceiver:
             missing = int((~self._seen).sum())
             raise TransferError(_INVALID, f"commit with {missing} (layer, block) parts missing")
         self.sink.commit(self.block_ids, self._cached_hashes, self.token_ids)
+        if message is not None:
+            self.next_token_ids = list(message.next_token_ids)
+            self.first_token = message.first_token
         self.state = TransferState.SUCCEEDED
         return self.held
 

@@ -1,152 +1,126 @@
 """The sending half of a transfer, whatever moves the bytes.
 
-Takes blocks already pinned in the source by the transfer's lease holder
-and yields the encoded header and chunks; ``close`` releases them exactly
-once, whether the transfer succeeded, failed or was abandoned. The header
-names every block; a push whose receiver answers that it holds the first k
+Its blocks come from a ``KVFeed`` (feed.py), which pins them as their KV
+becomes ready and releases them on ``close``, exactly once, whether the
+transfer succeeded, failed or was abandoned. The header names every block
+from the start; a push whose receiver answers that it holds the first k
 already (``skip``) sends chunks for the others only, numbered as in the
-header.
+header. ``take`` gives the chunks ready since the last call, split to at
+most ``chunk_bytes`` each, then the final that the commit carries.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 
-from engine.block_pool import Holder
 from protos.tandem.v1 import kv_transfer_pb2 as pb
 
-from .interface import BlockSource, KVBlocks, TransferState, new_staging
-from .lease import lease_holder
-from .wire import encode_chunk, encode_header, layout_to_proto, plan_chunks
+from .feed import Final, KVFeed, Span
+from .interface import PushHeader, TransferState, new_staging
+from .wire import encode_chunk, encode_commit, encode_header, layout_to_proto, plan_chunks
 
 
 class KVSender:
-    def __init__(
-        self,
-        source: BlockSource,
-        holder: Holder,
-        request_id: str,
-        pinned_block_ids: Sequence[int],
-        block_hashes: Sequence[bytes | None],
-        token_ids: Sequence[int],
-        chunk_bytes: int,
-        next_token_ids: Sequence[int] = (),
-        decode_start: bytes = b"",
-        cache_salt: bytes = b"",
-        grant: bytes = b"",
-    ) -> None:
-        if len(block_hashes) != len(pinned_block_ids):
-            raise ValueError(f"{len(block_hashes)} hashes for {len(pinned_block_ids)} blocks")
-        self.source = source
-        self.holder = holder  # pins ``block_ids``
+    def __init__(self, feed: KVFeed, header: PushHeader, chunk_bytes: int) -> None:
+        self.feed = feed
+        self.source = feed.source
+        self.header_fields = header
         self.state = TransferState.TRANSFERRING
-        self.request_id = request_id
-        self.block_ids = list(pinned_block_ids)
-        self.block_hashes = [h or b"" for h in block_hashes]
-        self.token_ids = list(token_ids)
-        self.next_token_ids = list(next_token_ids)
-        self.decode_start = decode_start
-        self.cache_salt = cache_salt
-        self.grant = grant
         self.chunk_bytes = chunk_bytes
         self.skipped = 0  # leading blocks the receiver holds: no chunk carries them
         self.bytes_sent = 0
-
-    @classmethod
-    def push(cls, source: BlockSource, blocks: KVBlocks, chunk_bytes: int) -> KVSender:
-        """The sender of a push: its own lease holder pins ``blocks`` (once
-        the sender, which releases them, exists)."""
-        sender = cls(
-            source,
-            lease_holder("send", blocks.request_id),
-            blocks.request_id,
-            blocks.block_ids,
-            blocks.block_hashes,
-            blocks.token_ids,
-            chunk_bytes,
-            blocks.next_token_ids,
-            blocks.decode_start,
-            blocks.cache_salt,
-            blocks.grant,
-        )
-        source.pin(sender.holder, blocks.block_ids)
-        return sender
+        self._staging: memoryview | None = None
 
     @property
-    def total_bytes(self) -> int:
-        return len(self.block_ids) * self.source.layout.block_bytes
+    def request_id(self) -> str:
+        return self.header_fields.request_id
 
     def header(self) -> pb.TransferHeader:
+        """The header: every block the feed will bring (taken once it started)."""
+        h, layout = self.header_fields, self.source.layout
+        n = self.feed.num_blocks
+        hashes = list(h.block_hashes[:n]) if n else []
         return pb.TransferHeader(
-            layout=layout_to_proto(self.source.layout),
-            request_id=self.request_id,
-            num_blocks=len(self.block_ids),
-            block_hashes=self.block_hashes,
-            token_ids=self.token_ids,
-            next_token_ids=self.next_token_ids,
-            total_bytes=self.total_bytes,
-            decode_start=self.decode_start,
-            grant=self.grant,
-            cache_salt=self.cache_salt,
+            layout=layout_to_proto(layout),
+            request_id=h.request_id,
+            num_blocks=n,
+            block_hashes=[b or b"" for b in hashes],
+            token_ids=list(h.token_ids[: self.feed.num_tokens]) if n else [],
+            total_bytes=n * layout.block_bytes,
+            decode_start=h.decode_start,
+            grant=h.grant,
+            cache_salt=h.cache_salt,
         )
 
     def skip(self, held: int) -> None:
         """The receiver holds the first ``held`` blocks: send the others only
-        (before the first chunk is asked for). At least the last block is sent."""
-        if not 0 <= held < max(len(self.block_ids), 1):
-            raise ValueError(f"receiver holds {held} of {len(self.block_ids)} blocks")
+        (before the first chunk is taken). At least the last block is sent."""
+        if not 0 <= held < max(self.feed.num_blocks, 1):
+            raise ValueError(f"receiver holds {held} of {self.feed.num_blocks} blocks")
         self.skipped = held
+        self.feed.skip(held)
 
-    def spans(self) -> list[tuple[int, int, int, int]]:
-        layout = self.source.layout
-        k = self.skipped
-        spans = plan_chunks(
-            layout.num_layers,
-            len(self.block_ids) - k,
-            layout.block_bytes_per_layer,
-            self.chunk_bytes,
-        )
-        return [(ls, le, bs + k, be + k) for ls, le, bs, be in spans]
+    def take(self) -> tuple[list[Span], Final | None]:
+        """The chunks ready since the last take, and the final after the last one."""
+        spans, final = self.feed.take()
+        per_layer = self.source.layout.block_bytes_per_layer
+        chunks = []
+        for ls, le, bs, be in spans:
+            for cls_, cle, cbs, cbe in plan_chunks(le - ls, be - bs, per_layer, self.chunk_bytes):
+                chunks.append((ls + cls_, ls + cle, bs + cbs, bs + cbe))
+        return chunks, final
 
-    def chunks(self) -> Iterator[tuple[tuple[int, int, int, int], list[memoryview]]]:
-        """Each chunk's span and payload as views, in wire order.
+    def span_bytes(self, span: Span) -> int:
+        ls, le, bs, be = span
+        return (le - ls) * (be - bs) * self.source.layout.block_bytes_per_layer
 
-        Views of the pinned blocks themselves where the source offers them
-        (``buffers``), else of a staging buffer that the next chunk reuses:
-        use the views before asking for the next chunk.
-        """
-        layout = self.source.layout
+    def block_ids(self, span: Span) -> list[int]:
+        ids = self.feed.block_ids[span[2] : span[3]]
+        assert None not in ids, "a span of unpinned blocks"
+        return ids  # type: ignore[return-value]
+
+    def views(self, span: Span) -> list[memoryview]:
+        """A chunk's payload as views: of the pinned blocks themselves where the
+        source offers them (``buffers``), else of a staging buffer that the
+        next call reuses (use the views before asking for the next)."""
+        ls, le, _, _ = span
+        blocks = self.block_ids(span)
         buffers = getattr(self.source, "buffers", None)
-        staging: memoryview | None = None
-        for span in self.spans():
-            ls, le, bs, be = span
-            blocks = self.block_ids[bs:be]
-            views = buffers(blocks, ls, le) if buffers is not None else None
-            if views is None:
-                size = (le - ls) * len(blocks) * layout.block_bytes_per_layer
-                if staging is None or staging.nbytes < size:
-                    staging = new_staging(self.source, size)
-                self.source.read_into(blocks, ls, le, staging[:size])
-                views = [staging[:size]]
-            yield span, views
+        views = buffers(blocks, ls, le) if buffers is not None else None
+        if views is None:
+            size = self.span_bytes(span)
+            if self._staging is None or self._staging.nbytes < size:
+                self._staging = new_staging(self.source, size)
+            self.source.read_into(blocks, ls, le, self._staging[:size])
+            views = [self._staging[:size]]
+        return views
+
+    def chunk_message(self, span: Span) -> bytes:
+        """A chunk as a message (the gRPC stream), gathered from the blocks."""
+        ls, le, bs, be = span
+        blocks = self.block_ids(span)
+
+        def fill(out: memoryview) -> None:
+            self.source.read_into(blocks, ls, le, out)
+
+        size = self.span_bytes(span)
+        msg = encode_chunk(span, self.header_fields.hashes_of(bs, be), size, fill)
+        self.bytes_sent += size
+        return msg
+
+    def commit_message(self, final: Final) -> bytes:
+        return encode_commit(final.next_token_ids, final.first_token)
 
     def messages(self) -> Iterator[bytes]:
-        """The encoded header, then each chunk, gathered only when asked for."""
-        layout = self.source.layout
+        """The encoded header, then every chunk, gathered only when asked for
+        (a feed ready from the start: a pull's)."""
         yield encode_header(self.header())
-        for span in self.spans():
-            ls, le, bs, be = span
-            blocks = self.block_ids[bs:be]
-            size = (le - ls) * len(blocks) * layout.block_bytes_per_layer
-
-            def fill(out: memoryview, blocks: list[int] = blocks, ls: int = ls, le: int = le):
-                self.source.read_into(blocks, ls, le, out)
-
-            yield encode_chunk(span, self.block_hashes[bs:be], size, fill)
-            self.bytes_sent += size
+        spans, _ = self.take()
+        for span in spans:
+            yield self.chunk_message(span)
 
     def close(self, succeeded: bool = False) -> None:
         """Unpin the blocks; safe to call more than once."""
         if self.state is TransferState.TRANSFERRING:
-            self.source.release(self.holder, self.block_ids)
+            self.feed.close()
             self.state = TransferState.SUCCEEDED if succeeded else TransferState.FAILED

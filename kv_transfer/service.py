@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 
@@ -45,11 +46,13 @@ from net.grants import (
 )
 from protos.tandem.v1 import kv_transfer_pb2 as pb
 
+from .feed import KVFeed
 from .interface import (
     NO_ROOM_WAIT,
     CommittedPush,
     NoRoom,
     PushHandler,
+    PushHeader,
     PushNoRoom,
     TransferConfig,
     TransferError,
@@ -186,6 +189,7 @@ class KVTransferService:
                     receiver.decode_start,
                     receiver.held_blocks,
                     receiver.cache_salt,
+                    receiver.first_token,
                 )
             )
             return
@@ -379,15 +383,9 @@ class OutgoingPull:
         holder = lease_holder("send", request.request_id)
         block_ids, token_ids = store.pin_hashes(holder, request.block_hashes)
         hashes: Sequence[bytes] = request.block_hashes[: len(block_ids)]
-        self.sender = KVSender(
-            store,
-            holder,
-            request.request_id,
-            block_ids,
-            hashes,
-            token_ids,
-            service.config.chunk_bytes,
-        )
+        feed = KVFeed.ready(store, threading.RLock(), holder, block_ids, pinned=True)
+        header = PushHeader(request.request_id, token_ids, hashes)
+        self.sender = KVSender(feed, header, service.config.chunk_bytes)
         self._lease = service.leases.grant(service.config.lease_s, self._expire)
 
     def messages(self) -> Iterator[bytes]:

@@ -43,7 +43,12 @@ class Chunk:
 
 @dataclass(frozen=True)
 class Commit:
-    pass
+    """A push's last message: the tokens sampled after the blocks' tokens and
+    the first token's details (protocol/decode_start.py); both empty in a push
+    that only moves blocks."""
+
+    next_token_ids: tuple[int, ...] = ()
+    first_token: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -52,7 +57,6 @@ class Malformed:
 
 
 Message = pb.TransferHeader | Chunk | Commit | Malformed
-COMMIT = Commit()
 
 
 def layout_to_proto(layout: KVLayout) -> pb.KVLayout:
@@ -116,8 +120,9 @@ def encode_header(header: pb.TransferHeader) -> bytes:
     return pb.PushRequest(header=header).SerializeToString()
 
 
-def encode_commit() -> bytes:
-    return pb.PushRequest(commit=pb.Commit()).SerializeToString()
+def encode_commit(next_token_ids: Sequence[int] = (), first_token: bytes = b"") -> bytes:
+    commit = pb.Commit(next_token_ids=next_token_ids, first_token=first_token)
+    return pb.PushRequest(commit=commit).SerializeToString()
 
 
 def encode_chunk(
@@ -162,7 +167,8 @@ def decode(data: bytes) -> Message:
         if number == HEADER_FIELD:
             return pb.TransferHeader.FromString(bytes(body))
         if number == COMMIT_FIELD:
-            return COMMIT
+            commit = pb.Commit.FromString(bytes(body))
+            return Commit(tuple(commit.next_token_ids), commit.first_token)
         if number == CHUNK_FIELD:
             return _decode_chunk(body)
         return Malformed(f"unknown field {number}")

@@ -25,21 +25,24 @@ import logging
 import time
 from collections.abc import Sequence
 
+import grpc
+
 from block_index import IndexSettings
-from engine.block_pool import Held, Holder
+from engine.block_pool import Held
 from engine.config import EngineConfig
 from engine.detokenizer import stop_matcher
 from engine.hashing import BlockHash, hash_blocks, root_hash
-from engine.llm_engine import KVExport, LLMEngine
+from engine.llm_engine import LLMEngine
 from kv_transfer import (
     GrpcKVClient,
     GrpcKVServer,
-    KVBlocks,
     PushResult,
     TransferConfig,
     TransferError,
 )
-from protocol.decode_start import DecodeStart
+from kv_transfer.feed import KVFeed
+from kv_transfer.interface import PushHeader
+from prefill_pool.push import first_token, push_feed, push_header
 from protocol.outputs import RequestFailed, RequestOutput
 from protocol.requests import PrefillRequest, PrefillResult
 from protocol.workers import WorkerInfo, WorkerStats
@@ -136,9 +139,12 @@ class PrefillWorker(EngineWorker):
         self.listen(rid, lambda out: first.done() or first.set_result(out))
         start = time.perf_counter()
         pulled: Held | None = None
+        feed = push_feed(req, self.store, self.loop.lock, self.engine.max_model_len)
+        push: asyncio.Task[PushResult] | None = None
         try:
             pulled = await self._pull_prefix(req)
             matcher = await asyncio.to_thread(stop_matcher, req.params.stop)
+            streamed = self.transfer_config.stream_push and feed.num_blocks > 0
             await self.loop.acall(
                 lambda e: e.add_request(
                     rid,
@@ -148,30 +154,40 @@ class PrefillWorker(EngineWorker):
                     req.output_token_ids,
                     matcher,
                     req.cache_salt,
+                    feed.progress if streamed else None,
                 )
             )
-            out = await first
+            header = push_header(req, self.store.layout)
+            push = asyncio.ensure_future(self._push(req.decode_kv_address, header, feed))
+            await asyncio.wait([first, push], return_when=asyncio.FIRST_COMPLETED)
+            if not first.done():  # the push failed (refused, no room) while the prefill ran
+                push.result()
+            out = first.result()
         except BaseException:
+            feed.fail(TransferError(grpc.StatusCode.CANCELLED, "the prefill failed"))
             await asyncio.shield(self.abort(rid))
+            await _settled(push)
             raise
         finally:
             self.unlisten(rid)
             if pulled is not None:  # the request holds its own references by now
                 self.store.release(pulled.holder, pulled.block_ids)
         prefilled = time.perf_counter()
-        if out.finish_reason == "abort":  # the abort may have come before the add: drop it
+        if out.finish_reason in ("abort", "error"):
+            feed.fail(TransferError(grpc.StatusCode.CANCELLED, "the request ended"))
+            await _settled(push)
+            if out.finish_reason == "error":  # the engine failed it alone and freed its blocks
+                raise RequestFailed(out.error or "no reason given")
+            # The abort may have come before the add: drop it.
             await asyncio.shield(self.loop.acall(lambda e: e.abort(rid)))
             return PrefillResult(rid, True, 0, 0, prefilled - start, 0.0, self._events_seq())
-        if out.finish_reason == "error":  # the engine failed it alone and freed its blocks
-            raise RequestFailed(out.error or "no reason given")
-        held: Held | None = None
         try:
-            blocks, held = self._blocks_to_push(req, out)
-            pushed = await self._push(req.decode_kv_address, blocks)
+            self.loop.call_here(lambda e: _finish(e, rid, out, feed))
+            pushed = await push
             self.kv_bytes_pushed += pushed.bytes_sent
         finally:
-            if held is not None:
-                self.loop.call_here(lambda e: e.block_pool.release_held([held]))
+            await _settled(push)
+            feed.close()
             if not out.finished:
                 self.loop.call_here(lambda e: e.abort(rid))
         done = time.perf_counter()
@@ -183,7 +199,7 @@ class PrefillWorker(EngineWorker):
             prompt_tokens=len(req.prompt_token_ids),
             cached_tokens=out.num_cached_tokens,
             held_blocks=pushed.held_blocks,
-            pushed_blocks=len(blocks.block_ids) - pushed.held_blocks,
+            pushed_blocks=feed.num_blocks - pushed.held_blocks,
             kv_bytes=pushed.bytes_sent,
             prefill_ms=round((prefilled - start) * 1e3, 2),
             transfer_ms=round((done - prefilled) * 1e3, 2),
@@ -209,56 +225,28 @@ class PrefillWorker(EngineWorker):
         super()._on_cache_events(stored, removed, host)
         self.publish_outputs([])
 
-    def _blocks_to_push(
-        self, req: PrefillRequest, out: RequestOutput
-    ) -> tuple[KVBlocks, Held | None]:
-        """The request's blocks and its first token, with what the decode
-        worker starts it with, and a hold on the blocks until the push is
-        over (taken with the export, under the engine's lock: the request may
-        be aborted while the push waits for its turn, and its blocks must not
-        go to another request meanwhile). A request its first token ended
-        moves no block: the push only carries that token to the decode
-        worker, the one source of the request's tokens."""
-        start = DecodeStart(
-            req.router_id,
-            len(req.prompt_token_ids),
-            req.params,
-            out.text_delta,
-            out.logprobs,
-            out.num_cached_tokens,
-            out.num_output_tokens,
-            out.finish_reason if out.finished else None,
-        ).encode()
-        if out.finished:
-            blocks = KVBlocks(
-                req.request_id, [], [], [], out.new_token_ids, start, req.cache_salt, req.push_grant
-            )
-            return blocks, None
-        holder = Holder("lease", f"export:{req.request_id}")
-
-        def export_and_hold(engine: LLMEngine) -> KVExport:
-            export = engine.export_kv(req.request_id, with_data=False)  # out of the batch
-            engine.block_pool.acquire(holder, export.block_ids)
-            return export
-
-        export = self.loop.call_here(export_and_hold)
-        hashes = export.block_hashes + [None] * (len(export.block_ids) - len(export.block_hashes))
-        known = export.prompt_token_ids + export.output_token_ids
-        # known[:-1] have their KV computed; the last is the token just sampled.
-        blocks = KVBlocks(
-            req.request_id,
-            export.block_ids,
-            hashes,
-            known[:-1],
-            known[-1:],
-            start,
-            req.cache_salt,
-            req.push_grant,
-        )
-        return blocks, Held(holder, list(export.block_ids))
-
-    async def _push(self, address: str, blocks: KVBlocks) -> PushResult:
-        """Push ``blocks`` to the decode worker at ``address``: every prefill's KV
-        leaves this worker here (a subclass may wrap it)."""
+    async def _push(self, address: str, header: PushHeader, feed: KVFeed) -> PushResult:
+        """Push the request to the decode worker at ``address`` as ``feed`` has
+        its KV: every prefill's KV leaves this worker here (a subclass may wrap it)."""
         assert self._client is not None, "worker not started"
-        return await self._client.push(address, self.store, blocks)
+        return await self._client.stream(address, header, feed)
+
+
+def _finish(engine: LLMEngine, request_id: str, out: RequestOutput, feed: KVFeed) -> None:
+    """The prefill is done (under the engine's lock): the feed pins what it
+    lacks of the request's blocks (taken out of the batch) and gets the first
+    token. A request its first token ended has no blocks left: what the feed
+    pinned as they were computed goes, or none (kv_transfer/feed.py)."""
+    blocks = None if out.finished else engine.export_kv(request_id, with_data=False).block_ids
+    feed.finish(blocks, first_token(out))
+
+
+async def _settled(task: asyncio.Task | None) -> None:
+    """Cancel ``task`` unless done, and wait for it; its error is not the news."""
+    if task is None:
+        return
+    if not task.done():
+        task.cancel()
+    await asyncio.wait([task])
+    if not task.cancelled():
+        task.exception()

@@ -10,8 +10,9 @@ the same types (engine/sampling.py and engine/sequence.py re-export them).
   engine step produced for one request;
 * ``protocol.requests``: the router's call per try (``PrefillRequest``,
   ``DecodeRequest``) and a prefill's ``PrefillResult``;
-* ``protocol.decode_start``: ``DecodeStart``, what a prefill's KV push
-  carries for the decode worker to start the request;
+* ``protocol.decode_start``: ``DecodeStart`` and ``FirstToken``, what a
+  prefill's KV push carries (in its header, in its commit) for the decode
+  worker to start the request;
 * ``protocol.workers``: ``WorkerInfo`` (a worker's identity and addresses),
   ``WorkerStats`` (its counters) and ``WorkerHealth`` (a health answer).
 """

@@ -398,9 +398,15 @@ class TransferSection(Section):
     """Blocks reserved or pinned for a KV transfer are freed after this long without
     progress."""
     timeout_s: float = Field(30.0, gt=0)
-    """Deadline of one KV push or pull; a stalled transfer fails after it, its blocks
-    are freed on both sides and the request is retried. Raise it on slow networks
-    with long prompts."""
+    """Deadline of one KV pull, and the longest a KV push may go without progress (a
+    streamed push lasts as long as its prefill); a stalled transfer fails after it,
+    its blocks are freed on both sides and the request is retried. Raise it on slow
+    networks with long prompts."""
+    stream: bool = True
+    """Push a prompt's KV to the decode worker while the prefill computes it, layer by
+    layer, so TTFT no longer includes the whole transfer; the decode worker then holds
+    the request's blocks from the prefill's first step on. false: push after the
+    prefill (the blocks are held only while they move)."""
     max_message_mb: int = Field(64, ge=16)
     """Largest message (MiB) of the internal endpoints (KV transfer, worker output
     streams) and largest KV data-channel frame; at least 16 (a chunk is 8 MiB)."""
@@ -430,6 +436,7 @@ class TransferSection(Section):
         return TransferConfig(
             lease_s=self.lease_s,
             timeout_s=self.timeout_s,
+            stream_push=self.stream,
             max_message_bytes=self.max_message_mb << 20,
             security=security,
             local_streams=self.local_output_streams,

@@ -14,7 +14,8 @@ A filter sees every outgoing push message (the header first, then each chunk,
 or each data-channel frame with its payload, then the commit). ``corrupt``
 flips the last byte of the first chunk, so the receiver's checksum check
 fails (DATA_LOSS); ``stall`` holds the first chunk back for ``stall_s``, so
-the push's deadline passes before it is sent.
+the push's deadline passes before it is sent; ``kill`` ends the worker's
+process at the first chunk, after the decode worker reserved the blocks.
 
 ``inject_nan`` makes an engine's hidden states (so its logits, on every
 sampling path) NaN for the requests a predicate picks; the Faulty*Actor
@@ -28,6 +29,8 @@ tests run from the repository root (pytest's rootdir).
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -38,8 +41,10 @@ import torch
 from decode_pool.actor import DecodeActor
 from engine.llm_engine import LLMEngine
 from engine.sequence import Sequence
-from kv_transfer import GrpcKVClient, KVBlocks, PushResult
+from kv_transfer import GrpcKVClient, PushResult
+from kv_transfer.feed import KVFeed
 from kv_transfer.grpc_client import MessageFilter
+from kv_transfer.interface import PushHeader
 from prefill_pool.actor import PrefillActor
 from prefill_pool.worker import PrefillWorker
 
@@ -82,6 +87,9 @@ class TransferFaults:
     """Then the next this many pushes stall before their first chunk."""
     stall_s: float = 0.0
     """How long a stalled push waits (longer than the transfer deadline)."""
+    kill_pushes: int = 0
+    """Then the next this many pushes kill their worker's process (SIGKILL) at
+    their first chunk: a sender dead half-way through a push."""
 
 
 class FaultPlan:
@@ -92,6 +100,7 @@ class FaultPlan:
         self._corrupt = faults.corrupt_pushes
         self._stall = faults.stall_pushes
         self._stall_s = faults.stall_s
+        self._kill = faults.kill_pushes
         self.injected = 0
 
     def next_filter(self) -> MessageFilter | None:
@@ -106,6 +115,10 @@ class FaultPlan:
                 self.injected += 1
                 stall_s = self._stall_s
                 return _on_first_chunk(lambda msg: _sleep_then(msg, stall_s))
+            if self._kill > 0:
+                self._kill -= 1
+                self.injected += 1
+                return _on_first_chunk(_die)
         return None
 
 
@@ -117,6 +130,11 @@ def _flip_last_byte(msg: bytes) -> bytes:
 
 def _sleep_then(msg: bytes, stall_s: float) -> bytes:
     time.sleep(stall_s)
+    return msg
+
+
+def _die(msg: bytes) -> bytes:
+    os.kill(os.getpid(), signal.SIGKILL)
     return msg
 
 
@@ -140,13 +158,13 @@ class FaultyPrefillWorker(PrefillWorker):
         self.faults = FaultPlan(TransferFaults())
         inject_nan(self.engine, starts_with_nan_prompt)
 
-    async def _push(self, address: str, blocks: KVBlocks) -> PushResult:
+    async def _push(self, address: str, header: PushHeader, feed: KVFeed) -> PushResult:
         fault = self.faults.next_filter()
         if fault is None:
-            return await super()._push(address, blocks)
+            return await super()._push(address, header, feed)
         client = GrpcKVClient(self.transfer_config, message_filter=fault)
         try:
-            return await client.push(address, self.store, blocks)
+            return await client.stream(address, header, feed)
         finally:
             await client.close()
 

@@ -10,21 +10,20 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from itertools import chain
 
 import grpc
 
 from engine.block_pool import Held
 from kv_transfer import wire
+from kv_transfer.feed import KVFeed
 from kv_transfer.grpc_client import MessageFilter
 from kv_transfer.interface import (
     BlockSink,
-    BlockSource,
-    KVBlocks,
     KVTransferClient,
     KVTransferServer,
     PullResult,
     PushHandler,
+    PushHeader,
     PushResult,
     TransferConfig,
     TransferError,
@@ -91,6 +90,23 @@ class _Cancelled:
             raise TransferError(grpc.StatusCode.CANCELLED, "lease expired")
 
 
+class _Push:
+    """One push into a service's IncomingPush, message by message."""
+
+    def __init__(self, service: KVTransferService, message_filter: MessageFilter | None) -> None:
+        self.cancelled = _Cancelled()
+        self.incoming = service.open_push(self.cancelled)
+        self._filter = message_filter
+        self.reply: pb.PushReply | None = None
+
+    async def send(self, msg: bytes) -> None:
+        await self.cancelled.check()  # a stream that waited may have lost its lease
+        out = msg if self._filter is None else self._filter(msg)
+        if out is not None:
+            self.reply = self.incoming.on_message(wire.decode(out))
+        await self.cancelled.check()
+
+
 class InProcKVClient(KVTransferClient):
     def __init__(
         self,
@@ -102,30 +118,42 @@ class InProcKVClient(KVTransferClient):
         self.config = config or TransferConfig()
         self._filter = message_filter
 
-    async def push(
-        self, address: str, source: BlockSource, blocks: KVBlocks, *, timeout_s: float | None = None
+    async def stream(
+        self,
+        address: str,
+        header: PushHeader,
+        feed: KVFeed,
+        *,
+        timeout_s: float | None = None,
     ) -> PushResult:
-        service = self.hub.lookup(address)
-        sender = KVSender.push(source, blocks, self.config.chunk_bytes)
-        cancelled = _Cancelled()
-        push = service.open_push(cancelled)
-        reply = None
         try:
-            async with asyncio.timeout(timeout_s or self.config.timeout_s):
-                for msg in chain(sender.messages(), [wire.encode_commit()]):
-                    msg = msg if self._filter is None else self._filter(msg)
-                    if msg is not None:
-                        reply = push.on_message(wire.decode(msg))
-                    if push.state is TransferState.TRANSFERRING and not sender.skipped:
-                        sender.skip(push.receiver.held_blocks)  # before the first chunk
-                    await cancelled.check()
-        except TimeoutError as e:
-            raise TransferError(grpc.StatusCode.DEADLINE_EXCEEDED, "push timed out") from e
+            await feed.wait_started()
+            service = self.hub.lookup(address)
+            sender = KVSender(feed, header, self.config.chunk_bytes)
+            push = _Push(service, self._filter)
+            try:
+                async with asyncio.timeout(timeout_s or self.config.timeout_s):
+                    await push.send(wire.encode_header(sender.header()))
+                    if push.incoming.state is TransferState.TRANSFERRING:
+                        sender.skip(push.incoming.receiver.held_blocks)  # before the first chunk
+                    while True:
+                        spans, final = sender.take()
+                        for span in spans:
+                            await push.send(sender.chunk_message(span))
+                        if final is not None:
+                            await push.send(sender.commit_message(final))
+                            break
+                        await feed.changed()
+            except TimeoutError as e:
+                raise TransferError(grpc.StatusCode.DEADLINE_EXCEEDED, "push timed out") from e
+            finally:
+                push.incoming.close()
+                sender.close(succeeded=push.reply is not None)
         finally:
-            push.close()
-            sender.close(succeeded=reply is not None)
-        if reply is None:
+            feed.close()
+        if push.reply is None:
             raise TransferError(grpc.StatusCode.ABORTED, "stream ended before commit")
+        reply = push.reply
         return PushResult(
             reply.request_id, list(reply.block_ids), sender.bytes_sent, sender.skipped
         )

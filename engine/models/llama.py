@@ -12,6 +12,7 @@ output matches it token for token.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -139,6 +140,9 @@ class LlamaModel:
         self.rows = each_row if deterministic else whole  # how row-local torch code runs
         self.kernels = kernels
         self.scale = spec.head_dim**-0.5
+        # Called with a layer's index once forward has written its KV (the
+        # engine's reports to a prefill that streams its KV out).
+        self.after_layer: Callable[[int], None] | None = None
 
         fmt = AT_LOAD.get(quantization)
         self.quantized = fmt is not None or quantization == "as_stored"
@@ -261,6 +265,8 @@ class LlamaModel:
             qk, v = rows(lambda h, cos, sin, w=w: self._qkv(h, w, cos, sin), h, cos, sin)
             q, k = qk[:, :heads], qk[:, heads:]
             attn = paged_attention(q, k, v, cache, i, meta, self.scale)
+            if self.after_layer is not None:
+                self.after_layer(i)
             h = rows(lambda h, attn, w=w: self._mlp(h, attn, w), h, attn)
         return rows(lambda h: _rms_norm(h, self.norm, spec.rms_norm_eps), h)
 
@@ -327,6 +333,8 @@ class LlamaModel:
             k = qkv[:, heads * d : (heads + kv_heads) * d].view(n, kv_heads, d)
             v = qkv[:, (heads + kv_heads) * d :].view(n, kv_heads, d)
             attn = paged_attention(q, k, v, cache, i, meta, self.scale, ops)
+            if self.after_layer is not None:
+                self.after_layer(i)
             x = ops.add_rms_norm(h, linear(attn, w.o, w.o_bias), w.post_norm, eps)
             gate_up = w.gate_up
             if isinstance(gate_up, QuantWeight):

@@ -268,6 +268,27 @@ def test_broken_transfers_are_retried(cluster, reference, fault):
     _count(cluster)
 
 
+def test_a_prefill_worker_killed_half_way_through_a_streamed_push(cluster, reference):
+    """A prefill worker dies (SIGKILL) at its first chunk, the push's header
+    accepted and its blocks reserved on the decode worker, while the prompt
+    is still being computed (transfer.stream): the decode worker frees the
+    blocks, the router retries on a healthy pair, the dead worker comes back."""
+    b = cluster.backend
+    _wait_recovered(cluster)
+    victim = b.prefill.workers[0]
+    ray.get(victim.actor.set_faults.remote(TransferFaults(kill_pushes=1)), timeout=30)
+    retries, recovered = b.failover.retries, b.failover.workers_recovered
+    outs = asyncio.run(_load(cluster.address, []))
+    _check(outs, reference)
+    assert b.failover.retries > retries  # the push died with its worker: retried
+    assert b.failover.failed == 0
+    _wait_recovered(cluster)
+    assert b.failover.workers_recovered > recovered
+    assert cluster.wait_no_leaks(60) == {}
+    TOTALS["killed"] += 1
+    _count(cluster)
+
+
 def test_redis_stop_and_restart_during_load(ray_cluster, reference, redis_server):
     d = _deployment(pools={"prefill": 1, "decode": 2}, routing={"redis_url": redis_server.url})
     try:

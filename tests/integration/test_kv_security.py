@@ -21,6 +21,7 @@ from engine.block_pool import Holder
 from kv_transfer import GrpcKVClient, TransferConfig, TransferError, datachannel, wire
 from net import handshake
 from net.security import ClusterSecurity
+from protos.tandem.v1 import kv_transfer_pb2 as pb
 from tests.kv_harness import LAYOUT, KVServerHarness, block_tokens, header, make_store
 from tests.tls_certs import tls_files
 
@@ -220,34 +221,29 @@ def test_transfer_config_refuses_a_limit_below_the_chunk_size():
 
 def test_a_client_runs_at_most_max_concurrent_pushes_at_once():
     """A burst of pushes queues in the client (found by bench/load.py: 1,000
-    pushes at once crawled past their deadlines)."""
+    pushes at once crawled past their deadlines): a push's call opens (its
+    header goes out) only once fewer than ``max_concurrent_pushes`` run."""
     config = TransferConfig()
     harness = KVServerHarness(config, num_blocks=64)
+    src = make_store(64)
+    running = {"now": 0, "peak": 0}
 
-    class CountingStore(type(make_store())):
-        active = peak = 0
+    def opened(msg: bytes) -> bytes:  # the client's filter sees every message it sends
+        if isinstance(wire.decode(msg), pb.TransferHeader):
+            running["now"] += 1
+            running["peak"] = max(running["peak"], running["now"])
+        return msg
 
-        def pin(self, holder, block_ids):
-            CountingStore.active += 1
-            CountingStore.peak = max(CountingStore.peak, CountingStore.active)
-            super().pin(holder, block_ids)
+    client = GrpcKVClient(dataclasses.replace(config, max_concurrent_pushes=2), opened)
 
-        def release(self, holder, block_ids=None):
-            if holder.kind == "lease":  # a push's pins, not the test's own blocks
-                CountingStore.active -= 1
-            super().release(holder, block_ids)
-
-    plain = make_store(64)
-    src = CountingStore(plain.pool, plain.cache)
-    client = GrpcKVClient(dataclasses.replace(config, max_concurrent_pushes=2))
+    async def push(i: int, block_ids: list[int]):
+        result = await client.push(harness.server.address, src, harness.blocks(f"b{i}", block_ids))
+        running["now"] -= 1
+        return result
 
     async def burst() -> list:
         ids = [src.reserve(Holder("request", f"b{i}"), 2) for i in range(8)]
-        pushes = [
-            client.push(harness.server.address, src, harness.blocks(f"b{i}", b))
-            for i, b in enumerate(ids)
-        ]
-        results = await asyncio.gather(*pushes)
+        results = await asyncio.gather(*(push(i, b) for i, b in enumerate(ids)))
         for i in range(len(ids)):
             harness.store.release(harness.server.claim(f"b{i}").holder)
             src.release(Holder("request", f"b{i}"))
@@ -256,8 +252,8 @@ def test_a_client_runs_at_most_max_concurrent_pushes_at_once():
     try:
         results = harness.thread.run(burst())
         assert len(results) == 8
-        assert CountingStore.peak == 2 and CountingStore.active == 0
-        assert src.holders() == [] and src.num_free == 64
+        assert running == {"now": 0, "peak": 2}
+        assert src.holders() == [] and src.num_free == 64  # every push's pins released
         assert harness.settle() == ([], harness.initial_free)
     finally:
         harness.thread.run(client.close())

@@ -32,6 +32,8 @@ from kv_transfer import (
     datachannel,
     wire,
 )
+from kv_transfer.feed import KVFeed
+from kv_transfer.interface import PushHeader
 from kv_transfer.lease import LeaseTable, lease_holder
 from kv_transfer.receiver import KVReceiver
 from kv_transfer.sender import KVSender
@@ -69,7 +71,8 @@ def test_chunk_encoding_is_plain_protobuf_and_decodes_without_copy():
     assert isinstance(chunk, wire.Chunk)
     assert bytes(chunk.data) == payload and chunk.crc32 == parsed.crc32
     assert chunk.block_hashes == (b"a" * 16, b"b" * 16)
-    assert wire.decode(wire.encode_commit()) is wire.COMMIT
+    assert wire.decode(wire.encode_commit()) == wire.Commit()
+    assert wire.decode(wire.encode_commit([7], b"first")) == wire.Commit((7,), b"first")
     assert isinstance(wire.decode(b"\x12\x05ab"), wire.Malformed)  # truncated
 
 
@@ -340,7 +343,9 @@ async def handshake_push(transport: str):
     await server.start()
     ids = src.reserve(SENDER, 3)
     blocks = granted(
-        SMALL, server.address, KVBlocks("r", ids, [*hashes, None], tokens, [7], b"start")
+        SMALL,
+        server.address,
+        KVBlocks("r", ids, [*hashes, None], tokens, [7], b"start", first_token=b"first"),
     )
     refused_blocks = granted(SMALL, server.address, dataclasses.replace(blocks, request_id="no"))
     try:
@@ -355,6 +360,7 @@ async def handshake_push(transport: str):
     [push] = handler.pushes
     assert push.blocks.block_ids[:2] == held and push.held_blocks == 2
     assert (push.token_ids, push.next_token_ids, push.decode_start) == (tokens, [7], b"start")
+    assert push.first_token == b"first"
     received = push.blocks.block_ids[2:]
     assert torch.equal(dst.cache.read_blocks(received), src.cache.read_blocks(ids[2:]))
     assert dst.pool.block_for_hash(hashes[0]) == held[0]  # still cached, now referenced
@@ -534,9 +540,9 @@ class DataPair:
         self.free = (self.src.num_free, self.dst.num_free)
         self.src_ids = self.src.reserve(SENDER, n)
         lease = lease_holder("send", "r")
-        self.src.pin(lease, self.src_ids)  # as a client's push does
+        feed = KVFeed.ready(self.src, self.src.lock, lease, self.src_ids)  # pins, as a push does
         tokens = list(range(n * LAYOUT.block_size))
-        self.sender = KVSender(self.src, lease, "r", self.src_ids, [None] * n, tokens, chunk_bytes)
+        self.sender = KVSender(feed, PushHeader("r", tokens), chunk_bytes)
         self.receiver = KVReceiver(self.dst)
         self.receiver.on_header(self.sender.header())
         self.registry = _Registry()
@@ -554,7 +560,9 @@ class DataPair:
 
         def send() -> None:
             with contextlib.suppress(OSError):
-                self.data.send_on(a)
+                self.data.start_on(a)
+                self.data.send(self.sender.take()[0])
+                self.data.end()
 
         sender = threading.Thread(target=send)
         sender.start()

@@ -117,29 +117,28 @@ def test_the_workers_describe_themselves_with_the_types(llama_dir):
 def test_a_decode_start_round_trips_and_refuses_what_the_stream_cannot_carry():
     import json
 
-    from protocol.decode_start import BadStart, DecodeStart
+    from protocol.decode_start import BadStart, DecodeStart, FirstToken
     from protocol.outputs import TokenLogprobs
 
-    start = DecodeStart(
-        "router-a",
-        12,
-        SamplingParams(max_tokens=4),
-        " x",
-        [TokenLogprobs(5, -0.5, [(5, -0.5)])],
-        3,
-        1,
-    )
+    start = DecodeStart("router-a", 12, SamplingParams(max_tokens=4))
     assert DecodeStart.decode(start.encode()) == start
+    first = FirstToken(" x", [TokenLogprobs(5, -0.5, [(5, -0.5)])], 3, 1)
+    assert FirstToken.decode(first.encode()) == first
     good = json.loads(start.encode())
+    for field, bad in [("num_prompt_tokens", 0), ("router_id", 3), ("params", {"max_tokens": -1})]:
+        with pytest.raises(BadStart):
+            DecodeStart.decode(json.dumps({**good, field: bad}).encode())
+    good = json.loads(first.encode())
     for field, bad in [
         ("finish_reason", 7),
         ("finish_reason", "abort"),
-        ("first_text", "\ud800"),
-        ("num_prompt_tokens", 0),
+        ("text", "\ud800"),
+        ("num_output_tokens", 0),
         ("num_output_tokens", True),
-        ("params", {"max_tokens": -1}),
+        ("num_cached_tokens", -1),
     ]:
         with pytest.raises(BadStart):
-            DecodeStart.decode(json.dumps({**good, field: bad}).encode())
-    with pytest.raises(BadStart):
-        DecodeStart.decode(b"not json")
+            FirstToken.decode(json.dumps({**good, field: bad}).encode())
+    for kind in (DecodeStart, FirstToken):
+        with pytest.raises(BadStart):
+            kind.decode(b"not json")

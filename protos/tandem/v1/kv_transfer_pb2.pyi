@@ -25,14 +25,13 @@ class KVLayout(_message.Message):
     def __init__(self, model_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., wire_dtype: _Optional[str] = ...) -> None: ...
 
 class TransferHeader(_message.Message):
-    __slots__ = ("layout", "request_id", "num_blocks", "block_hashes", "token_ids", "total_bytes", "next_token_ids", "decode_start", "grant", "cache_salt")
+    __slots__ = ("layout", "request_id", "num_blocks", "block_hashes", "token_ids", "total_bytes", "decode_start", "grant", "cache_salt")
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
-    NEXT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DECODE_START_FIELD_NUMBER: _ClassVar[int]
     GRANT_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
@@ -42,11 +41,10 @@ class TransferHeader(_message.Message):
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     total_bytes: int
-    next_token_ids: _containers.RepeatedScalarFieldContainer[int]
     decode_start: bytes
     grant: bytes
     cache_salt: bytes
-    def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., request_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., token_ids: _Optional[_Iterable[int]] = ..., total_bytes: _Optional[int] = ..., next_token_ids: _Optional[_Iterable[int]] = ..., decode_start: _Optional[bytes] = ..., grant: _Optional[bytes] = ..., cache_salt: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., request_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., token_ids: _Optional[_Iterable[int]] = ..., total_bytes: _Optional[int] = ..., decode_start: _Optional[bytes] = ..., grant: _Optional[bytes] = ..., cache_salt: _Optional[bytes] = ...) -> None: ...
 
 class KVChunk(_message.Message):
     __slots__ = ("layer_start", "layer_end", "block_start", "block_end", "block_hashes", "crc32", "data")
@@ -67,8 +65,12 @@ class KVChunk(_message.Message):
     def __init__(self, layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., block_start: _Optional[int] = ..., block_end: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., crc32: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class Commit(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("next_token_ids", "first_token")
+    NEXT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    next_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    first_token: bytes
+    def __init__(self, next_token_ids: _Optional[_Iterable[int]] = ..., first_token: _Optional[bytes] = ...) -> None: ...
 
 class PushRequest(_message.Message):
     __slots__ = ("header", "chunk", "commit")
