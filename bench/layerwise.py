@@ -1,6 +1,7 @@
 """TTFT with the KV streamed during the prefill, against the whole-prompt push.
 
-    python bench/layerwise.py [--model tiny|smollm2] [--prompts 2048,8192] [--reps 3]
+    python bench/layerwise.py [--model tiny|smollm2|llama1b] [--prompts 2048,8192] [--reps 3]
+    python bench/layerwise.py --device cuda --dtype bfloat16 --model llama1b   # on a GPU
 
 A prefill worker and a decode worker (prefill_pool/, decode_pool/, no Ray,
 no router), each in a process of its own with one torch thread, on
@@ -14,8 +15,10 @@ on (each block's KV leaves once a layer has computed it), chunk-wise (the
 same push, the engine's reports after each prefill step only: a baseline
 this script builds by turning the per-layer reports off) and off (the
 baseline: push after the prefill). ``--model``: the default model's shape
-(hidden 256, 4 layers, 4 KiB of KV a token) or SmolLM2-135M's (30 layers,
-45 KiB a token), random weights, 16,384 positions. The last line is a JSON object (medians).
+(hidden 256, 4 layers, 4 KiB of KV a token), SmolLM2-135M's (30 layers,
+45 KiB a token) or Llama-3.2-1B's (16 layers, 32 KiB a token in bf16),
+random weights, 16,384 positions; ``--device`` and ``--dtype`` place both
+workers (a GPU: both on it, the KV through pinned host memory and TCP). The last line is a JSON object (medians).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.gpu_check import LLAMA_1B
 from bench.kv_transfer import SMOLLM2_135M
 
 TINY = dict(
@@ -77,11 +81,11 @@ class _Outputs:
         pass
 
 
-def _worker(conn, role: str, model_dir: str, kv_mb: int) -> None:
-    asyncio.run(_serve(conn, role, model_dir, kv_mb))
+def _worker(conn, role: str, model_dir: str, kv_mb: int, device: str, dtype: str) -> None:
+    asyncio.run(_serve(conn, role, model_dir, kv_mb, device, dtype))
 
 
-async def _serve(conn, role: str, model_dir: str, kv_mb: int) -> None:
+async def _serve(conn, role: str, model_dir: str, kv_mb: int, device: str, dtype: str) -> None:
     from decode_pool.worker import DecodeWorker
     from engine import EngineConfig
     from kv_transfer import TransferConfig
@@ -89,7 +93,13 @@ async def _serve(conn, role: str, model_dir: str, kv_mb: int) -> None:
     from prefill_pool.worker import PrefillWorker
 
     config = EngineConfig(
-        model=model_dir, load_format="dummy", num_threads=1, kv_cache_memory_bytes=kv_mb << 20
+        model=model_dir,
+        load_format="dummy",
+        num_threads=1,
+        kv_cache_memory_bytes=kv_mb << 20,
+        device=device,
+        dtype=dtype,
+        **({} if device == "cpu" else {"max_num_batched_tokens": 8192}),
     )
     transfer = TransferConfig(security=ClusterSecurity(SECRET))
     loop = asyncio.get_running_loop()
@@ -126,10 +136,11 @@ async def _serve(conn, role: str, model_dir: str, kv_mb: int) -> None:
 
 
 class Proc:
-    def __init__(self, role: str, model_dir: str, kv_mb: int) -> None:
+    def __init__(self, role: str, model_dir: str, kv_mb: int, device: str, dtype: str) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_worker, args=(child, role, model_dir, kv_mb))
+        args = (child, role, model_dir, kv_mb, device, dtype)
+        self.process = ctx.Process(target=_worker, args=args)
         self.process.start()
         self.address = self.conn.recv()
 
@@ -166,15 +177,20 @@ def one(prefill: Proc, decode: Proc, rid: str, prompt: list[int], mode: str) -> 
     return {"ttft_s": first - start, "prefill_s": result.prefill_s, "tail_s": tail}
 
 
-def run(model: str, lengths: list[int], reps: int) -> dict:
+SHAPES = {"tiny": TINY, "smollm2": SMOLLM2_135M, "llama1b": LLAMA_1B}
+KV_MB = {"tiny": 256, "smollm2": 1536, "llama1b": 4096}
+
+
+def run(model: str, lengths: list[int], reps: int, device: str, dtype: str) -> dict:
     from transformers import LlamaConfig
 
-    shape = dict(TINY if model == "tiny" else SMOLLM2_135M, max_position_embeddings=16384)
-    kv_mb = 256 if model == "tiny" else 1536
-    out: dict = {"model": model, "reps": reps}
+    shape = dict(SHAPES[model], max_position_embeddings=16384)
+    shape.setdefault("architectures", ["LlamaForCausalLM"])
+    out: dict = {"model": model, "reps": reps, "device": device, "dtype": dtype}
     with tempfile.TemporaryDirectory() as tmp:
         LlamaConfig(**shape).save_pretrained(tmp)
-        prefill, decode = Proc("prefill", tmp, kv_mb), Proc("decode", tmp, kv_mb)
+        prefill = Proc("prefill", tmp, KV_MB[model], device, dtype)
+        decode = Proc("decode", tmp, KV_MB[model], device, dtype)
         try:
             n = 0
             for length in lengths:
@@ -182,7 +198,8 @@ def run(model: str, lengths: list[int], reps: int) -> dict:
                 for rep in range(reps + 1):  # the first round warms up
                     for mode in MODES[rep % 3 :] + MODES[: rep % 3]:
                         n += 1
-                        prompt = [(n * 7919 + i * 104729) % 31000 + 10 for i in range(length)]
+                        vocab = shape["vocab_size"] - 10
+                        prompt = [(n * 7919 + i * 104729) % vocab + 10 for i in range(length)]
                         row = one(prefill, decode, f"r{n}", prompt, mode)
                         if rep:
                             rows[mode].append(row)
@@ -211,12 +228,14 @@ def _summary(rows: dict[str, list[dict]]) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", choices=["tiny", "smollm2"], default="tiny")
+    parser.add_argument("--model", choices=sorted(SHAPES), default="tiny")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
     parser.add_argument("--prompts", default="2048,8192")
     parser.add_argument("--reps", type=int, default=3)
     args = parser.parse_args()
     lengths = [int(x) for x in args.prompts.split(",")]
-    print(json.dumps(run(args.model, lengths, args.reps)))
+    print(json.dumps(run(args.model, lengths, args.reps, args.device, args.dtype)))
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ from engine.block_pool import BlockPool, Held, Holder
 from engine.config import EngineConfig, ModelSpec
 from engine.cuda_graphs import BATCH_SIZES, DecodeGraphRunner
 from engine.detokenizer import IncrementalDetokenizer, StopMatcher
-from engine.device import resolve_device
+from engine.device import resolve_device, synchronize
 from engine.gpu.paged_attention import use_kernel as use_gpu_kernel
 from engine.hashing import BlockHash, root_hash
 from engine.kernels import select as select_kernels
@@ -546,6 +546,10 @@ class LLMEngine(RequestFaults):
             return
 
         def after_layer(layer: int) -> None:
+            # On a GPU the layer is only queued: wait for it, so that the report
+            # is true and the push's copies (which wait for the work queued on
+            # the engine's stream) wait for this layer, not for the whole pass.
+            synchronize(self.device)
             for item in watched:
                 seq, start = item.seq, item.seq.num_computed
                 seq.kv_watcher(seq.block_table, start, start + item.num_tokens, layer + 1)
