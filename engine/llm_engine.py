@@ -28,12 +28,13 @@ from engine.block_pool import BlockPool, Held, Holder
 from engine.config import EngineConfig, ModelSpec
 from engine.cuda_graphs import BATCH_SIZES, DecodeGraphRunner
 from engine.detokenizer import IncrementalDetokenizer, StopMatcher
-from engine.device import resolve_device, synchronize
+from engine.device import resolve_device
 from engine.gpu.paged_attention import use_kernel as use_gpu_kernel
 from engine.hashing import BlockHash, root_hash
 from engine.kernels import select as select_kernels
 from engine.kv_cache import KVCache, KVLayout
 from engine.kv_tier import KVTier
+from engine.layer_reports import layer_reports
 from engine.loader import (
     load_hf_config,
     load_weights,
@@ -538,27 +539,21 @@ class LLMEngine(RequestFaults):
 
     @contextlib.contextmanager
     def _layer_reports(self, batch: list[ScheduledSeq]) -> Iterator[None]:
-        """While the model computes: after each layer, tell the watched
-        sequences of ``batch`` that this layer holds their new tokens' KV."""
+        """While the model computes: after each layer (once it is done on the
+        device: engine/layer_reports.py), tell the watched sequences of
+        ``batch`` that this layer holds their new tokens' KV."""
         watched = [item for item in batch if item.seq.kv_watcher is not None]
         if not watched or not isinstance(self.model, LlamaModel):
             yield
             return
 
-        def after_layer(layer: int) -> None:
-            # On a GPU the layer is only queued: wait for it, so that the report
-            # is true and the push's copies (which wait for the work queued on
-            # the engine's stream) wait for this layer, not for the whole pass.
-            synchronize(self.device)
+        def report(layer: int) -> None:
             for item in watched:
                 seq, start = item.seq, item.seq.num_computed
                 seq.kv_watcher(seq.block_table, start, start + item.num_tokens, layer + 1)
 
-        self.model.after_layer = after_layer
-        try:
+        with layer_reports(self.model, report, self.device):
             yield
-        finally:
-            self.model.after_layer = None
 
     def _cache_full_blocks(self, seq: Sequence) -> None:
         if not self.config.enable_prefix_caching:

@@ -52,13 +52,17 @@ class KVFeed:
         lock: threading.RLock,
         holder: Holder,
         num_tokens: int,
+        computed: bool = False,
     ) -> None:
         """A feed of the KV of ``num_tokens`` leading tokens, none ready yet;
-        ``holder`` pins what is reported."""
+        ``holder`` pins what is reported. ``computed``: a report comes only once
+        the KV is in device memory (an engine's layer reports), so reading a
+        reported block need not wait for the engine's queued work."""
         layout = source.layout
         self.source, self.lock, self.holder = source, lock, holder
         self.block_size = layout.block_size
         self.num_tokens = num_tokens
+        self.computed = computed
         self.num_blocks = -(-num_tokens // layout.block_size)
         self.block_ids: list[int | None] = [None] * self.num_blocks  # pinned, by position
         self._tokens = [0] * layout.num_layers  # per layer: leading tokens whose KV is in
@@ -73,7 +77,8 @@ class KVFeed:
     def for_request(
         cls, source: BlockSource, lock: threading.RLock, request_id: str, num_tokens: int
     ) -> KVFeed:
-        return cls(source, lock, lease_holder("send", request_id), num_tokens)
+        """The feed of a prefill's KV, reported by its engine as computed."""
+        return cls(source, lock, lease_holder("send", request_id), num_tokens, computed=True)
 
     @classmethod
     def ready(

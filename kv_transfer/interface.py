@@ -296,9 +296,17 @@ class BlockSource(Protocol):
         """Pin the longest held prefix of ``block_hashes``: (block ids, token ids)."""
 
     def read_into(
-        self, block_ids: Sequence[int], layer_start: int, layer_end: int, out: memoryview
+        self,
+        block_ids: Sequence[int],
+        layer_start: int,
+        layer_end: int,
+        out: memoryview,
+        computed: bool = False,
     ) -> None:
-        """Gather a chunk's payload (see kv_transfer.proto) into ``out``."""
+        """Gather a chunk's payload (see kv_transfer.proto) into ``out``.
+        ``computed``: the blocks' KV is known to be in device memory already
+        (a streamed push's reports: engine/layer_reports.py), so the copy need
+        not wait for the work the engine queued since."""
 
     def release(self, holder: Holder, block_ids: Sequence[int] | None = None) -> None:
         """As ``BlockSink.release``: unpin."""

@@ -143,10 +143,15 @@ class PoolBlockStore:
             return blocks, tokens
 
     def read_into(
-        self, block_ids: Sequence[int], layer_start: int, layer_end: int, out: memoryview
+        self,
+        block_ids: Sequence[int],
+        layer_start: int,
+        layer_end: int,
+        out: memoryview,
+        computed: bool = False,
     ) -> None:
         idx, dst = self._index(block_ids), self._layers_view(block_ids, out)
-        with self._copies.active():
+        with self._copies.active(after_engine=not computed):
             for i, layer_dst in enumerate(dst[: layer_end - layer_start]):
                 layer = self.cache.layers[layer_start + i]
                 if self._device.type == "cpu":
@@ -204,19 +209,23 @@ def _runs(block_ids: Sequence[int]) -> list[tuple[int, int]]:
 class _CopyStream:
     """Runs transfer copies on a CUDA stream of their own (nothing to do on
     the host). ``active()`` first waits for the work the engine queued so far
-    (the blocks it wrote) and at the end for the copies, so host buffers can
-    be reused and blocks are complete before they are committed."""
+    (the blocks it wrote; not for blocks known computed) and at the end for
+    the copies, so host buffers can be reused and blocks are complete before
+    they are committed."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     @contextlib.contextmanager
-    def active(self) -> Iterator[None]:
+    def active(self, after_engine: bool = True) -> Iterator[None]:
+        """``after_engine``: first wait for the work queued on the engine's
+        stream (off for blocks known computed)."""
         if self._stream is None:
             yield
             return
-        self._stream.wait_stream(torch.cuda.default_stream(self.device))
+        if after_engine:
+            self._stream.wait_stream(torch.cuda.default_stream(self.device))
         with torch.cuda.stream(self._stream):
             yield
         self._stream.synchronize()

@@ -138,7 +138,12 @@ class QuantizedBlockStore:
         return self.inner.pin_hashes(holder, block_hashes)
 
     def read_into(
-        self, block_ids: Sequence[int], layer_start: int, layer_end: int, out: memoryview
+        self,
+        block_ids: Sequence[int],
+        layer_start: int,
+        layer_end: int,
+        out: memoryview,
+        computed: bool = False,  # quantized on the engine's stream: ordered after its work
     ) -> None:
         idx = torch.as_tensor(block_ids, dtype=torch.long)
         views = self._views(len(block_ids), out)

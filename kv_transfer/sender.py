@@ -91,7 +91,7 @@ class KVSender:
             size = self.span_bytes(span)
             if self._staging is None or self._staging.nbytes < size:
                 self._staging = new_staging(self.source, size)
-            self.source.read_into(blocks, ls, le, self._staging[:size])
+            self.source.read_into(blocks, ls, le, self._staging[:size], self.feed.computed)
             views = [self._staging[:size]]
         return views
 
@@ -101,7 +101,7 @@ class KVSender:
         blocks = self.block_ids(span)
 
         def fill(out: memoryview) -> None:
-            self.source.read_into(blocks, ls, le, out)
+            self.source.read_into(blocks, ls, le, out, self.feed.computed)
 
         size = self.span_bytes(span)
         msg = encode_chunk(span, self.header_fields.hashes_of(bs, be), size, fill)
