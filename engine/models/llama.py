@@ -12,6 +12,7 @@ output matches it token for token.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,6 +101,10 @@ def _pack(w: Weight) -> Weight:
     return PackedWeight.pack(w) if isinstance(w, torch.Tensor) else w
 
 
+def _unchanged(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -131,6 +136,10 @@ class LlamaModel:
         of the batch (docs/deterministic.md): torch ops run a row at a time, the
         quantized kernel on its integer path; no greedy screen."""
         self.spec = spec
+        # A tensor-parallel rank's model (engine/parallel/) holds its share of the
+        # weights (``spec`` and ``state`` are the share's) and sets this to the sum
+        # over the ranks of the o and down projections' partial outputs.
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] = _unchanged
         self.deterministic = deterministic
         self.rows = each_row if deterministic else whole  # how row-local torch code runs
         self.kernels = kernels
@@ -280,9 +289,9 @@ class LlamaModel:
     def _mlp(self, h: torch.Tensor, attn: torch.Tensor, w: LayerWeights) -> torch.Tensor:
         """The residual stream after a layer's output projection and MLP: the PyTorch path."""
         eps = self.spec.rms_norm_eps
-        h = h + _linear(attn, w.o, w.o_bias)
+        h = h + self.reduce(_linear(attn, w.o, w.o_bias))
         gate, up = _linear(_rms_norm(h, w.post_norm, eps), w.gate_up, w.gate_up_bias).chunk(2, -1)
-        return h + _linear(F.silu(gate) * up, w.down, w.down_bias)
+        return h + self.reduce(_linear(F.silu(gate) * up, w.down, w.down_bias))
 
     def _forward_fused(
         self,
@@ -323,7 +332,7 @@ class LlamaModel:
             k = qkv[:, heads * d : (heads + kv_heads) * d].view(n, kv_heads, d)
             v = qkv[:, (heads + kv_heads) * d :].view(n, kv_heads, d)
             attn = paged_attention(q, k, v, cache, i, meta, self.scale, ops)
-            x = ops.add_rms_norm(h, linear(attn, w.o, w.o_bias), w.post_norm, eps)
+            x = ops.add_rms_norm(h, self.reduce(linear(attn, w.o, w.o_bias)), w.post_norm, eps)
             gate_up = w.gate_up
             if isinstance(gate_up, QuantWeight):
                 hidden = ops.silu_mul(gate_up.apply(x, w.gate_up_bias, ops, self.deterministic))
@@ -331,7 +340,7 @@ class LlamaModel:
                 hidden = ops.linear_silu_mul(
                     x, gate_up.panels, gate_up.out_features, w.gate_up_bias
                 )
-            down = linear(hidden, w.down, w.down_bias)
+            down = self.reduce(linear(hidden, w.down, w.down_bias))
             following = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
             x = ops.add_rms_norm(h, down, following, eps)
         return x

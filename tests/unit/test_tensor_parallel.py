@@ -1,0 +1,121 @@
+"""Tensor parallelism's pieces that need no second process: each rank's
+share of the weights, the settings it refuses, and the KV layout's
+parallel split (tests/integration/test_tensor_parallel_engine.py runs ranks)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from engine import LLM
+from engine.config import EngineConfig, ModelSpec, SpeculativeConfig
+from engine.kv_cache import KVCache
+from engine.kv_layout import KVLayout
+from engine.loader import dummy_state_dict
+from engine.parallel.sharding import check_splittable, rank_spec, shard_state, vocab_share
+
+pytestmark = pytest.mark.unit
+
+SPEC = ModelSpec(
+    architecture="Qwen2ForCausalLM",
+    vocab_size=11,
+    hidden_size=8,
+    intermediate_size=12,
+    num_layers=1,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=2,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=64,
+    tie_word_embeddings=True,
+    qkv_bias=True,
+    o_bias=True,
+    mlp_bias=True,
+    qk_norm=False,
+    sliding_window=None,
+    eos_token_ids=(0,),
+)
+
+
+class _Config:
+    initializer_range = 0.02
+
+
+def _state() -> dict[str, torch.Tensor]:
+    return dummy_state_dict(SPEC, _Config(), seed=0)
+
+
+def test_shares_put_back_together_are_the_weights():
+    full = _state()
+    shares = [shard_state(full, SPEC, r, 2) for r in range(2)]
+    attn, mlp = "model.layers.0.self_attn.", "model.layers.0.mlp."
+    for name in ("q_proj", "k_proj", "v_proj"):  # column-parallel: output rows
+        for kind in ("weight", "bias"):
+            key = f"{attn}{name}.{kind}"
+            assert torch.equal(torch.cat([s[key] for s in shares]), full[key])
+    for name in ("gate_proj", "up_proj"):
+        key = f"{mlp}{name}.weight"
+        assert torch.equal(torch.cat([s[key] for s in shares]), full[key])
+    for key in (f"{attn}o_proj.weight", f"{mlp}down_proj.weight"):  # row-parallel: input columns
+        assert torch.equal(torch.cat([s[key] for s in shares], dim=1), full[key])
+    for key in (f"{attn}o_proj.bias", f"{mlp}down_proj.bias"):  # added once, by rank 0
+        assert torch.equal(shares[0][key], full[key]) and key not in shares[1]
+    embed = "model.embed_tokens.weight"
+    assert all(torch.equal(s[embed], full[embed]) for s in shares)  # replicated
+    head = torch.cat([s["lm_head.weight"] for s in shares])  # the tied head's vocabulary shares
+    assert head.shape[0] == 2 * vocab_share(11, 2) == 12
+    assert torch.equal(head[:11], full[embed]) and not head[11:].any()  # padding row
+
+
+def test_a_share_keeps_each_query_head_with_its_kv_head():
+    """Rank r's query heads are those that attend with its kv heads (GQA groups stay whole)."""
+    spec = rank_spec(SPEC, 2)
+    assert (spec.num_heads, spec.num_kv_heads, spec.intermediate_size) == (2, 1, 6)
+    assert spec.num_heads // spec.num_kv_heads == SPEC.num_heads // SPEC.num_kv_heads
+    assert spec.vocab_size == 6 and not spec.tie_word_embeddings
+
+
+def test_what_does_not_split_evenly_is_named():
+    with pytest.raises(ValueError, match="2 kv heads do not split evenly over 4 ranks"):
+        check_splittable(SPEC, 4)
+    with pytest.raises(ValueError, match="12 intermediate features do not split evenly over 8"):
+        check_splittable(dataclasses.replace(SPEC, num_kv_heads=8, num_heads=8), 8)
+
+
+def test_tiny_model_refuses_three_ranks_before_starting_any(llama_dir):
+    with pytest.raises(ValueError, match="4 attention heads do not split evenly over 3"):
+        LLM(str(llama_dir), tensor_parallel_size=3, num_kv_blocks=8)
+
+
+@pytest.mark.parametrize(
+    "setting, named",
+    [
+        ({"speculative": SpeculativeConfig("ngram")}, "speculative decoding"),
+        ({"cuda_graphs": True}, "cuda_graphs"),
+        ({"kv_tier_memory_bytes": 1 << 20}, "a second KV tier"),
+        ({"kv_transfer_dtype": "int8"}, "kv_transfer_dtype int8"),
+        ({"quantization": "as_stored"}, "quantization as_stored"),
+        ({"deterministic": True}, "deterministic mode"),
+        ({"simulate": "tiny"}, "simulate"),
+    ],
+)
+def test_settings_tensor_parallelism_refuses(setting, named):
+    with pytest.raises(ValueError, match=f"tensor_parallel_size 2 is not supported with {named}"):
+        EngineConfig(tensor_parallel_size=2, **setting)
+    EngineConfig(tensor_parallel_size=1, **setting)  # refused only with tensor parallelism
+
+
+def test_layout_of_a_split_pool():
+    one = KVLayout("f", "float32", num_layers=2, block_size=4, num_kv_heads=4, head_dim=8)
+    two = dataclasses.replace(one, tp_size=2)
+    assert two.rank_kv_heads == 2 and two.rank_block_bytes * 2 == two.block_bytes
+    assert two.block_bytes == one.block_bytes  # blocks travel whole
+    # kv_cache_memory_bytes is each rank's: twice the blocks in two ranks' memory
+    assert KVCache.blocks_for_budget(two, 1 << 20) == 2 * KVCache.blocks_for_budget(one, 1 << 20)
+    assert one.mismatch(two) is None and one.unmappable(two) is None
+    assert one.mismatch(dataclasses.replace(two, head_dim=4)) == "head_dim"
+    uneven = dataclasses.replace(one, tp_size=3)
+    assert "splits 4 kv heads over 3 ranks" in one.unmappable(uneven)
+    assert one.unmappable(dataclasses.replace(one, tp_size=0)) is not None
