@@ -269,9 +269,10 @@ def deterministic_conflict(transfer_dtype: str, speculative: bool, cuda_graphs: 
     return None
 
 
-def tensor_parallel_conflict(config: EngineConfig) -> str | None:
-    """Why ``config`` cannot run at its tensor_parallel_size > 1, or None."""
-    tp = config.tensor_parallel_size
+def tensor_parallel_conflict(config: EngineConfig, tp: int | None = None) -> str | None:
+    """Why ``config`` cannot run at ``tp`` ranks (None: its tensor_parallel_size),
+    or None (EngineConfig's check and the serve config's, so both say the same)."""
+    tp = tp or config.tensor_parallel_size
     refused = {
         "simulate": config.simulate is not None,
         "speculative decoding": config.speculative is not None,

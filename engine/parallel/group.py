@@ -74,7 +74,12 @@ class RankGroup:
     """This rank's end of the three groups (building it blocks until every
     rank builds its own)."""
 
-    def __init__(self, rendezvous: Rendezvous, rank: int, store: dist.Store) -> None:
+    def __init__(
+        self, rendezvous: Rendezvous, rank: int, store: dist.Store, device: torch.device
+    ) -> None:
+        """``device``: this rank's (NCCL binds each rank's communicator to it)."""
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
         self.rank, self.size = rank, rendezvous.world_size
         self.steps = _gloo(dist.PrefixStore("steps", store), rank, self.size)
         self.kv = _gloo(dist.PrefixStore("kv", store), rank, self.size)

@@ -86,7 +86,7 @@ def run_rank(spec: RankSpec) -> None:
     except BaseException:
         store.set(f"error/{rank}", traceback.format_exc()[-4000:].encode())
         raise
-    group = RankGroup(spec.rendezvous, rank, store)
+    group = RankGroup(spec.rendezvous, rank, store, device)
     model.reduce = group.all_reduce
     transfers = threading.Thread(target=kv.serve, args=(group, cache), name="tp-kv", daemon=True)
     transfers.start()

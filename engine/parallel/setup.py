@@ -53,6 +53,7 @@ class TensorParallel:
         self.launcher = launcher
         self.rendezvous = rendezvous
         self.kv: ShardedKV | None = None  # once the engine's cache exists
+        self.closing = False  # close() has begun: ranks that end now were told to
 
     @property
     def size(self) -> int:
@@ -64,6 +65,7 @@ class TensorParallel:
 
     def close(self) -> None:
         """Stop the other ranks and wait for them (safe to call more than once)."""
+        self.closing = True
         try:
             self.model.stop()
             if self.kv is not None:
@@ -94,7 +96,7 @@ def start(
         launcher.launch(specs)
         local = load_shard(plan, 0, device)
         wait_ready(store, tp, launcher.lost, READY_TIMEOUT_S)
-        group = RankGroup(rendezvous, 0, store)
+        group = RankGroup(rendezvous, 0, store, device)
     except BaseException:
         launcher.close(0)
         rendezvous.remove()

@@ -4,17 +4,24 @@ parallel split (tests/integration/test_tensor_parallel_engine.py runs ranks)."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 
+import grpc
 import pytest
 import torch
 
 from engine import LLM
+from engine.block_pool import BlockPool, Holder
 from engine.config import EngineConfig, ModelSpec, SpeculativeConfig
 from engine.kv_cache import KVCache
 from engine.kv_layout import KVLayout
 from engine.loader import dummy_state_dict
 from engine.parallel.sharding import check_splittable, rank_spec, shard_state, vocab_share
+from kv_transfer import KVBlocks, PoolBlockStore, TransferConfig, TransferError
+from tests.kv_grants import granted
+from tests.kv_inproc import InProcHub, InProcKVClient, InProcKVServer
+from tests.pool_checks import leftover_holders
 
 pytestmark = pytest.mark.unit
 
@@ -119,3 +126,49 @@ def test_layout_of_a_split_pool():
     uneven = dataclasses.replace(one, tp_size=3)
     assert "splits 4 kv heads over 3 ranks" in one.unmappable(uneven)
     assert one.unmappable(dataclasses.replace(one, tp_size=0)) is not None
+
+
+def _store(layout: KVLayout, seed: int) -> PoolBlockStore:
+    cache = KVCache(layout, 16, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(seed)
+    for t in cache.layers:
+        t.copy_(torch.randn(t.shape, generator=gen))
+    return PoolBlockStore(BlockPool(16, layout.block_size), cache)
+
+
+@pytest.mark.parametrize("sender_tp", [2, 3])
+def test_a_push_from_another_parallel_layout_is_mapped_or_refused(sender_tp):
+    """The header names the sender's split; chunks carry every head whatever it
+    is, so an even split is taken as it comes and an uneven one refused at the
+    header, before a block is reserved."""
+    layout = KVLayout("fp", "float32", num_layers=2, block_size=4, num_kv_heads=2, head_dim=8)
+    config = TransferConfig(chunk_bytes=1024)
+    src, dst = _store(layout, 1), _store(layout, 2)
+    src.layout = dataclasses.replace(layout, tp_size=sender_tp)  # what its header says
+    sender = Holder("request", "r")
+
+    async def go() -> None:
+        hub = InProcHub()
+        server = InProcKVServer(hub, "dst", dst, config)
+        await server.start()
+        ids = src.reserve(sender, 3)
+        blocks = granted(config, server.address, KVBlocks("r", ids, [None] * 3, list(range(12))))
+        try:
+            if sender_tp == 3:
+                with pytest.raises(TransferError, match="splits 2 kv heads over 3 ranks") as err:
+                    await InProcKVClient(hub, config).push(server.address, src, blocks)
+                assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+            else:
+                await InProcKVClient(hub, config).push(server.address, src, blocks)
+                claimed = server.claim("r")
+                assert torch.equal(
+                    dst.cache.read_blocks(claimed.block_ids), src.cache.read_blocks(ids)
+                )
+                dst.release(claimed.holder)
+        finally:
+            src.release(sender)
+            await server.stop()
+
+    asyncio.run(go())
+    assert leftover_holders(src.pool) == leftover_holders(dst.pool) == []
+    assert dst.num_free == 16
