@@ -167,11 +167,13 @@ class LlamaModel:
 
         def matrix(names: list[str], fmt: QuantFormat | None = fmt) -> Weight:
             """The [out, in] weights of ``names`` stacked: [in, out] float, or quantized
-            (to ``fmt`` when the setting quantizes at load)."""
+            (to ``fmt`` when the setting quantizes at load; parts quantized to it
+            already, a tensor-parallel rank's share of a whole matrix, stay)."""
             parts = [state[n] for n in names]
             stored = [p for p in parts if isinstance(p, QuantWeight)]
             kinds = {(p.format, p.in_features) for p in stored}
-            if quantization == "as_stored" and len(stored) == len(parts) and len(kinds) == 1:
+            keep = quantization == "as_stored" or {p.format for p in stored} == {fmt}
+            if keep and len(stored) == len(parts) and len(kinds) == 1:
                 # one part: its own tensors (a tied head shares the embedding's bytes)
                 return (stored[0] if len(stored) == 1 else QuantWeight.cat(stored)).to(device)
             w = cat(names)

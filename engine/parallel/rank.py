@@ -63,7 +63,8 @@ def load_shard(plan: ShardPlan, rank: int, device: torch.device) -> LlamaModel:
     hf_config = load_hf_config(model_dir)
     spec = ModelSpec.from_hf_config(hf_config)
     tp = config.tensor_parallel_size
-    state = shard_state(load_weights(config, model_dir, spec, hf_config), spec, rank, tp)
+    state = load_weights(config, model_dir, spec, hf_config)
+    state = shard_state(state, spec, rank, tp, config.quantization)
     dtype = getattr(torch, config.dtype)
     kernels = select_kernels(config.cpu_kernels, device, dtype)
     return LlamaModel(

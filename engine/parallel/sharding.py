@@ -14,6 +14,13 @@ Megatron's split of a Llama layer, over ``tp`` ranks:
 A rank's weights are then a model of the same family with fewer heads and a
 narrower MLP (``rank_spec``), so engine/models/llama.py runs them unchanged
 but for the all-reduce after o and down.
+
+Quantized at load (engine/quant.py), a rank's share holds the same codes and
+scales as the whole matrix quantized at one rank: the formats quantize each
+row, or each block of 32 inputs of a row, on its own, so a share of rows (or
+of whole blocks) quantized alone is that part of the whole. int8's scale
+spans a whole row, so o and down (split by inputs) are quantized whole and
+then cut, at block boundaries.
 """
 
 from __future__ import annotations
@@ -23,9 +30,7 @@ import dataclasses
 import torch
 
 from engine.config import ModelSpec
-from engine.quant import QuantWeight
-
-State = dict[str, torch.Tensor]
+from engine.quant import BLOCK, BLOCK_BYTES, QuantFormat, QuantWeight
 
 
 def check_splittable(spec: ModelSpec, tp: int) -> None:
@@ -61,11 +66,16 @@ def rank_spec(spec: ModelSpec, tp: int) -> ModelSpec:
 
 
 def shard_state(
-    state: dict[str, torch.Tensor | QuantWeight], spec: ModelSpec, rank: int, tp: int
-) -> State:
-    """Rank ``rank``'s weights, by Hugging Face name (float tensors: a
-    quantized checkpoint's matrices are dequantized first; engine/quant.py
-    quantizes each rank's share again at load when asked)."""
+    state: dict[str, torch.Tensor | QuantWeight],
+    spec: ModelSpec,
+    rank: int,
+    tp: int,
+    quantization: str = "none",
+) -> dict[str, torch.Tensor | QuantWeight]:
+    """Rank ``rank``'s weights, by Hugging Face name: float tensors (a quantized
+    checkpoint's matrices dequantized first; LlamaModel quantizes a share at
+    load when asked), but for ``quantization`` int8's o and down, quantized
+    whole and cut (see above)."""
     check_splittable(spec, tp)
     d = spec.head_dim
     q_rows = _share(spec.num_heads * d, rank, tp)
@@ -74,14 +84,14 @@ def shard_state(
     rows = {"q_proj": q_rows, "k_proj": kv_rows, "v_proj": kv_rows}
     rows |= {"gate_proj": mlp_rows, "up_proj": mlp_rows}
     columns = {"o_proj": q_rows, "down_proj": mlp_rows}
-    out: State = {}
+    out: dict[str, torch.Tensor | QuantWeight] = {}
     for name, value in state.items():
         w = value.dequantize() if isinstance(value, QuantWeight) else value
         *_, module, kind = name.split(".")  # e.g. model.layers.0.self_attn.q_proj.weight
         if module in rows:
             out[name] = w[rows[module]].contiguous()
         elif module in columns and kind == "weight":
-            out[name] = w[:, columns[module]].contiguous()
+            out[name] = _input_share(w, columns[module], quantization)
         elif module in columns:  # a row-parallel layer's bias: added once, by rank 0
             if rank == 0:
                 out[name] = w
@@ -90,6 +100,18 @@ def shard_state(
     head = state["model.embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"]
     out["lm_head.weight"] = _head_share(head, spec.vocab_size, rank, tp)
     return out
+
+
+def _input_share(w: torch.Tensor, cols: slice, quantization: str) -> torch.Tensor | QuantWeight:
+    """Columns ``cols`` of [out, in] ``w``; for int8 when they are whole blocks,
+    the columns of ``w`` quantized whole (each row's scale over all its inputs)."""
+    start, stop = cols.start, cols.stop
+    if quantization != "int8" or start % BLOCK or (stop - start) % BLOCK:
+        return w[:, cols].contiguous()
+    whole = QuantWeight.quantize(w, QuantFormat.INT8)
+    width = BLOCK_BYTES[QuantFormat.INT8] // BLOCK  # bytes a value
+    data = whole.data[:, start * width : stop * width].contiguous()
+    return QuantWeight(QuantFormat.INT8, data, whole.scales, stop - start)
 
 
 def _share(n: int, rank: int, tp: int) -> slice:

@@ -3,9 +3,10 @@ two ranks, the second a local process.
 
 Greedy output at tensor_parallel_size 2 equals size 1 token for token on two
 architectures, on the fused CPU path and the PyTorch one, with chunked
-prefill and prefix-cache hits; KV blocks exported from an engine of one size
-continue on an engine of the other; a rank that dies makes the next step
-raise instead of hanging, and the engine still closes.
+prefill and prefix-cache hits, and with weights quantized at load (int8,
+q4); KV blocks exported from an engine of one size continue on an engine of
+the other; a rank that dies makes the next step raise instead of hanging,
+and the engine still closes.
 """
 
 from __future__ import annotations
@@ -54,6 +55,20 @@ def test_greedy_at_tp2_equals_tp1(checkpoint_factory, arch, cpu_kernels):
         assert b.token_ids == ref.token_ids
         ours = [lp.logprob for lp in a.logprobs]
         assert ours == pytest.approx([lp.logprob for lp in ref.logprobs], abs=1e-4)
+
+
+@pytest.mark.parametrize("quantization", ["int8", "q4"])
+def test_weights_quantized_at_load_at_tp2_equal_tp1(checkpoint_factory, quantization):
+    """Each rank's share holds the codes and scales of the whole matrix quantized
+    at one rank (engine/parallel/sharding.py), so the tokens are the same."""
+    model_dir = str(checkpoint_factory("llama"))
+    options = {"num_kv_blocks": 64, "quantization": quantization}
+    one = LLM(model_dir, **options)
+    prompts = _prompts(one.engine.spec.vocab_size)
+    expected = one.generate(prompts, GREEDY)
+    with LLM(model_dir, tensor_parallel_size=2, **options) as two:
+        outs = two.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in expected]
 
 
 def _prefilled(llm: LLM, request_id: str, prompt: list[int]):

@@ -18,6 +18,7 @@ from engine.kv_cache import KVCache
 from engine.kv_layout import KVLayout
 from engine.loader import dummy_state_dict
 from engine.parallel.sharding import check_splittable, rank_spec, shard_state, vocab_share
+from engine.quant import QuantFormat, QuantWeight
 from kv_transfer import KVBlocks, PoolBlockStore, TransferConfig, TransferError
 from tests.kv_grants import granted
 from tests.kv_inproc import InProcHub, InProcKVClient, InProcKVServer
@@ -74,6 +75,24 @@ def test_shares_put_back_together_are_the_weights():
     head = torch.cat([s["lm_head.weight"] for s in shares])  # the tied head's vocabulary shares
     assert head.shape[0] == 2 * vocab_share(11, 2) == 12
     assert torch.equal(head[:11], full[embed]) and not head[11:].any()  # padding row
+
+
+def test_int8_shares_of_o_and_down_are_cuts_of_the_whole_quantized_matrix():
+    """int8's scale spans a row: o and down (split by inputs) are quantized whole
+    and cut, so each rank's codes and scales are the whole matrix's."""
+    spec = dataclasses.replace(SPEC, intermediate_size=128)  # 64 inputs of down a rank
+    full = dummy_state_dict(spec, _Config(), seed=0)
+    name = "model.layers.0.mlp.down_proj.weight"
+    whole = QuantWeight.quantize(full[name], QuantFormat.INT8)
+    shares = [shard_state(full, spec, r, 2, "int8")[name] for r in range(2)]
+    assert all(isinstance(s, QuantWeight) and s.in_features == 64 for s in shares)
+    assert torch.equal(torch.cat([s.data for s in shares], dim=1), whole.data)
+    assert all(torch.equal(s.scales, whole.scales) for s in shares)
+    # o's 4 inputs a rank are no whole block: cut as floats, quantized at load
+    assert isinstance(
+        shard_state(full, spec, 0, 2, "int8")["model.layers.0.self_attn.o_proj.weight"],
+        torch.Tensor,
+    )
 
 
 def test_a_share_keeps_each_query_head_with_its_kv_head():
