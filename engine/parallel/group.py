@@ -4,8 +4,9 @@ Rank 0 runs the engine (scheduler, block pool, sampler); ranks 1..N-1 run
 their share of the model only (engine/parallel/rank.py). Three process
 groups connect them, built from one rendezvous:
 
-- ``steps`` (gloo): rank 0 broadcasts each pass's inputs, as one pickled
-  message, and the ranks run it; only the engine thread uses it.
+- ``steps`` (gloo): rank 0 broadcasts each pass's inputs as one message
+  (engine/parallel/messages.py), and the ranks run it; only the engine
+  thread uses it.
 - ``model``: the all-reduce after o and down, the LM head's gather. The
   steps group itself on CPU; NCCL on CUDA.
 - ``kv`` (gloo): KV blocks gathered to rank 0 and scattered from it, for a
@@ -15,8 +16,9 @@ groups connect them, built from one rendezvous:
 The rendezvous is a FileStore in a directory only this user can read, so no
 port is opened for it; gloo's connections bind the loopback address, so the
 ranks of a group share one machine. Those connections are not authenticated
-(gloo has no such thing): the ranks trust that no other local process joins
-them between the rendezvous and the first collective. A rank that dies
+(gloo has no such thing): the ranks trust the machine's other local
+processes not to connect to them; what they read is decoded as data, never
+code (messages.py). A rank that dies
 closes its connections; the others' next collective raises at once. An idle
 rank waits for the next message without a timeout.
 """
@@ -25,7 +27,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import pickle
 import shutil
 import tempfile
 import time
@@ -34,6 +35,8 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
+
+from engine.parallel import messages
 
 CONNECT_TIMEOUT = datetime.timedelta(seconds=300)  # to build a group once every rank is up
 IDLE_TIMEOUT = datetime.timedelta(days=3650)  # a rank waits for the next step forever
@@ -91,12 +94,11 @@ class RankGroup:
     # ---- messages from rank 0 ----------------------------------------------
 
     def broadcast(self, pg: Any, message: object = None) -> Any:
-        """Rank 0: send ``message`` (picklable) to every rank; the others: the
-        message rank 0 sent."""
-        self._check()
+        """Rank 0: send ``message`` (engine/parallel/messages.py) to every rank;
+        the others: the message rank 0 sent."""
         with self._failing():
             if self.rank == 0:
-                payload = torch.frombuffer(bytearray(pickle.dumps(message)), dtype=torch.uint8)
+                payload = torch.frombuffer(bytearray(messages.encode(message)), dtype=torch.uint8)
                 size = torch.tensor([payload.numel()], dtype=torch.int64)
                 pg.broadcast([size]).wait()
                 pg.broadcast([payload]).wait()
@@ -105,7 +107,7 @@ class RankGroup:
             pg.broadcast([size]).wait()
             payload = torch.empty(int(size.item()), dtype=torch.uint8)
             pg.broadcast([payload]).wait()
-            return pickle.loads(payload.numpy().tobytes())
+            return messages.decode(payload.numpy().tobytes())
 
     # ---- collectives ---------------------------------------------------------
 

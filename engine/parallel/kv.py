@@ -19,31 +19,12 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
 from engine.kv_cache import KVCache
 from engine.parallel.group import RankGroup
-
-
-@dataclass(frozen=True)
-class ReadKV:
-    block_ids: list[int]
-    layer_start: int
-    layer_end: int
-
-
-@dataclass(frozen=True)
-class WriteKV:
-    block_ids: list[int]
-    layer_start: int
-    layer_end: int
-
-
-@dataclass(frozen=True)
-class StopKV:
-    pass
+from engine.parallel.messages import ReadKV, StopKV, WriteKV
 
 
 class ShardedKV:

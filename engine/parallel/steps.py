@@ -16,7 +16,6 @@ pass raises GroupBroken.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,26 +24,7 @@ from engine.attention import AttentionMetadata
 from engine.kv_cache import KVCache
 from engine.models.llama import LlamaModel
 from engine.parallel.group import GroupBroken, RankGroup
-
-
-@dataclass(frozen=True)
-class Forward:
-    input_ids: torch.Tensor  # [N], on the host
-    positions: torch.Tensor  # [N]
-    meta: AttentionMetadata  # its tensors on the host
-
-
-@dataclass(frozen=True)
-class Logits:
-    hidden: torch.Tensor  # [M, hidden] rows to take logits of, on the host
-
-
-@dataclass(frozen=True)
-class Stop:
-    pass
-
-
-StepMessage = Forward | Logits | Stop
+from engine.parallel.messages import Forward, Logits, StepMessage, Stop
 
 
 class ShardedModel:

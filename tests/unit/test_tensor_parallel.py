@@ -6,17 +6,21 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import io
+import pickle
 
 import grpc
 import pytest
 import torch
 
 from engine import LLM
+from engine.attention import PrefillSlice, build_metadata
 from engine.block_pool import BlockPool, Holder
 from engine.config import EngineConfig, ModelSpec, SpeculativeConfig
 from engine.kv_cache import KVCache
 from engine.kv_layout import KVLayout
 from engine.loader import dummy_state_dict
+from engine.parallel import messages
 from engine.parallel.sharding import check_splittable, rank_spec, shard_state, vocab_share
 from engine.quant import QuantFormat, QuantWeight
 from kv_transfer import KVBlocks, PoolBlockStore, TransferConfig, TransferError
@@ -191,3 +195,26 @@ def test_a_push_from_another_parallel_layout_is_mapped_or_refused(sender_tp):
     asyncio.run(go())
     assert leftover_holders(src.pool) == leftover_holders(dst.pool) == []
     assert dst.num_free == 16
+
+
+class _Payload:
+    def __reduce__(self):
+        return (print, ("ran",))
+
+
+def test_a_step_message_round_trips_and_nothing_else_is_built():
+    """The ranks' connections are not authenticated: what comes in is built by
+    torch's weights-only loader, from tensors and the message classes alone."""
+    meta = build_metadata(
+        4, [[1, 2], [3]], [6, 2], [PrefillSlice(2, 3, 0, torch.tensor([5]))], list(range(5)),
+        torch.device("cpu"),
+    )  # fmt: skip
+    sent = messages.Forward(torch.arange(5), torch.arange(5), meta)
+    got = messages.decode(messages.encode(sent))
+    assert torch.equal(got.input_ids, sent.input_ids)
+    assert torch.equal(got.meta.decode_groups[0].block_tables, meta.decode_groups[0].block_tables)
+    assert torch.equal(got.meta.prefills[0].block_table, torch.tensor([5]))
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        buf = io.BytesIO()
+        torch.save(_Payload(), buf, _use_new_zipfile_serialization=False)
+        messages.decode(buf.getvalue())
