@@ -90,6 +90,7 @@ class RankGroup:
         if rendezvous.backend == "nccl":
             self.model = _nccl(dist.PrefixStore("model", store), rank, self.size)
         self.broken: str | None = None
+        self.barrier(self.steps)  # every rank is done with the store: rank 0 may remove it
 
     # ---- messages from rank 0 ----------------------------------------------
 

@@ -46,12 +46,10 @@ class TensorParallel:
         group: RankGroup,
         model: ShardedModel,
         launcher: RankLauncher,
-        rendezvous: Rendezvous,
     ) -> None:
         self.group = group
         self.model = model
         self.launcher = launcher
-        self.rendezvous = rendezvous
         self.kv: ShardedKV | None = None  # once the engine's cache exists
         self.closing = False  # close() has begun: ranks that end now were told to
 
@@ -74,7 +72,6 @@ class TensorParallel:
             log.warning("tensor-parallel ranks not stopped cleanly: %s", exc)
         self.group.fail("closed")
         self.launcher.close(STOP_TIMEOUT_S)
-        self.rendezvous.remove()
 
 
 def start(
@@ -99,7 +96,8 @@ def start(
         group = RankGroup(rendezvous, 0, store, device)
     except BaseException:
         launcher.close(0)
-        rendezvous.remove()
         raise
+    finally:
+        rendezvous.remove()  # joined (or failed): nothing reads the store again
     local.reduce = group.all_reduce
-    return TensorParallel(group, ShardedModel(local, group, plan.vocab_size), launcher, rendezvous)
+    return TensorParallel(group, ShardedModel(local, group, plan.vocab_size), launcher)
