@@ -15,10 +15,10 @@ class DecodeActor(WorkerActor):
     worker: DecodeWorker
 
     @staticmethod
-    def make_worker(name, config, transfer, index, host) -> DecodeWorker:
+    def make_worker(name, config, transfer, index, host, **options) -> DecodeWorker:
         from decode_pool.worker import DecodeWorker
 
-        return DecodeWorker(name, config, transfer, index, host)
+        return DecodeWorker(name, config, transfer, index, host, **options)
 
     async def start_full(self, req: DecodeRequest) -> None:
         await self.worker.start_full(req)

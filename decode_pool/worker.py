@@ -33,6 +33,7 @@ from decode_pool.reserve import PushReserve
 from engine.config import EngineConfig
 from engine.detokenizer import stop_matcher
 from engine.llm_engine import LLMEngine
+from engine.parallel.setup import RankLauncher
 from kv_transfer import CommittedPush, GrpcKVServer, TransferConfig, TransferError
 from protocol.decode_start import BadStart, DecodeStart, FirstToken
 from protocol.outputs import RequestOutput
@@ -53,8 +54,9 @@ class DecodeWorker(EngineWorker):
         transfer: TransferConfig | None = None,
         index: IndexSettings | None = None,
         host: str = "127.0.0.1",
+        ranks: RankLauncher | None = None,
     ) -> None:
-        super().__init__(name, config, index)
+        super().__init__(name, config, index, ranks)
         self.host = host
         self.transfer = transfer or TransferConfig()
         self.kv_server = GrpcKVServer(self.store, self.transfer, host=host, port=0, handler=self)

@@ -204,6 +204,13 @@ class EngineConfig:
     a sequence is prefilled again elsewhere (docs/deterministic.md): every row
     runs through kernels whose arithmetic does not depend on the other rows.
     Slower; refuses lossy KV transfer, speculative decoding and CUDA graphs."""
+    tensor_parallel_size: int = 1
+    """Ranks (processes, one device each) the model is split over
+    (engine/parallel/): attention heads, kv heads, the MLP and the LM head's
+    vocabulary; each rank's KV cache holds its kv heads, kv_cache_memory_bytes
+    each. The heads, kv heads and intermediate size must divide by it. Not with
+    speculative decoding, CUDA graphs, a second KV tier, a quantized KV wire,
+    quantization as_stored, deterministic mode or a simulated model."""
 
     def __post_init__(self) -> None:
         checks = {
@@ -215,6 +222,7 @@ class EngineConfig:
             "max_model_len": self.max_model_len is None or self.max_model_len >= 1,
             "num_threads": self.num_threads is None or self.num_threads >= 1,
             "kv_tier_num_blocks": self.kv_tier_num_blocks is None or self.kv_tier_num_blocks >= 1,
+            "tensor_parallel_size": self.tensor_parallel_size >= 1,
         }
         for name, ok in checks.items():
             if not ok:
@@ -225,6 +233,8 @@ class EngineConfig:
             self._check_simulated()
         if self.deterministic:
             self._check_deterministic()
+        if self.tensor_parallel_size > 1 and (why := tensor_parallel_conflict(self)) is not None:
+            raise ValueError(why)
 
     def _check_simulated(self) -> None:
         """What a simulated model cannot do (engine/simulated.py)."""
@@ -270,4 +280,26 @@ def deterministic_conflict(
             "deterministic: the Triton attention kernel splits a decode row's keys by the "
             "batch's shape, so its sums depend on the batch; use attention auto or sdpa"
         )
+    return None
+
+
+def tensor_parallel_conflict(config: EngineConfig, tp: int | None = None) -> str | None:
+    """Why ``config`` cannot run at ``tp`` ranks (None: its tensor_parallel_size),
+    or None (EngineConfig's check and the serve config's, so both say the same)."""
+    tp = tp or config.tensor_parallel_size
+    refused = {
+        "simulate": config.simulate is not None,
+        "speculative decoding": config.speculative is not None,
+        "cuda_graphs": config.cuda_graphs,
+        "a second KV tier": bool(config.kv_tier_num_blocks or config.kv_tier_memory_bytes),
+        f"kv_transfer_dtype {config.kv_transfer_dtype}": config.kv_transfer_dtype != "auto",
+        "quantization as_stored (GGUF blocks do not split between ranks)": (
+            config.quantization == "as_stored"
+        ),
+        "deterministic mode (the ranks' partial sums are added in an order that depends "
+        "on the batch, and differs between tensor-parallel sizes)": config.deterministic,
+    }
+    for what, on in refused.items():
+        if on:
+            return f"tensor_parallel_size {tp} is not supported with {what}"
     return None

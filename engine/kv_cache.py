@@ -22,16 +22,18 @@ from engine.kv_layout import KVLayout
 class KVCache:
     """One preallocated tensor per layer.
 
-    layers[i]: [2, num_blocks, block_size, num_kv_heads, head_dim]
-    (index 0 holds keys, 1 values). ``flat(i)`` views the same memory as
-    [2, num_blocks * block_size, num_kv_heads, head_dim] for slot writes.
+    layers[i]: [2, num_blocks, block_size, kv_heads, head_dim]
+    (index 0 holds keys, 1 values); kv_heads is the layout's
+    ``rank_kv_heads``: this rank's share under tensor parallelism. ``flat(i)``
+    views the same memory as [2, num_blocks * block_size, kv_heads, head_dim]
+    for slot writes.
     """
 
     def __init__(self, layout: KVLayout, num_blocks: int, device: torch.device) -> None:
         self.layout = layout
         self.num_blocks = num_blocks
         dtype = getattr(torch, layout.dtype)
-        shape = (2, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
+        shape = (2, num_blocks, layout.block_size, layout.rank_kv_heads, layout.head_dim)
         self.layers = [
             hugepages.empty(shape, dtype, device).zero_() for _ in range(layout.num_layers)
         ]
@@ -53,4 +55,5 @@ class KVCache:
 
     @staticmethod
     def blocks_for_budget(layout: KVLayout, memory_bytes: int) -> int:
-        return max(1, memory_bytes // layout.block_bytes)
+        """Blocks that fit in ``memory_bytes`` of each rank's cache."""
+        return max(1, memory_bytes // layout.rank_block_bytes)

@@ -30,9 +30,23 @@ class LLM:
     """Runs an engine to completion over a list of prompts."""
 
     def __init__(self, model: str | None = None, **engine_options: Any) -> None:
+        """``engine_options``: EngineConfig's fields. With tensor_parallel_size N > 1
+        the model is split over this process and N - 1 local ones
+        (engine/parallel/); ``close`` (or the end of a ``with`` block, or of this
+        process) stops them."""
         self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
         self.tokenizer = self.engine.tokenizer
         self._counter = 0
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks and free the second KV tier."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def generate(
         self,

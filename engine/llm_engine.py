@@ -16,6 +16,7 @@ import itertools
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
@@ -43,6 +44,9 @@ from engine.loader import (
 )
 from engine.models.llama import LlamaModel
 from engine.packaged_model import resolve_quantization
+from engine.parallel import setup as tensor_parallel
+from engine.parallel.group import GroupBroken
+from engine.parallel.sharding import check_splittable
 from engine.request_faults import RequestFaults
 from engine.sampling import (
     NONFINITE_LOGITS,
@@ -98,7 +102,13 @@ def load_tokenizer(path: str):
 
 
 class LLMEngine(RequestFaults):
-    def __init__(self, config: EngineConfig | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        launcher: tensor_parallel.RankLauncher | None = None,
+    ) -> None:
+        """``launcher``: starts the other ranks when tensor_parallel_size > 1
+        (engine/parallel/); None: as local processes."""
         config = config or EngineConfig()
         quantization = resolve_quantization(config.quantization, config.model)
         self.config = config = dataclasses.replace(config, quantization=quantization)
@@ -107,13 +117,16 @@ class LLMEngine(RequestFaults):
         torch.manual_seed(config.seed)
         device = torch.device("cpu") if config.simulate else resolve_device(config.device)
         self.simulated: SimulatedModel | None = None  # the model, when it is simulated
+        self.tp: tensor_parallel.TensorParallel | None = None  # tensor_parallel_size > 1
         if config.simulate is not None:
             num_blocks, kernels = self._build_simulated(config), None
         else:
-            num_blocks, kernels = self._build_model(config, device)
+            num_blocks, kernels = self._build_model(config, device, launcher)
         spec, fingerprint = self.spec, self.kv_layout.model_fingerprint
         self.block_pool = BlockPool(num_blocks, config.block_size)
-        self.kv_cache = KVCache(self.kv_layout, num_blocks, device)
+        self.kv_cache = KVCache(self.kv_layout, num_blocks, device)  # rank 0's kv heads
+        if self.tp is not None:
+            self.tp.attach(self.kv_cache)
         self.kv_tier = self._make_tier(config)
         self.root_hash = root_hash(fingerprint, config.block_size)
         self.scheduler = Scheduler(
@@ -141,8 +154,14 @@ class LLMEngine(RequestFaults):
         if config.cuda_graphs and device.type == "cuda":
             self.enable_decode_graphs(use_graphs=True)
 
-    def _build_model(self, config: EngineConfig, device: torch.device) -> tuple[int, Any]:
-        """Load the checkpoint's model; the pool's block count and the kernels."""
+    def _build_model(
+        self,
+        config: EngineConfig,
+        device: torch.device,
+        launcher: tensor_parallel.RankLauncher | None,
+    ) -> tuple[int, Any]:
+        """Load the checkpoint's model (rank 0's share, the other ranks started,
+        when tensor-parallel); the pool's block count and the kernels."""
         model_dir = resolve_model_dir(config.model)
         hf_config = load_hf_config(model_dir)
         self.spec = spec = ModelSpec.from_hf_config(hf_config)
@@ -166,11 +185,15 @@ class LLMEngine(RequestFaults):
             block_size=config.block_size,
             num_kv_heads=spec.num_kv_heads,
             head_dim=spec.head_dim,
+            tp_size=config.tensor_parallel_size,
         )
         num_blocks = config.num_kv_blocks or KVCache.blocks_for_budget(
             self.kv_layout, config.kv_cache_memory_bytes
         )
         self.max_model_len = self._model_len(config, spec, num_blocks)
+        if config.tensor_parallel_size > 1:
+            self._start_ranks(config, device, kernels, num_blocks, launcher)
+            return num_blocks, kernels
         state = load_weights(config, model_dir, spec, hf_config)
         self.model = LlamaModel(
             spec, state, hf_config, self.max_model_len, dtype, device, kernels,
@@ -179,6 +202,28 @@ class LLMEngine(RequestFaults):
         )  # fmt: skip
         del state
         return num_blocks, kernels
+
+    def _start_ranks(
+        self,
+        config: EngineConfig,
+        device: torch.device,
+        kernels: Any,
+        num_blocks: int,
+        launcher: tensor_parallel.RankLauncher | None,
+    ) -> None:
+        """The model split over tensor_parallel_size ranks; this is rank 0."""
+        check_splittable(self.spec, config.tensor_parallel_size)
+        plan = tensor_parallel.ShardPlan(
+            dataclasses.replace(config, cpu_kernels="on" if kernels is not None else "off"),
+            str(self.model_dir),
+            self.kv_layout,
+            num_blocks,
+            self.max_model_len,
+            self.spec.vocab_size,
+        )
+        self.tp = tensor_parallel.start(plan, device, launcher)
+        weakref.finalize(self, self.tp.close)  # the ranks end with the engine
+        self.model = self.tp.model
 
     def _build_simulated(self, config: EngineConfig) -> int:
         """The simulated model of ``config.simulate``'s profile (engine/simulated.py);
@@ -214,7 +259,10 @@ class LLMEngine(RequestFaults):
         return tier
 
     def close(self) -> None:
-        """Let go of the second tier's storage (a worker that stops)."""
+        """Let go of the second tier's storage and stop the other tensor-parallel
+        ranks (a worker that stops)."""
+        if self.tp is not None:
+            self.tp.close()
         if self.kv_tier is not None:
             self.block_pool.tier = None
             self.kv_tier.close()
@@ -405,6 +453,8 @@ class LLMEngine(RequestFaults):
             self.speculator.fit(batch)
         try:
             outputs = self._run(batch, pool_lock)
+        except GroupBroken:  # the engine's, not a request's: no pass can run now
+            raise
         except Exception as exc:
             return self._step_raised(batch, pool_lock, exc)
         self.failed_steps = 0
@@ -629,7 +679,7 @@ class LLMEngine(RequestFaults):
         seq = self._seqs.get(request_id)
         if seq is None or seq.status is not SeqStatus.PREFILLED:
             raise KeyError(f"request {request_id!r} is not a prefilled request of this engine")
-        data = self.kv_cache.read_blocks(seq.block_table) if with_data else None
+        data = self._read_kv(seq.block_table) if with_data else None
         return KVExport(
             request_id=request_id,
             layout=self.kv_layout,
@@ -639,6 +689,18 @@ class LLMEngine(RequestFaults):
             block_hashes=list(seq.block_hashes),
             data=data,
         )
+
+    def _read_kv(self, block_ids: list[int]) -> torch.Tensor:
+        """The blocks with every kv head (every rank's, when tensor-parallel)."""
+        if self.tp is not None and self.tp.kv is not None:
+            return self.tp.kv.read(block_ids, 0, self.kv_layout.num_layers)
+        return self.kv_cache.read_blocks(block_ids)
+
+    def _write_kv(self, block_ids: list[int], data: torch.Tensor) -> None:
+        if self.tp is not None and self.tp.kv is not None:
+            self.tp.kv.write(block_ids, 0, data)
+        else:
+            self.kv_cache.write_blocks(block_ids, data)
 
     def release(self, request_id: str) -> None:
         """Free a prefilled request's blocks (after its export, or to give up)."""
@@ -705,7 +767,7 @@ class LLMEngine(RequestFaults):
         blocks = self.block_pool.allocate(holder, len(export.block_ids))
         if blocks is None:
             raise RuntimeError(f"no room for {len(export.block_ids)} blocks")
-        self.kv_cache.write_blocks(blocks, export.data)
+        self._write_kv(blocks, export.data)
         self.add_prefilled_request(
             export.request_id,
             export.prompt_token_ids,

@@ -97,14 +97,16 @@ class KVReceiver:
     def on_header(self, header: pb.TransferHeader) -> None:
         if self.state is not TransferState.PENDING:
             raise TransferError(_INVALID, "second header in one transfer")
-        field = self.sink.layout.mismatch(layout_from_proto(header.layout))
+        theirs = layout_from_proto(header.layout)
+        field = self.sink.layout.mismatch(theirs)
         if field is not None:
-            ours = getattr(self.sink.layout, field)
-            theirs = getattr(header.layout, field)
             raise TransferError(
                 grpc.StatusCode.FAILED_PRECONDITION,
-                f"KV layout mismatch in {field}: receiver has {ours!r}, sender {theirs!r}",
+                f"KV layout mismatch in {field}: receiver has "
+                f"{getattr(self.sink.layout, field)!r}, sender {getattr(theirs, field)!r}",
             )
+        if (why := self.sink.layout.unmappable(theirs)) is not None:
+            raise TransferError(grpc.StatusCode.FAILED_PRECONDITION, f"KV layout: {why}")
         n = header.num_blocks
         if len(header.block_hashes) not in (0, n):
             raise TransferError(_INVALID, f"{len(header.block_hashes)} block_hashes for {n} blocks")

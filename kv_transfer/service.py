@@ -372,13 +372,16 @@ class OutgoingPull:
         service.use_grant(
             request.grant, PULL, request.request_id, pull_digest(request.block_hashes)
         )
-        field = store.layout.mismatch(layout_from_proto(request.layout))
+        theirs = layout_from_proto(request.layout)
+        field = store.layout.mismatch(theirs)
         if field is not None:
             raise TransferError(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"KV layout mismatch in {field}: holder has {getattr(store.layout, field)!r}, "
-                f"puller {getattr(request.layout, field)!r}",
+                f"puller {getattr(theirs, field)!r}",
             )
+        if (why := store.layout.unmappable(theirs)) is not None:
+            raise TransferError(grpc.StatusCode.FAILED_PRECONDITION, f"KV layout: {why}")
         self._cancel = cancel
         holder = lease_holder("send", request.request_id)
         block_ids, token_ids = store.pin_hashes(holder, request.block_hashes)

@@ -68,6 +68,7 @@ def layout_to_proto(layout: KVLayout) -> pb.KVLayout:
         num_kv_heads=layout.num_kv_heads,
         head_dim=layout.head_dim,
         wire_dtype=layout.wire_dtype,
+        tensor_parallel_size=layout.tp_size,
     )
 
 
@@ -80,6 +81,7 @@ def layout_from_proto(msg: pb.KVLayout) -> KVLayout:
         num_kv_heads=msg.num_kv_heads,
         head_dim=msg.head_dim,
         wire_dtype=msg.wire_dtype,
+        tp_size=msg.tensor_parallel_size or 1,
     )
 
 

@@ -15,10 +15,10 @@ class PrefillActor(WorkerActor):
     worker: PrefillWorker
 
     @staticmethod
-    def make_worker(name, config, transfer, index, host) -> PrefillWorker:
+    def make_worker(name, config, transfer, index, host, **options) -> PrefillWorker:
         from prefill_pool.worker import PrefillWorker
 
-        return PrefillWorker(name, config, transfer, index, host)
+        return PrefillWorker(name, config, transfer, index, host, **options)
 
     async def prefill(self, req: PrefillRequest) -> PrefillResult:
         return await self.worker.prefill(req)

@@ -33,6 +33,7 @@ from engine.config import EngineConfig
 from engine.detokenizer import stop_matcher
 from engine.hashing import BlockHash, hash_blocks, root_hash
 from engine.llm_engine import LLMEngine
+from engine.parallel.setup import RankLauncher
 from kv_transfer import (
     GrpcKVClient,
     GrpcKVServer,
@@ -60,8 +61,9 @@ class PrefillWorker(EngineWorker):
         transfer: TransferConfig | None = None,
         index: IndexSettings | None = None,
         host: str = "127.0.0.1",
+        ranks: RankLauncher | None = None,
     ) -> None:
-        super().__init__(name, config, index)
+        super().__init__(name, config, index, ranks)
         self.host = host
         self.transfer_config = transfer or TransferConfig()
         self._client: GrpcKVClient | None = None

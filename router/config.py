@@ -75,6 +75,10 @@ class WorkerResources(BaseModel):
     labels: dict[str, str] = Field(default_factory=dict)
     """Ray node labels the worker's node must carry (``ray start --labels``), another
     way to pin a pool to a node type."""
+    tensor_parallel_size: int = Field(1, ge=1)
+    """Ranks of each worker (tensor parallelism, docs/tensor-parallel.md): its model
+    is split over this many processes on one node, each with num_gpus, num_cpus and
+    num_threads of its own, placed together by a Ray placement group."""
 
 
 class EngineSection(Section):
@@ -770,12 +774,31 @@ class ServeConfig(BaseModel):
     def engine_config(self, role: str, num_gpus: float) -> EngineConfig:
         """The engine options of one worker of ``role`` with ``num_gpus`` GPUs; only
         decode (and colocated) workers speculate."""
+        tp = self.pools.resources_of(role).tensor_parallel_size
+        return self._engine_config(role, num_gpus, tensor_parallel_size=tp)
+
+    def _engine_config(self, role: str, num_gpus: float, **options: Any) -> EngineConfig:
         return self.engine.engine_config(
             device="cuda" if num_gpus > 0 else "cpu",
             num_threads=self.pools.resources_of(role).num_threads,
             speculative=None if role == "prefill" else self.speculative.speculative_config(),
             kv_transfer_dtype=self.transfer.dtype,
+            **options,
         )
+
+    @model_validator(mode="after")
+    def _check_tensor_parallel(self) -> ServeConfig:
+        """A tensor-parallel pool refuses what its engine cannot run (engine.config says why)."""
+        from engine.config import tensor_parallel_conflict
+
+        roles = ["decode"] if self.pools.mode == "colocated" else ["prefill", "decode"]
+        for role in roles:
+            tp = self.pools.resources_of(role).tensor_parallel_size
+            if tp > 1:
+                why = tensor_parallel_conflict(self._engine_config(role, 0), tp)
+                if why is not None:
+                    raise ValueError(f"pools.{role}_resources: {why}")
+        return self
 
     @model_validator(mode="after")
     def _check_deterministic(self) -> ServeConfig:

@@ -34,6 +34,7 @@ from router.autoscaler_observe import Load
 from router.config import ServeConfig
 from router.membership import role_of
 from router.pool_controller import Members, PoolController
+from router.pool_manager import release_placement
 from worker.cpu_binding import CoreLayout
 
 log = logging.getLogger(__name__)
@@ -310,5 +311,6 @@ def _kill_workers(namespace: str) -> list[str]:
                 ray.kill(ray.get_actor(entry["name"], namespace=namespace), no_restart=True)
             except ValueError:
                 continue
+            release_placement(entry["name"])
             killed.append(entry["name"])
     return killed

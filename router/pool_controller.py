@@ -29,6 +29,8 @@ from router.pool_manager import (
     WorkerHandle,
     actor_class,
     create_worker,
+    kill_worker,
+    release_placement,
     start_workers,
     stop_workers,
 )
@@ -124,6 +126,7 @@ class PoolController:
                     if actor is not None:
                         with contextlib.suppress(Exception):
                             ray.kill(actor, no_restart=True)
+                    release_placement(member.name)
                     self.membership.owe(member.role)
                     continue
                 self.handles[member.name] = WorkerHandle(member.name, member.role, actor, info)
@@ -204,6 +207,7 @@ class PoolController:
             for member in self.membership.lose([w.name for w in dead]):
                 worker = self.handles.pop(member.name)
                 self._release_cores(worker)
+                release_placement(member.name)
                 log.warning("worker %s died for good; a replacement is owed", member.name)
             return self.members()
 
@@ -259,8 +263,7 @@ class PoolController:
         except BaseException:
             for worker in new:
                 self._release_cores(worker)
-                with contextlib.suppress(Exception):
-                    ray.kill(worker.actor)
+                kill_worker(worker)
             raise
         for worker in new:
             self.handles[worker.name] = worker

@@ -4,11 +4,14 @@ stopping worker actors through Ray (for router/pool_controller.py)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from dataclasses import dataclass
 from typing import Any
 
 import ray
+from ray.util.placement_group import PlacementGroup, placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from block_index import IndexSettings
 from protocol.workers import WorkerInfo
@@ -145,11 +148,63 @@ def create_worker(
     )
     transfer = config.transfer_config()
     args = (name, engine, transfer, index, None, config.server.log_format)
-    process = {"cpu_cores": cores, "niceness": config.pools.worker_niceness}
+    process: dict[str, Any] = {"cpu_cores": cores, "niceness": config.pools.worker_niceness}
     if role == "prefill":
         process["batch_scheduling"] = config.pools.batch_scheduling
+    if res.tensor_parallel_size > 1:
+        options["scheduling_strategy"] = _rank_placement(name, res, num_gpus, namespace)
+        options.pop("label_selector", None)  # the bundles carry it
+        process["rank_resources"] = {
+            "num_cpus": res.num_cpus,
+            "num_gpus": num_gpus,
+            "resources": res.resources or None,
+        }
     actor = ray.remote(cls).options(**options).remote(*args, **process)
     return WorkerHandle(name, role, actor)
+
+
+def placement_name(worker: str) -> str:
+    """The name of the placement group of a tensor-parallel worker's ranks."""
+    return f"{worker}-ranks"
+
+
+def _rank_placement(
+    name: str, res: WorkerResources, num_gpus: float, namespace: str | None
+) -> PlacementGroupSchedulingStrategy:
+    """A placement group of one bundle per rank, all on one node (STRICT_PACK),
+    for a tensor-parallel worker; its actor (rank 0) goes in bundle 0 and
+    starts the others in the rest (worker/tp_ranks.py). Detached with a
+    detached worker; removed by ``release_placement``."""
+    bundle = {"CPU": res.num_cpus, **res.resources}
+    if num_gpus > 0:
+        bundle["GPU"] = num_gpus
+    tp = res.tensor_parallel_size
+    group = placement_group(
+        [dict(bundle) for _ in range(tp)],
+        strategy="STRICT_PACK",
+        name=placement_name(name),
+        lifetime="detached" if namespace is not None else None,
+        bundle_label_selector=[dict(res.labels) for _ in range(tp)] if res.labels else None,
+    )
+    return PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0)
+
+
+def release_placement(worker: str) -> None:
+    """Remove the placement group of a tensor-parallel worker that is gone for
+    good (nothing for another worker); the ranks in it end with it."""
+    wanted = placement_name(worker)
+    for group_id, info in ray.util.placement_group_table().items():
+        if info.get("name") == wanted and info.get("state") != "REMOVED":
+            group = PlacementGroup(ray.PlacementGroupID(bytes.fromhex(group_id)))
+            with contextlib.suppress(Exception):
+                ray.util.remove_placement_group(group)
+
+
+def kill_worker(worker: WorkerHandle) -> None:
+    """Kill a worker's actor for good and free its ranks' placement."""
+    with contextlib.suppress(Exception):
+        ray.kill(worker.actor)
+    release_placement(worker.name)
 
 
 async def start_workers(workers: list[WorkerHandle], timeout_s: float | None) -> None:
@@ -161,7 +216,7 @@ async def start_workers(workers: list[WorkerHandle], timeout_s: float | None) ->
         )
     except BaseException:
         for worker in workers:
-            ray.kill(worker.actor)
+            kill_worker(worker)
         raise
     for worker, info in zip(workers, infos, strict=True):
         worker.info = info
@@ -176,4 +231,4 @@ async def _stop(worker: WorkerHandle) -> None:
         await asyncio.wait_for(worker.actor.stop.remote(), timeout=30)
     except Exception as exc:  # a dead worker is stopped already
         log.warning("stopping %s: %s", worker.name, exc)
-    ray.kill(worker.actor)
+    kill_worker(worker)

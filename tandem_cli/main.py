@@ -79,6 +79,12 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--prefill", type=int, metavar="N", help="prefill workers")
     p.add_argument("--decode", type=int, metavar="M", help="decode workers")
+    p.add_argument(
+        "--prefill-tp", type=int, metavar="A", help="ranks of each prefill worker (tensor parallel)"
+    )
+    p.add_argument(
+        "--decode-tp", type=int, metavar="B", help="ranks of each decode worker (tensor parallel)"
+    )
     p.add_argument("--mode", choices=["disaggregated", "colocated"])
     p.add_argument("--host", metavar="H")
     p.add_argument("--port", type=int, metavar="P")

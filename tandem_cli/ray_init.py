@@ -44,11 +44,11 @@ def cluster_spec(config: ServeConfig) -> ClusterSpec:
     pools = [(pools_config.decode, pools_config.decode_resources)]
     if pools_config.mode == "disaggregated":
         pools.append((pools_config.prefill, pools_config.prefill_resources))
-    needed_cpus = sum(n * r.num_cpus for n, r in pools)
+    needed_cpus = sum(n * r.tensor_parallel_size * r.num_cpus for n, r in pools)
     custom: dict[str, float] = {}
     for n, r in pools:
         for name, amount in r.resources.items():
-            custom[name] = custom.get(name, 0.0) + n * amount
+            custom[name] = custom.get(name, 0.0) + n * r.tensor_parallel_size * amount
     system: dict[str, object] = {}
     if pools_config.worker_niceness is not None:
         # Workers start at it and need no privilege to keep it (each one also

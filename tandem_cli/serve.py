@@ -45,6 +45,8 @@ SERVE_FLAGS = {
     "deterministic": "engine.deterministic",
     "prefill": "pools.prefill",
     "decode": "pools.decode",
+    "prefill_tp": "pools.prefill_resources.tensor_parallel_size",
+    "decode_tp": "pools.decode_resources.tensor_parallel_size",
     "mode": "pools.mode",
     "ray_address": "pools.ray_address",
     "host": "server.host",
@@ -197,6 +199,9 @@ def plan_cores(config: ServeConfig) -> CoreLayout | None:
         if nvidia_gpus_visible():  # Ray gives each worker a GPU
             return None
     elif resources.num_gpus > 0:
+        return None
+    if resources.tensor_parallel_size > 1:
+        log.info("cpu binding: off (decode workers have %d ranks)", resources.tensor_parallel_size)
         return None
     cores, threads = available_cores(), resources.num_threads
     layout = plan_layout(cores, pools.decode, threads)

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from block_index import IndexSettings
     from engine.config import EngineConfig
     from kv_transfer import TransferConfig
+    from worker.tp_ranks import RayRanks
 
 
 class WorkerActor:
@@ -40,12 +41,16 @@ class WorkerActor:
         batch_scheduling: bool = False,
         cpu_cores: tuple[int, ...] | None = None,
         niceness: int | None = None,
+        rank_resources: dict[str, Any] | None = None,
     ) -> None:
         """``batch_scheduling``: this process runs under SCHED_BATCH (prefill
         workers, see worker/sched_policy.py); otherwise under the normal policy.
         ``cpu_cores``: the cores this process is bound to (worker/cpu_binding.py),
         before the engine starts its threads; None: as inherited. ``niceness``:
-        this process's nice value (sched_policy.set_niceness); None: Ray's."""
+        this process's nice value (sched_policy.set_niceness); None: Ray's.
+        ``rank_resources``: the Ray options (num_cpus, num_gpus, resources) of
+        each other rank of a tensor-parallel worker (worker/tp_ranks.py), as
+        this actor's own."""
         configure_logging(log_format)  # this actor's process: structured request events
         set_policy(batch_scheduling)
         if niceness is not None:
@@ -56,7 +61,19 @@ class WorkerActor:
             import ray
 
             host = ray.util.get_node_ip_address()
-        self.worker = self.make_worker(name, config, transfer, index, host)
+        ranks: RayRanks | None = None
+        options: dict[str, Any] = {}
+        if config.tensor_parallel_size > 1:
+            from worker.tp_ranks import RayRanks
+
+            ranks = RayRanks(rank_resources or {}, log_format, batch_scheduling, niceness)
+            options["ranks"] = ranks
+        self.worker = self.make_worker(name, config, transfer, index, host, **options)
+        if ranks is not None:
+            from worker.tp_ranks import watch
+
+            watch(self.worker.engine.tp, ranks)
+        self._ranks = ranks
         self._starting: asyncio.Future | None = None
         freeze_startup_heap()  # this process serves this one worker until it exits
 
@@ -67,7 +84,10 @@ class WorkerActor:
         transfer: TransferConfig,
         index: IndexSettings,
         host: str,
+        **options: Any,
     ) -> Any:
+        """The worker; ``options``: ``ranks``, the launcher of a tensor-parallel
+        worker's other ranks (only given when tensor_parallel_size > 1)."""
         raise NotImplementedError
 
     async def start(self) -> WorkerInfo:
@@ -102,6 +122,12 @@ class WorkerActor:
     async def pid(self) -> int:
         """The actor's process id (chaos tests kill it)."""
         return os.getpid()
+
+    async def rank_pids(self) -> list[int]:
+        """The process ids of a tensor-parallel worker's other ranks (none at size 1)."""
+        if self._ranks is None:
+            return []
+        return list(await asyncio.gather(*(a.pid.remote() for a in self._ranks.actors.values())))
 
     async def stop(self) -> None:
         await self.worker.stop()

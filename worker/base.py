@@ -18,9 +18,11 @@ from engine.config import EngineConfig
 from engine.engine_loop import EngineLoop
 from engine.kv_tier import KVTier
 from engine.llm_engine import LLMEngine
+from engine.parallel.setup import RankLauncher
 from engine.spec.decoder import spec_stats
 from kv_transfer import PoolBlockStore, TransferConfig
 from kv_transfer.quantized import QuantizedBlockStore
+from kv_transfer.sharded_store import ShardedBlockStore
 from net.local_socket import host_identity
 from protocol.outputs import RequestOutput
 from protocol.workers import WorkerHealth, WorkerInfo, WorkerStats
@@ -66,16 +68,22 @@ class BufferedEvents:
 
 
 class EngineWorker:
-    def __init__(self, name: str, config: EngineConfig, index: IndexSettings | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        config: EngineConfig,
+        index: IndexSettings | None = None,
+        ranks: RankLauncher | None = None,
+    ) -> None:
+        """``ranks``: starts the other ranks of a tensor-parallel engine (Ray
+        actors, worker/tp_ranks.py); None: local processes."""
         self.name = name
-        self.engine = LLMEngine(config)
+        self.engine = LLMEngine(config, ranks)
         self.publisher = self._make_publisher(index or IndexSettings())
         self.loop = EngineLoop(
             self.engine, self._on_outputs, f"{name}-engine", self._on_cache_events
         )
-        self.pool_store = PoolBlockStore(
-            self.engine.block_pool, self.engine.kv_cache, self.loop.lock
-        )
+        self.pool_store = self._pool_store()
         self.store = self.pool_store
         if config.kv_transfer_dtype != "auto":  # quantized KV on the wire
             self.store = QuantizedBlockStore(self.pool_store, config.kv_transfer_dtype)
@@ -86,6 +94,16 @@ class EngineWorker:
         self.initial_num_holders = self.engine.block_pool.num_holders  # the engine's own
         self.incarnation = uuid.uuid4().hex
         self.started = False
+
+    def _pool_store(self) -> PoolBlockStore:
+        """The transfers' view of the pool: whole blocks gathered from and
+        scattered to every rank when the engine is tensor-parallel."""
+        engine = self.engine
+        if engine.tp is not None and engine.tp.kv is not None:
+            return ShardedBlockStore(
+                engine.block_pool, engine.kv_cache, engine.tp.kv, self.loop.lock
+            )
+        return PoolBlockStore(engine.block_pool, engine.kv_cache, self.loop.lock)
 
     def _make_publisher(self, index: IndexSettings) -> EventPublisher:
         if index.redis_url is None:

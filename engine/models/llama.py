@@ -101,6 +101,10 @@ def _pack(w: Weight) -> Weight:
     return PackedWeight.pack(w) if isinstance(w, torch.Tensor) else w
 
 
+def _unchanged(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -135,6 +139,10 @@ class LlamaModel:
         ``gpu_attention``: attention goes through the Triton kernel that reads the
         paged cache in place (engine/gpu/); callers build metadata for it."""
         self.spec = spec
+        # A tensor-parallel rank's model (engine/parallel/) holds its share of the
+        # weights (``spec`` and ``state`` are the share's) and sets this to the sum
+        # over the ranks of the o and down projections' partial outputs.
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] = _unchanged
         self.deterministic = deterministic
         self.gpu_attention = gpu_attention
         self.rows = each_row if deterministic else whole  # how row-local torch code runs
@@ -166,11 +174,13 @@ class LlamaModel:
 
         def matrix(names: list[str], fmt: QuantFormat | None = fmt) -> Weight:
             """The [out, in] weights of ``names`` stacked: [in, out] float, or quantized
-            (to ``fmt`` when the setting quantizes at load)."""
+            (to ``fmt`` when the setting quantizes at load; parts quantized to it
+            already, a tensor-parallel rank's share of a whole matrix, stay)."""
             parts = [state[n] for n in names]
             stored = [p for p in parts if isinstance(p, QuantWeight)]
             kinds = {(p.format, p.in_features) for p in stored}
-            if quantization == "as_stored" and len(stored) == len(parts) and len(kinds) == 1:
+            keep = quantization == "as_stored" or {p.format for p in stored} == {fmt}
+            if keep and len(stored) == len(parts) and len(kinds) == 1:
                 # one part: its own tensors (a tied head shares the embedding's bytes)
                 return (stored[0] if len(stored) == 1 else QuantWeight.cat(stored)).to(device)
             w = cat(names)
@@ -265,9 +275,9 @@ class LlamaModel:
             qk, v = rows(lambda h, cos, sin, w=w: self._qkv(h, w, cos, sin), h, cos, sin)
             q, k = qk[:, :heads], qk[:, heads:]
             attn = paged_attention(q, k, v, cache, i, meta, self.scale)
-            if self.after_layer is not None:
-                self.after_layer(i)
             h = rows(lambda h, attn, w=w: self._mlp(h, attn, w), h, attn)
+            if self.after_layer is not None:  # past the reduces: every rank wrote its KV
+                self.after_layer(i)
         return rows(lambda h: _rms_norm(h, self.norm, spec.rms_norm_eps), h)
 
     def _qkv(
@@ -290,9 +300,9 @@ class LlamaModel:
     def _mlp(self, h: torch.Tensor, attn: torch.Tensor, w: LayerWeights) -> torch.Tensor:
         """The residual stream after a layer's output projection and MLP: the PyTorch path."""
         eps = self.spec.rms_norm_eps
-        h = h + _linear(attn, w.o, w.o_bias)
+        h = h + self.reduce(_linear(attn, w.o, w.o_bias))
         gate, up = _linear(_rms_norm(h, w.post_norm, eps), w.gate_up, w.gate_up_bias).chunk(2, -1)
-        return h + _linear(F.silu(gate) * up, w.down, w.down_bias)
+        return h + self.reduce(_linear(F.silu(gate) * up, w.down, w.down_bias))
 
     def _forward_fused(
         self,
@@ -333,9 +343,9 @@ class LlamaModel:
             k = qkv[:, heads * d : (heads + kv_heads) * d].view(n, kv_heads, d)
             v = qkv[:, (heads + kv_heads) * d :].view(n, kv_heads, d)
             attn = paged_attention(q, k, v, cache, i, meta, self.scale, ops)
-            if self.after_layer is not None:
+            x = ops.add_rms_norm(h, self.reduce(linear(attn, w.o, w.o_bias)), w.post_norm, eps)
+            if self.after_layer is not None:  # past the reduce: every rank wrote its KV
                 self.after_layer(i)
-            x = ops.add_rms_norm(h, linear(attn, w.o, w.o_bias), w.post_norm, eps)
             gate_up = w.gate_up
             if isinstance(gate_up, QuantWeight):
                 hidden = ops.silu_mul(gate_up.apply(x, w.gate_up_bias, ops, self.deterministic))
@@ -343,7 +353,7 @@ class LlamaModel:
                 hidden = ops.linear_silu_mul(
                     x, gate_up.panels, gate_up.out_features, w.gate_up_bias
                 )
-            down = linear(hidden, w.down, w.down_bias)
+            down = self.reduce(linear(hidden, w.down, w.down_bias))
             following = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
             x = ops.add_rms_norm(h, down, following, eps)
         return x

@@ -90,8 +90,14 @@ REMOVED = {"retry_backoff_s": "RETRY_BACKOFF_S", "retry_backoff_max_s": "RETRY_B
 
 
 def _field_exists(path: str) -> bool:
-    section, key = path.split(".")
-    return section in SECTIONS and key in SECTIONS[section].model_fields
+    """``section.key``, or deeper into a section's nested model (``section.key.field``)."""
+    section, *keys = path.split(".")
+    model = SECTIONS.get(section)
+    for key in keys:
+        if model is None or key not in getattr(model, "model_fields", {}):
+            return False
+        model = model.model_fields[key].annotation
+    return True
 
 
 def _errors(**data) -> list[str]:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"protos/tandem/v1/kv_transfer.proto\x12\ttandem.v1\"\x98\x01\n\x08KVLayout\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12\x12\n\nwire_dtype\x18\x07 \x01(\t\"\xda\x01\n\x0eTransferHeader\x12#\n\x06layout\x18\x01 \x01(\x0b\x32\x13.tandem.v1.KVLayout\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x14\n\x0c\x62lock_hashes\x18\x04 \x03(\x0c\x12\x11\n\ttoken_ids\x18\x05 \x03(\x05\x12\x13\n\x0btotal_bytes\x18\x06 \x01(\x04\x12\x14\n\x0c\x64\x65\x63ode_start\x18\x08 \x01(\x0c\x12\r\n\x05grant\x18\t \x01(\x0c\x12\x12\n\ncache_salt\x18\n \x01(\x0cJ\x04\x08\x07\x10\x08\"\x9b\x01\n\x07KVChunk\x12\x13\n\x0blayer_start\x18\x01 \x01(\r\x12\x11\n\tlayer_end\x18\x02 \x01(\r\x12\x13\n\x0b\x62lock_start\x18\x03 \x01(\r\x12\x11\n\tblock_end\x18\x04 \x01(\r\x12\x14\n\x0c\x62lock_hashes\x18\x05 \x03(\x0c\x12\x12\n\x05\x63rc32\x18\x06 \x01(\x07H\x00\x88\x01\x01\x12\x0c\n\x04\x64\x61ta\x18\x0f \x01(\x0c\x42\x08\n\x06_crc32\"5\n\x06\x43ommit\x12\x16\n\x0enext_token_ids\x18\x01 \x03(\x05\x12\x13\n\x0b\x66irst_token\x18\x02 \x01(\x0c\"\x8f\x01\n\x0bPushRequest\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x19.tandem.v1.TransferHeaderH\x00\x12#\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x12.tandem.v1.KVChunkH\x00\x12#\n\x06\x63ommit\x18\x03 \x01(\x0b\x32\x11.tandem.v1.CommitH\x00\x42\t\n\x07message\"J\n\tPushReply\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\r\x12\x16\n\x0e\x62ytes_received\x18\x03 \x01(\x04\"k\n\x0bPullRequest\x12#\n\x06layout\x18\x01 \x01(\x0b\x32\x13.tandem.v1.KVLayout\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x0c\x12\r\n\x05grant\x18\x04 \x01(\x0c\"k\n\x0cPullResponse\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x19.tandem.v1.TransferHeaderH\x00\x12#\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x12.tandem.v1.KVChunkH\x00\x42\t\n\x07message2\x8b\x01\n\nKVTransfer\x12<\n\nPushBlocks\x12\x16.tandem.v1.PushRequest\x1a\x14.tandem.v1.PushReply(\x01\x12?\n\nPullBlocks\x12\x16.tandem.v1.PullRequest\x1a\x17.tandem.v1.PullResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"protos/tandem/v1/kv_transfer.proto\x12\ttandem.v1\"\xb6\x01\n\x08KVLayout\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12\x12\n\nwire_dtype\x18\x07 \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x08 \x01(\r\"\xda\x01\n\x0eTransferHeader\x12#\n\x06layout\x18\x01 \x01(\x0b\x32\x13.tandem.v1.KVLayout\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x14\n\x0c\x62lock_hashes\x18\x04 \x03(\x0c\x12\x11\n\ttoken_ids\x18\x05 \x03(\x05\x12\x13\n\x0btotal_bytes\x18\x06 \x01(\x04\x12\x14\n\x0c\x64\x65\x63ode_start\x18\x08 \x01(\x0c\x12\r\n\x05grant\x18\t \x01(\x0c\x12\x12\n\ncache_salt\x18\n \x01(\x0cJ\x04\x08\x07\x10\x08\"\x9b\x01\n\x07KVChunk\x12\x13\n\x0blayer_start\x18\x01 \x01(\r\x12\x11\n\tlayer_end\x18\x02 \x01(\r\x12\x13\n\x0b\x62lock_start\x18\x03 \x01(\r\x12\x11\n\tblock_end\x18\x04 \x01(\r\x12\x14\n\x0c\x62lock_hashes\x18\x05 \x03(\x0c\x12\x12\n\x05\x63rc32\x18\x06 \x01(\x07H\x00\x88\x01\x01\x12\x0c\n\x04\x64\x61ta\x18\x0f \x01(\x0c\x42\x08\n\x06_crc32\"5\n\x06\x43ommit\x12\x16\n\x0enext_token_ids\x18\x01 \x03(\x05\x12\x13\n\x0b\x66irst_token\x18\x02 \x01(\x0c\"\x8f\x01\n\x0bPushRequest\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x19.tandem.v1.TransferHeaderH\x00\x12#\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x12.tandem.v1.KVChunkH\x00\x12#\n\x06\x63ommit\x18\x03 \x01(\x0b\x32\x11.tandem.v1.CommitH\x00\x42\t\n\x07message\"J\n\tPushReply\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\r\x12\x16\n\x0e\x62ytes_received\x18\x03 \x01(\x04\"k\n\x0bPullRequest\x12#\n\x06layout\x18\x01 \x01(\x0b\x32\x13.tandem.v1.KVLayout\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x0c\x12\r\n\x05grant\x18\x04 \x01(\x0c\"k\n\x0cPullResponse\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x19.tandem.v1.TransferHeaderH\x00\x12#\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x12.tandem.v1.KVChunkH\x00\x42\t\n\x07message2\x8b\x01\n\nKVTransfer\x12<\n\nPushBlocks\x12\x16.tandem.v1.PushRequest\x1a\x14.tandem.v1.PushReply(\x01\x12?\n\nPullBlocks\x12\x16.tandem.v1.PullRequest\x1a\x17.tandem.v1.PullResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,21 +32,21 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.tandem.v1.kv_transfe
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_KVLAYOUT']._serialized_start=50
-  _globals['_KVLAYOUT']._serialized_end=202
-  _globals['_TRANSFERHEADER']._serialized_start=205
-  _globals['_TRANSFERHEADER']._serialized_end=423
-  _globals['_KVCHUNK']._serialized_start=426
-  _globals['_KVCHUNK']._serialized_end=581
-  _globals['_COMMIT']._serialized_start=583
-  _globals['_COMMIT']._serialized_end=636
-  _globals['_PUSHREQUEST']._serialized_start=639
-  _globals['_PUSHREQUEST']._serialized_end=782
-  _globals['_PUSHREPLY']._serialized_start=784
-  _globals['_PUSHREPLY']._serialized_end=858
-  _globals['_PULLREQUEST']._serialized_start=860
-  _globals['_PULLREQUEST']._serialized_end=967
-  _globals['_PULLRESPONSE']._serialized_start=969
-  _globals['_PULLRESPONSE']._serialized_end=1076
-  _globals['_KVTRANSFER']._serialized_start=1079
-  _globals['_KVTRANSFER']._serialized_end=1218
+  _globals['_KVLAYOUT']._serialized_end=232
+  _globals['_TRANSFERHEADER']._serialized_start=235
+  _globals['_TRANSFERHEADER']._serialized_end=453
+  _globals['_KVCHUNK']._serialized_start=456
+  _globals['_KVCHUNK']._serialized_end=611
+  _globals['_COMMIT']._serialized_start=613
+  _globals['_COMMIT']._serialized_end=666
+  _globals['_PUSHREQUEST']._serialized_start=669
+  _globals['_PUSHREQUEST']._serialized_end=812
+  _globals['_PUSHREPLY']._serialized_start=814
+  _globals['_PUSHREPLY']._serialized_end=888
+  _globals['_PULLREQUEST']._serialized_start=890
+  _globals['_PULLREQUEST']._serialized_end=997
+  _globals['_PULLRESPONSE']._serialized_start=999
+  _globals['_PULLRESPONSE']._serialized_end=1106
+  _globals['_KVTRANSFER']._serialized_start=1109
+  _globals['_KVTRANSFER']._serialized_end=1248
 # @@protoc_insertion_point(module_scope)

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class KVLayout(_message.Message):
-    __slots__ = ("model_fingerprint", "dtype", "num_layers", "block_size", "num_kv_heads", "head_dim", "wire_dtype")
+    __slots__ = ("model_fingerprint", "dtype", "num_layers", "block_size", "num_kv_heads", "head_dim", "wire_dtype", "tensor_parallel_size")
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -15,6 +15,7 @@ class KVLayout(_message.Message):
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     model_fingerprint: str
     dtype: str
     num_layers: int
@@ -22,7 +23,8 @@ class KVLayout(_message.Message):
     num_kv_heads: int
     head_dim: int
     wire_dtype: str
-    def __init__(self, model_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., wire_dtype: _Optional[str] = ...) -> None: ...
+    tensor_parallel_size: int
+    def __init__(self, model_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., wire_dtype: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
 
 class TransferHeader(_message.Message):
     __slots__ = ("layout", "request_id", "num_blocks", "block_hashes", "token_ids", "total_bytes", "decode_start", "grant", "cache_salt")

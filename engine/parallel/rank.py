@@ -1,0 +1,118 @@
+"""A tensor-parallel rank: its share of the model, loaded the same way on
+every rank, and the loop of ranks 1..N-1.
+
+Rank 0 decides what every rank must agree on (``ShardPlan``: the resolved
+checkpoint, the pool's block count, the model length, the kernel path) and
+starts ranks 1..N-1 with it, each through a launcher (local processes for
+the offline API, Ray actors for a serving worker). A rank loads its share,
+says it is ready in the rendezvous store (or writes its error there), joins
+the groups, then runs rank 0's passes until told to stop, answering KV
+reads and writes on a second thread.
+
+``python -m engine.parallel.rank`` runs one rank whose ``RankSpec`` comes
+pickled on stdin (engine/parallel/local.py starts it).
+"""
+
+from __future__ import annotations
+
+import pickle
+import sys
+import threading
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.config import EngineConfig, ModelSpec
+from engine.kernels import select as select_kernels
+from engine.kv_cache import KVCache, KVLayout
+from engine.loader import load_hf_config, load_weights
+from engine.models.llama import LlamaModel
+from engine.parallel import kv
+from engine.parallel.group import RankGroup, Rendezvous
+from engine.parallel.sharding import rank_spec, shard_state
+from engine.parallel.steps import run_step
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """What every rank of one engine shares; rank 0's choices."""
+
+    config: EngineConfig  # cpu_kernels "on" or "off": rank 0's path, on every rank
+    model_dir: str
+    layout: KVLayout  # tp_size ranks
+    num_blocks: int
+    max_model_len: int
+    vocab_size: int  # the whole vocabulary's (each rank's head holds a share)
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    plan: ShardPlan
+    rendezvous: Rendezvous
+    rank: int
+    device: str  # this rank's torch device, as this rank's process names it
+
+
+def load_shard(plan: ShardPlan, rank: int, device: torch.device) -> LlamaModel:
+    """Rank ``rank``'s share of the model (it reads the whole checkpoint, keeps its share)."""
+    config = plan.config
+    torch.manual_seed(config.seed)
+    model_dir = Path(plan.model_dir)
+    hf_config = load_hf_config(model_dir)
+    spec = ModelSpec.from_hf_config(hf_config)
+    tp = config.tensor_parallel_size
+    state = load_weights(config, model_dir, spec, hf_config)
+    state = shard_state(state, spec, rank, tp, config.quantization)
+    dtype = getattr(torch, config.dtype)
+    kernels = select_kernels(config.cpu_kernels, device, dtype)
+    return LlamaModel(
+        rank_spec(spec, tp), state, hf_config, plan.max_model_len, dtype, device, kernels,
+        greedy_screen=False, quantization=config.quantization,
+    )  # fmt: skip
+
+
+def run_rank(spec: RankSpec) -> None:
+    """Ranks 1..N-1: load, join, run rank 0's passes until it stops them."""
+    plan, rank = spec.plan, spec.rank
+    store = spec.rendezvous.store()
+    try:
+        if plan.config.num_threads:
+            torch.set_num_threads(plan.config.num_threads)
+        device = torch.device(spec.device)
+        model = load_shard(plan, rank, device)
+        cache = KVCache(plan.layout, plan.num_blocks, device)
+        store.set(f"ready/{rank}", b"1")
+    except BaseException:
+        store.set(f"error/{rank}", traceback.format_exc()[-4000:].encode())
+        raise
+    group = RankGroup(spec.rendezvous, rank, store, device)
+    model.reduce = group.all_reduce
+    transfers = threading.Thread(target=kv.serve, args=(group, cache), name="tp-kv", daemon=True)
+    transfers.start()
+    while run_step(model, group, cache, plan.vocab_size, group.broadcast(group.steps)):
+        pass
+    transfers.join(timeout=30)
+
+
+def main() -> None:
+    spec: RankSpec = pickle.load(sys.stdin.buffer)
+    _die_with_parent()
+    run_rank(spec)
+
+
+def _die_with_parent() -> None:
+    """Linux: this process gets SIGTERM when the one that started it ends."""
+    try:
+        import ctypes
+        import signal
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+if __name__ == "__main__":
+    main()
