@@ -18,7 +18,8 @@ baseline: push after the prefill). ``--model``: the default model's shape
 (hidden 256, 4 layers, 4 KiB of KV a token), SmolLM2-135M's (30 layers,
 45 KiB a token) or Llama-3.2-1B's (16 layers, 32 KiB a token in bf16),
 random weights, 16,384 positions; ``--device`` and ``--dtype`` place both
-workers (a GPU: both on it, the KV through pinned host memory and TCP). The last line is a JSON object (medians).
+workers (a GPU: both on it, the KV through pinned host memory and TCP).
+The last line is a JSON object (medians).
 """
 
 from __future__ import annotations
