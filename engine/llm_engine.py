@@ -593,7 +593,7 @@ class LLMEngine(RequestFaults):
         device: engine/layer_reports.py), tell the watched sequences of
         ``batch`` that this layer holds their new tokens' KV."""
         watched = [item for item in batch if item.seq.kv_watcher is not None]
-        if not watched or not isinstance(self.model, LlamaModel):
+        if not watched or isinstance(self.model, SimulatedModel):
             yield
             return
 

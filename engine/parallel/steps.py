@@ -43,6 +43,20 @@ class ShardedModel:
     def fused(self) -> bool:
         return self.local.fused
 
+    @property
+    def gpu_attention(self) -> bool:
+        return self.local.gpu_attention
+
+    @property
+    def after_layer(self):
+        """Rank 0's hook after each layer (LlamaModel.after_layer): past each
+        layer's reduce, so every rank has written that layer's KV."""
+        return self.local.after_layer
+
+    @after_layer.setter
+    def after_layer(self, hook) -> None:
+        self.local.after_layer = hook
+
     def forward(
         self,
         input_ids: torch.Tensor,
