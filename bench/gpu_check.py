@@ -25,7 +25,9 @@
    and decode steps while another thread copies --transfer-mib of blocks to
    pinned host memory as a push does, against the steps alone (the overlap
    of the transfer's copies with compute).
-5. Tensor parallelism: reported as not run where fewer than two GPUs exist.
+5. Tensor parallelism: greedy tokens (float32) and output tokens per second
+   at tensor_parallel_size 2 against 1, where two GPUs exist (NCCL), and on
+   the host (gloo: the smoke test); reported as not run on one GPU.
 The last line is one JSON object with the figures.
 """
 
@@ -257,6 +259,32 @@ def engine_timings(ckpt: Path, device, args, spec: ModelSpec) -> dict:
     return out
 
 
+def tensor_parallel_check(ckpt: Path, device, dtype: str, new_tokens: int) -> dict:
+    """Greedy tokens and output tokens per second at tensor_parallel_size 2
+    against 1 (on GPUs: one a rank, NCCL; on the host: gloo, the smoke test)."""
+    gen = torch.Generator().manual_seed(1)
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, min_tokens=new_tokens)
+    result: dict = {"dtype": dtype}
+    tokens = {}
+    for tp in (1, 2):
+        with LLM(
+            str(ckpt), device=str(device), dtype=dtype, num_kv_blocks=256, tensor_parallel_size=tp
+        ) as llm:
+            vocab = llm.engine.spec.vocab_size
+            prompts = [torch.randint(10, vocab, (n,), generator=gen).tolist() for n in (64,) * 8]
+            llm.generate(prompts[:1], params)  # warm up
+            synchronize(device)
+            start = time.perf_counter()
+            tokens[tp] = [o.token_ids for o in llm.generate(prompts, params)]
+            synchronize(device)
+            rate = 8 * new_tokens / (time.perf_counter() - start)
+            result[f"tp{tp}_tokens_per_s"] = round(rate, 1)
+        gen.manual_seed(1)  # the same prompts at both sizes
+    result["equal"] = tokens[1] == tokens[2]
+    result["ratio"] = round(result["tp2_tokens_per_s"] / result["tp1_tokens_per_s"], 3)
+    return result
+
+
 def hf_prefill_rate(ckpt: Path, device, dtype: str, lengths: list[int]) -> float:
     from transformers import AutoModelForCausalLM
 
@@ -307,7 +335,13 @@ def main() -> None:
         print(f"prefill: {result['prefill']}", flush=True)
         result["transfer"] = transfer_check(ckpt, device, args.dtype, args.transfer_mib, 3)
         print(f"KV transfer: {result['transfer']}", flush=True)
-    result["tensor_parallel"] = "not run: needs two GPUs" if gpus < 2 else "not built yet"
+        if gpus >= 2 or device.type == "cpu":
+            result["tensor_parallel"] = tensor_parallel_check(
+                ckpt, device, "float32", args.new_tokens
+            )
+            print(f"tensor parallel: {result['tensor_parallel']}", flush=True)
+        else:
+            result["tensor_parallel"] = "not run: needs two GPUs"
     print(json.dumps(result))
 
 

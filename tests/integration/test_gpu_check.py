@@ -40,4 +40,6 @@ def test_gpu_check_smoke_mode_on_the_host():
     overlap = result["copy_overlap"]
     assert overlap["step_alone_ms"] > 0 and overlap["step_with_copies_ms"] > 0
     assert overlap["copy_gb_s_alone"] > 0 and overlap["copy_gb_s_during_decode"] > 0
+    tp = result["tensor_parallel"]  # gloo on the host
+    assert tp["equal"] is True and tp["tp1_tokens_per_s"] > 0 and tp["tp2_tokens_per_s"] > 0
     assert result["transfer"]["bytes"] > 0 and result["transfer"]["push_gb_s"] > 0

@@ -51,6 +51,7 @@ def test_the_engine_section_is_the_workers_engine_config():
         "cpu_kernels": "off",
         "greedy_screen": False,
         "cuda_graphs": True,
+        "attention": "sdpa",
         "quantization": "int8",
         "simulate": None,  # refused with int8 (test below)
         "kv_tier_mb": 5,
