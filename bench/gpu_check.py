@@ -39,13 +39,13 @@ from pathlib import Path
 sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import argparse
-import asyncio
 import json
 import tempfile
 import time
 
 import torch
 
+from benchkit.device_transfer import transfer_check
 from benchkit.engine_timing import (
     copy_overlap,
     decode_step_s,
@@ -53,14 +53,10 @@ from benchkit.engine_timing import (
     prefill_tokens_per_s,
     profile_decode,
 )
-from benchkit.kv_peer import push_grant
 from engine import LLM, EngineConfig, LLMEngine
-from engine.block_pool import BlockPool, Holder
 from engine.config import ModelSpec
 from engine.default_model import make_random_checkpoint, tiny_config
 from engine.device import resolve_device, synchronize
-from engine.kv_cache import KVCache
-from kv_transfer import GrpcKVClient, GrpcKVServer, KVBlocks, PoolBlockStore, TransferConfig
 from protocol.sampling import SamplingParams
 
 LLAMA_1B = dict(
@@ -124,59 +120,6 @@ def roofline_s(spec: ModelSpec, itemsize: int, batch: int, context: int, bandwid
     weights = spec.num_layers * layer + spec.vocab_size * h + h + batch * h
     kv = batch * context * spec.num_layers * 2 * spec.num_kv_heads * d
     return (weights + kv) * itemsize / bandwidth, (weights + kv) * itemsize
-
-
-async def _push(src: PoolBlockStore, dst: PoolBlockStore, blocks: list[int], reps: int):
-    transfer = TransferConfig()  # one random cluster secret for both ends
-    server = GrpcKVServer(dst, transfer, host="127.0.0.1", port=0)
-    await server.start()
-    client = GrpcKVClient(transfer)
-    rates = []
-    try:
-        for i in range(reps + 1):  # the first warms up
-            # Tokens of each push's own: the receiver holds no prefix of it.
-            tokens = [(i * 7919 + t) % 30000 for t in range(len(blocks) * dst.layout.block_size)]
-            grant = push_grant(server.service.config, server.address, f"r{i}")
-            request = KVBlocks(f"r{i}", blocks, [None] * len(blocks), tokens, grant=grant)
-            start = time.perf_counter()
-            result = await client.push(server.address, src, request)
-            rates.append(result.bytes_sent / (time.perf_counter() - start))
-            dst.release(server.claim(f"r{i}").holder)
-    finally:
-        await client.close()
-        await server.stop()
-    return rates[1:]
-
-
-def transfer_check(ckpt: Path, device, dtype: str, mib: int, reps: int) -> dict:
-    from engine.kv_cache import KVLayout
-    from engine.loader import load_hf_config
-
-    spec = ModelSpec.from_hf_config(load_hf_config(ckpt))
-    layout = KVLayout("gpu-check", dtype, spec.num_layers, 16, spec.num_kv_heads, spec.head_dim)
-    n = max(1, (mib << 20) // layout.block_bytes)
-    src = PoolBlockStore(BlockPool(n, 16), KVCache(layout, n, device))
-    dst = PoolBlockStore(BlockPool(n, 16), KVCache(layout, n, device))
-    for t in src.cache.layers:
-        t.normal_()
-    bench = Holder("lease", "gpu-check")
-    blocks = src.reserve(bench, n)
-    rates = asyncio.run(_push(src, dst, blocks, reps))
-    # Baseline: the same bytes device -> host -> device with plain torch copies.
-    data = src.cache.read_blocks(blocks)
-    synchronize(device)
-    start = time.perf_counter()
-    dst.cache.write_blocks(blocks, data.cpu())
-    synchronize(device)
-    copy_rate = data.numel() * data.element_size() / (time.perf_counter() - start)
-    src.release(bench)
-    best = max(rates)
-    return {
-        "bytes": n * layout.block_bytes,
-        "push_gb_s": round(best / 1e9, 3),
-        "copy_gb_s": round(copy_rate / 1e9, 3),
-        "ratio": round(best / copy_rate, 3),
-    }
 
 
 # bench name of each attention path -> EngineConfig.attention
