@@ -108,8 +108,8 @@ class KVFeed:
         the others of the first ``computed_before``; ``block_ids``: the request's
         blocks in order, held by it for now."""
         with self.lock:
-            if self._closed or self.final is not None:
-                return
+            if self._closed or self.final is not None or self.error is not None:
+                return  # nothing more to send: pin nothing more
             for layer in range(len(self._tokens)):
                 done = computed if layer < layers else computed_before
                 self._tokens[layer] = max(self._tokens[layer], min(done, self.num_tokens))

@@ -169,6 +169,7 @@ class PrefillWorker(EngineWorker):
             feed.fail(TransferError(grpc.StatusCode.CANCELLED, "the prefill failed"))
             await asyncio.shield(self.abort(rid))
             await _settled(push)
+            feed.close()  # the push closes it too, but there may be no push yet
             raise
         finally:
             self.unlisten(rid)

@@ -190,3 +190,29 @@ def test_a_prefill_cancelled_half_way_through_its_push_frees_both_pools(llama_di
             return tokens
 
     assert asyncio.run(run()) == expected
+
+
+def test_a_cancel_that_lands_just_after_the_request_was_added_leaves_no_pin(llama_dir):
+    """The prefill's call is cancelled while it waits for the engine to take
+    the request, after the engine took it and stepped, so the push's feed
+    pinned blocks before any push opened: every pin goes, nothing is left."""
+
+    async def run():
+        async with pair(llama_dir, True) as (p, d):
+            acall = p.loop.acall
+
+            async def add_then_cancel(fn):
+                result = await acall(fn)
+                if p.loop.acall is add_then_cancel:  # the add: cancel once it pinned
+                    p.loop.acall = acall
+                    async with asyncio.timeout(60):
+                        while not any(h.id.startswith("send:cut") for h in p.store.holders()):
+                            await asyncio.sleep(0.01)
+                    raise asyncio.CancelledError
+                return result
+
+            p.loop.acall = add_then_cancel
+            with pytest.raises(asyncio.CancelledError):
+                await p.prefill(request("cut", PROMPTS[2], d))
+
+    asyncio.run(run())
