@@ -571,7 +571,15 @@ class LLMEngine(RequestFaults):
             elif start + n == seq.num_tokens:
                 sample_rows.append(len(slots) - 1)
         graphs = self.decode_graphs
-        if graphs is not None and not prefills and graphs.supports(len(decode_tables)):
+        # A step with a streamed prefill's chunk goes through _layer_reports: its
+        # reports then come only once the KV is in device memory.
+        streaming = any(item.seq.kv_watcher is not None for item in batch)
+        if (
+            graphs is not None
+            and not prefills
+            and not streaming
+            and graphs.supports(len(decode_tables))
+        ):
             hidden = graphs.forward(input_ids, positions, slots, decode_tables, decode_lens)
             return sample_rows, spec_rows, hidden
         meta = build_metadata(

@@ -81,8 +81,9 @@ class PoolBlockStore:
             return blocks
 
     def write(self, block_ids: Sequence[int], layer_start: int, data: memoryview) -> None:
-        idx, src = self._index(block_ids), self._layers_view(block_ids, data)
+        src = self._layers_view(block_ids, data)
         with self._copies.active():
+            idx = self._index(block_ids)  # on the copies' stream, like every copy here
             for i, layer_src in enumerate(src):
                 # layer: [2, num_blocks, block_size, kv_heads, head_dim]
                 layer_src = self._copies.to_device(layer_src)
@@ -150,8 +151,11 @@ class PoolBlockStore:
         out: memoryview,
         computed: bool = False,
     ) -> None:
-        idx, dst = self._index(block_ids), self._layers_view(block_ids, out)
+        dst = self._layers_view(block_ids, out)
         with self._copies.active(after_engine=not computed):
+            # on the copies' stream: made on the engine's, this copy would wait
+            # for everything queued there, which ``computed`` is meant to skip
+            idx = self._index(block_ids)
             for i, layer_dst in enumerate(dst[: layer_end - layer_start]):
                 layer = self.cache.layers[layer_start + i]
                 if self._device.type == "cpu":

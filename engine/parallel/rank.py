@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from engine.config import EngineConfig, ModelSpec
+from engine.gpu.paged_attention import use_kernel as use_gpu_kernel
 from engine.kernels import select as select_kernels
 from engine.kv_cache import KVCache, KVLayout
 from engine.loader import load_hf_config, load_weights
@@ -66,10 +67,11 @@ def load_shard(plan: ShardPlan, rank: int, device: torch.device) -> LlamaModel:
     state = load_weights(config, model_dir, spec, hf_config)
     state = shard_state(state, spec, rank, tp, config.quantization)
     dtype = getattr(torch, config.dtype)
-    kernels = select_kernels(config.cpu_kernels, device, dtype)
+    gpu_attention = use_gpu_kernel(config.attention, device, config.deterministic)
+    kernels = None if gpu_attention else select_kernels(config.cpu_kernels, device, dtype)
     return LlamaModel(
         rank_spec(spec, tp), state, hf_config, plan.max_model_len, dtype, device, kernels,
-        greedy_screen=False, quantization=config.quantization,
+        greedy_screen=False, quantization=config.quantization, gpu_attention=gpu_attention,
     )  # fmt: skip
 
 

@@ -11,6 +11,7 @@ and the engine still closes.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 
@@ -33,12 +34,27 @@ def _prompts(vocab: int) -> list[list[int]]:
     return [torch.randint(10, vocab, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-@pytest.mark.parametrize("cpu_kernels", ["auto", "off"], ids=["kernels", "pytorch"])
-def test_greedy_at_tp2_equals_tp1(checkpoint_factory, arch, cpu_kernels):
+NO_TRITON = pytest.mark.skipif(not importlib.util.find_spec("triton"), reason="no Triton")
+
+
+@pytest.mark.parametrize(
+    ("arch", "path"),
+    [
+        *((arch, path) for arch in ("llama", "qwen3") for path in ("kernels", "pytorch")),
+        pytest.param("llama", "triton", marks=NO_TRITON),
+    ],
+)
+def test_greedy_at_tp2_equals_tp1(checkpoint_factory, arch, path):
+    """(``triton``: every rank attends with the GPU kernel, on CPU under
+    Triton's interpreter, the step's metadata broadcast with its tables.)"""
     model_dir = str(checkpoint_factory(arch))
     # 32 tokens a step: the longer prompts are prefilled in chunks over cached context.
-    options = {"num_kv_blocks": 64, "cpu_kernels": cpu_kernels, "max_num_batched_tokens": 32}
+    options = {
+        "num_kv_blocks": 64,
+        "cpu_kernels": "auto" if path == "kernels" else "off",
+        "max_num_batched_tokens": 32,
+        "attention": "triton" if path == "triton" else "auto",
+    }
     one = LLM(model_dir, **options)
     prompts = _prompts(one.engine.spec.vocab_size)
     expected = one.generate(prompts, GREEDY)
