@@ -15,9 +15,12 @@ import pytest
 
 pytestmark = pytest.mark.integration
 
-# Starts the cluster as `tandem serve` does, prints the GCS address and reads
-# the token a driver should try from stdin, one per line; prints whether it
-# joined.
+# Starts the cluster as `tandem serve` does and tries a driver with no token,
+# a wrong one and the right one; prints whether each joined, then whether each
+# was refused for its token (Ray's InvalidAuthToken). A refused driver would
+# retry for 20 s (Ray's default); RAY_gcs_server_port_wait_time_s gives it 2
+# tries: a token it lacks is refused on the first. The right one keeps the
+# default.
 _CLUSTER = """
 import os, subprocess, sys
 from tandem_cli import ray_init
@@ -26,9 +29,11 @@ ray_init.init_ray(ServeConfig(pools={"prefill": 0, "decode": 1, "mode": "colocat
 import ray
 address = ray.get_runtime_context().gcs_address
 join = "import ray, sys; ray.init(address=sys.argv[1]); print('JOINED')"
-results = []
+results, refusals = [], []
 for case in ("none", "wrong", "right"):
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    if case != "right":
+        env["RAY_gcs_server_port_wait_time_s"] = "2"
     if case == "wrong":
         env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN="0" * 64)
     if case == "right":
@@ -37,6 +42,8 @@ for case in ("none", "wrong", "right"):
         [sys.executable, "-c", join, address], env=env, capture_output=True, text=True, timeout=120
     )
     results.append(f"{case}={'JOINED' in done.stdout}")
+    refusals.append(f"{case}={'InvalidAuthToken' in done.stderr}")
+print(" ".join(refusals))
 print(" ".join(results))
 ray.shutdown()
 """
@@ -51,5 +58,7 @@ def test_the_local_cluster_refuses_a_driver_without_its_token(tmp_path):
         [sys.executable, "-c", _CLUSTER], env=env, capture_output=True, text=True, timeout=400
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.strip().splitlines()[-1] == "none=False wrong=False right=True"
+    *_, refused, joined = done.stdout.strip().splitlines()
+    assert joined == "none=False wrong=False right=True"
+    assert refused == "none=True wrong=True right=False"  # for their token, not a timeout
     assert not (tmp_path / ".ray" / "auth_token").exists()  # the token was never written
