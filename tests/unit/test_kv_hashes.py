@@ -105,19 +105,22 @@ def test_tokens_that_do_not_cover_the_blocks_are_refused(n_tokens):
     assert err.code == grpc.StatusCode.INVALID_ARGUMENT and "token_ids" in err.message
 
 
-@pytest.mark.parametrize(
-    "grant",
-    [
-        b"",
-        push_grant(CONFIG, "inproc:other", "r"),
-        push_grant(CONFIG, "inproc:d", "r2"),
-        push_grant(CONFIG, "inproc:d", "r", salt=b"another"),
-        push_grant(TransferConfig(), "inproc:d", "r"),  # under another (random) secret
-    ],
-)
+# Grants for another push, by name, made when the test runs: the names are
+# stable test ids (xdist workers must collect the same ones), and no grant
+# ages between collection and use.
+NOT_THIS_PUSHS_GRANT = {
+    "empty": lambda: b"",
+    "another-worker": lambda: push_grant(CONFIG, "inproc:other", "r"),
+    "another-request": lambda: push_grant(CONFIG, "inproc:d", "r2"),
+    "another-salt": lambda: push_grant(CONFIG, "inproc:d", "r", salt=b"another"),
+    "another-secret": lambda: push_grant(TransferConfig(), "inproc:d", "r"),  # a random one
+}
+
+
+@pytest.mark.parametrize("grant", NOT_THIS_PUSHS_GRANT)
 def test_a_push_without_its_grant_is_refused_before_any_block_is_reserved(grant):
     pair = Pair()
-    err = _refused(pair, dataclasses.replace(pair.blocks(), grant=grant))
+    err = _refused(pair, dataclasses.replace(pair.blocks(), grant=NOT_THIS_PUSHS_GRANT[grant]()))
     assert err.code == grpc.StatusCode.PERMISSION_DENIED
 
 
