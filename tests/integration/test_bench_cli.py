@@ -4,10 +4,12 @@ asserted (2 shared cores); generous SLOs make every finished request good."""
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
 
+from benchkit import runner
 from benchkit.deployment import Deployment
 from router.config import ServeConfig
 from tandem_cli.main import main
@@ -137,7 +139,9 @@ def test_bench_sweep_closed_loop_and_turns(deployment, tmp_path, capsys):
     assert deployment.leaked_blocks() == {}
 
 
-def test_bench_unreachable_target(tmp_path, capsys):
+def test_bench_unreachable_target(tmp_path, capsys, monkeypatch):
+    # Nothing listens there: the bench would wait its 10 s for an answer; 1 s will do.
+    monkeypatch.setattr(runner, "wait_ready", functools.partial(runner.wait_ready, timeout_s=1.0))
     rc = main(["bench", "--target", "127.0.0.1:1", "--out", str(tmp_path), "--no-progress"])
     assert rc == 1
     assert "cannot reach" in capsys.readouterr().err
