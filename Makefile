@@ -27,29 +27,40 @@ $(STAMP): pyproject.toml Makefile
 serve: $(STAMP)
 	$(BIN)/tandem serve $(ARGS)
 
-# The fast tier: in-process tests not marked slow. `make test` runs it first,
-# then everything else, so each test runs once.
+# The fast tier: in-process tests not marked slow.
 FAST := unit and not slow
 
-# pytest on one marker expression; a phase that collects nothing (exit code 5)
-# fails, saying so: a marker typo must not pass as an empty green run.
+# In-process tests (tests/unit: no Ray, no Redis) run on TEST_WORKERS
+# pytest-xdist processes, a whole file to each (its module fixtures built
+# once); tests/conftest.py gives each torch its share of the cores. CI's
+# machine has 2 cores; TEST_WORKERS=0 runs them in one process. The
+# integration tests always run in one process, one at a time: their Ray
+# clusters and deployments would compete for the 2 cores (docs/testing.md).
+TEST_WORKERS ?= 2
+PARALLEL := -n $(TEST_WORKERS) --dist loadfile
+
+# pytest on one marker expression (then its options); a phase that collects
+# nothing (exit code 5) fails, saying so: a marker typo must not pass as an
+# empty green run.
 define pytest_phase
-	$(BIN)/pytest -m "$(1)" $(PYTEST_ARGS); rc=$$?; \
+	$(BIN)/pytest -m "$(1)" $(2) $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make: pytest -m '$(1)' collected no tests" >&2; fi; \
 	exit $$rc
 endef
 
+# Every test once: the in-process ones in parallel (fast and slow), then the
+# integration tests.
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python protos/codegen.py --check
-	$(call pytest_phase,$(FAST))
-	$(call pytest_phase,not ($(FAST)))
+	$(call pytest_phase,unit,$(PARALLEL))
+	$(call pytest_phase,not unit)
 
 test-fast: $(STAMP)
-	$(call pytest_phase,$(FAST))
+	$(call pytest_phase,$(FAST),$(PARALLEL))
 
 test-unit: $(STAMP)
-	$(call pytest_phase,unit)
+	$(call pytest_phase,unit,$(PARALLEL))
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

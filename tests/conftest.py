@@ -8,7 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
-torch.set_num_threads(2)
+# Torch threads: 2 (the CI machine's cores) in one process; under pytest-xdist
+# the cores shared among its workers (more threads than cores slows every
+# test down). TANDEM_TEST_THREADS sets it.
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(
+    int(os.environ.get("TANDEM_TEST_THREADS") or max(1, min(2, (os.cpu_count() or 2) // _workers)))
+)
 
 # Without a GPU, Triton kernels (engine/gpu/) run under Triton's interpreter on
 # CPU tensors; Triton reads this when it is first imported.
