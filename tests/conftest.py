@@ -6,6 +6,14 @@ import os
 from pathlib import Path
 
 import pytest
+
+if "PYTEST_XDIST_WORKER" in os.environ:
+    # Two xdist workers share the cores, and some tests ask for 2 torch threads
+    # (test_deterministic.py): OpenMP threads that spin at each barrier while
+    # a thread of theirs waits for a core waste it; they sleep instead. Read
+    # when torch loads OpenMP, so before the import.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import torch
 
 # Torch threads: 2 (the CI machine's cores) in one process; under pytest-xdist
