@@ -6,11 +6,14 @@ architectures, on the fused CPU path and the PyTorch one, with chunked
 prefill and prefix-cache hits, and with weights quantized at load (int8,
 q4); KV blocks exported from an engine of one size continue on an engine of
 the other; a rank that dies makes the next step raise instead of hanging,
-and the engine still closes.
+and the engine still closes. The ranks get the engine's secret in their
+spec, never through the rendezvous store, and a rank that does not prove it
+is refused before the engine starts.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 
@@ -18,7 +21,11 @@ import pytest
 import torch
 
 from engine import LLM
-from engine.parallel.group import GroupBroken
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.parallel import auth
+from engine.parallel.group import GroupBroken, Rendezvous
+from engine.parallel.local import LocalRanks
 from protocol.sampling import SamplingParams
 from tests.pool_checks import leftover_holders
 
@@ -121,3 +128,71 @@ def test_a_dead_rank_fails_the_next_step_and_close_ends(checkpoint_factory):
         llm.generate([prompt], GREEDY)
     assert leftover_holders(llm.engine.block_pool) == []  # the request was aborted
     llm.close()  # returns: the dead rank is reaped, nothing waits on it
+
+
+class _SeenRanks(LocalRanks):
+    """Local ranks whose specs the test sees; with ``secret``, a rank that was
+    handed another one (as a stranger in its place would hold)."""
+
+    def __init__(self, secret: bytes | None = None) -> None:
+        super().__init__()
+        self.secret = secret
+        self.specs = []
+        self.started: dict[int, int] = {}
+
+    def launch(self, specs) -> None:
+        if self.secret is not None:
+            specs = [dataclasses.replace(s, secret=self.secret) for s in specs]
+        self.specs = specs
+        super().launch(specs)
+        self.started = self.pids()
+
+
+def _config(model_dir) -> EngineConfig:
+    return EngineConfig(
+        model=str(model_dir), tensor_parallel_size=2, num_kv_blocks=64, cpu_kernels="off"
+    )
+
+
+def test_the_secret_goes_in_the_ranks_spec_and_never_in_the_store(checkpoint_factory, monkeypatch):
+    stored: list[bytes] = []
+    remove = Rendezvous.remove
+
+    def snapshot(self: Rendezvous) -> None:  # what the store held, at the end of the start
+        stored.append(b"".join(_read(p) for p in _files(self.directory)))
+        remove(self)
+
+    monkeypatch.setattr(Rendezvous, "remove", snapshot)
+    ranks = _SeenRanks()
+    engine = LLMEngine(_config(checkpoint_factory("llama")), ranks)
+    try:
+        (spec,) = ranks.specs
+        secret = spec.secret
+        assert len(secret) == auth.SECRET_BYTES
+        assert str(secret) not in repr(spec) and secret.hex() not in repr(spec)
+        assert stored and stored[0]  # the ranks met there
+        assert secret not in stored[0] and secret.hex().encode() not in stored[0]
+        prompt = _prompts(engine.spec.vocab_size)[0]
+        engine.add_request("a", prompt, GREEDY)
+        while engine.has_unfinished():
+            engine.step()  # the proven groups carry the passes
+    finally:
+        engine.close()
+
+
+def test_a_rank_that_cannot_prove_the_secret_is_refused_at_start(checkpoint_factory):
+    ranks = _SeenRanks(secret=auth.new_secret())
+    with pytest.raises(auth.PeerRefused, match="group 'steps': rank 1 gave a wrong answer"):
+        LLMEngine(_config(checkpoint_factory("llama")), ranks)
+    (pid,) = ranks.started.values()
+    with pytest.raises(ProcessLookupError):  # ended and reaped by the failed start
+        os.kill(pid, 0)
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _files(directory: str) -> list[str]:
+    return [os.path.join(root, f) for root, _, files in os.walk(directory) for f in files]
