@@ -22,7 +22,10 @@ anything else crosses it; what they read is decoded as data, never code
 (messages.py). The traffic itself is not encrypted.
 
 A rank that dies closes its connections; the others' next collective
-raises at once. An idle rank waits for the next message without a timeout.
+raises at once. An idle rank waits for the next message without a
+timeout; rank 0 waits at most ``KV_TIMEOUT`` for the others in a KV read
+or write, so that a rank that hangs fails the transfer (and breaks the
+group, as a dead rank does) instead of holding its blocks forever.
 """
 
 from __future__ import annotations
@@ -42,6 +45,9 @@ from engine.parallel import auth, messages
 
 CONNECT_TIMEOUT = datetime.timedelta(seconds=300)  # to build a group once every rank is up
 IDLE_TIMEOUT = datetime.timedelta(days=3650)  # a rank waits for the next step forever
+# Rank 0's bound on one KV read or write (a gather or scatter of one chunk's
+# heads, over loopback): past it the rank it waits on is taken for hung.
+KV_TIMEOUT = datetime.timedelta(seconds=60)
 LOOPBACK = "127.0.0.1"
 # Set in every rank's process before its NCCL group is built: NCCL's bootstrap
 # and socket connections bind the loopback interface, not the node's network.
@@ -108,7 +114,7 @@ class RankGroup:
         self.broken: str | None = None
         self.barrier(self.steps)  # every rank is done with the store: rank 0 may remove it
         self.steps.set_timeout(IDLE_TIMEOUT)
-        self.kv.set_timeout(IDLE_TIMEOUT)
+        self.kv.set_timeout(KV_TIMEOUT if rank == 0 else IDLE_TIMEOUT)
 
     # ---- messages from rank 0 ----------------------------------------------
 

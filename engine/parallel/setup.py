@@ -63,16 +63,20 @@ class TensorParallel:
         self.kv = ShardedKV(self.group, cache)
 
     def close(self) -> None:
-        """Stop the other ranks and wait for them (safe to call more than once)."""
+        """Stop the other ranks and wait for them (safe to call more than once).
+        Those of a broken group are not told (nothing reaches them in step) nor
+        waited for: a hung one would never end by itself; they are ended."""
         self.closing = True
+        told = self.group.broken is None
         try:
             self.model.stop()
             if self.kv is not None:
                 self.kv.stop()
         except GroupBroken as exc:
+            told = False
             log.warning("tensor-parallel ranks not stopped cleanly: %s", exc)
         self.group.fail("closed")
-        self.launcher.close(STOP_TIMEOUT_S)
+        self.launcher.close(STOP_TIMEOUT_S if told else 0)
 
 
 def start(

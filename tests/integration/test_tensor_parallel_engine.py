@@ -6,7 +6,8 @@ architectures, on the fused CPU path and the PyTorch one, with chunked
 prefill and prefix-cache hits, and with weights quantized at load (int8,
 q4); KV blocks exported from an engine of one size continue on an engine of
 the other; a rank that dies makes the next step raise instead of hanging,
-and the engine still closes. The ranks get the engine's secret in their
+and the engine still closes; one that hangs fails a KV read instead of
+holding it. The ranks get the engine's secret in their
 spec, never through the rendezvous store, and a rank that does not prove it
 is refused before the engine starts.
 """
@@ -14,6 +15,7 @@ is refused before the engine starts.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import os
 import signal
 
@@ -23,7 +25,7 @@ import torch
 from engine import LLM
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.parallel import auth
+from engine.parallel import auth, group
 from engine.parallel.group import GroupBroken, Rendezvous
 from engine.parallel.local import LocalRanks
 from protocol.sampling import SamplingParams
@@ -128,6 +130,32 @@ def test_a_dead_rank_fails_the_next_step_and_close_ends(checkpoint_factory):
         llm.generate([prompt], GREEDY)
     assert leftover_holders(llm.engine.block_pool) == []  # the request was aborted
     llm.close()  # returns: the dead rank is reaped, nothing waits on it
+
+
+def test_a_hung_rank_fails_a_kv_read_and_close_ends(checkpoint_factory, monkeypatch):
+    """A rank that stops answering (SIGSTOP: alive, its connections open) makes
+    rank 0's KV read fail instead of waiting for it forever; the group is then
+    broken as for a dead rank, and close ends the rank without waiting on it."""
+    monkeypatch.setattr(group, "KV_TIMEOUT", datetime.timedelta(seconds=1))
+    llm = LLM(str(checkpoint_factory("llama")), tensor_parallel_size=2, num_kv_blocks=64,
+              cpu_kernels="off")  # fmt: skip
+    engine = llm.engine
+    engine.add_request("a", _prompts(engine.spec.vocab_size)[1], GREEDY, prefill_only=True)
+    while engine.has_unfinished():
+        engine.step()
+    (pid,) = llm.engine.tp.launcher.pids().values()
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(GroupBroken, match=r"collective failed: .*imed out"):
+            engine.export_kv("a")
+        engine.release("a")
+        assert leftover_holders(engine.block_pool) == []
+        with pytest.raises(GroupBroken, match="is broken"):
+            llm.generate([[5, 6, 7]], GREEDY)
+    finally:
+        llm.close()  # kills the stopped rank: it was never told to stop
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
 
 
 class _SeenRanks(LocalRanks):
