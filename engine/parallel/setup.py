@@ -62,11 +62,16 @@ class TensorParallel:
         """Rank 0's own cache: the kv reads and writes go through it and the others'."""
         self.kv = ShardedKV(self.group, cache)
 
-    def close(self) -> None:
+    def close(self, stepping: bool = False) -> None:
         """Stop the other ranks and wait for them (safe to call more than once).
         Those of a broken group are not told (nothing reaches them in step) nor
-        waited for: a hung one would never end by itself; they are ended."""
+        waited for: a hung one would never end by itself; they are ended.
+        ``stepping``: the engine thread may still be in a pass on the steps
+        group, which no second thread may use at the same time: the group is
+        broken first (ending the ranks ends that pass too)."""
         self.closing = True
+        if stepping:
+            self.group.fail("closed while the engine thread was still in a pass")
         told = self.group.broken is None
         try:
             self.model.stop()

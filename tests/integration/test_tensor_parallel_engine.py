@@ -7,29 +7,34 @@ prefill and prefix-cache hits, and with weights quantized at load (int8,
 q4); KV blocks exported from an engine of one size continue on an engine of
 the other; a rank that dies makes the next step raise instead of hanging,
 and the engine still closes; one that hangs fails a KV read instead of
-holding it. The ranks get the engine's secret in their
-spec, never through the rendezvous store, and a rank that does not prove it
-is refused before the engine starts.
+holding it, and a worker stopped while its engine thread is stuck in a pass
+ends the ranks without a second thread on that pass's group. The ranks get
+the engine's secret in their spec, never through the rendezvous store, and a
+rank that does not prove it is refused before the engine starts.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import datetime
 import os
 import signal
+import threading
 
 import pytest
 import torch
 
 from engine import LLM
 from engine.config import EngineConfig
+from engine.engine_loop import EngineLoop
 from engine.llm_engine import LLMEngine
 from engine.parallel import auth, group
 from engine.parallel.group import GroupBroken, Rendezvous
 from engine.parallel.local import LocalRanks
 from protocol.sampling import SamplingParams
 from tests.pool_checks import leftover_holders
+from worker.base import EngineWorker
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -156,6 +161,50 @@ def test_a_hung_rank_fails_a_kv_read_and_close_ends(checkpoint_factory, monkeypa
         llm.close()  # kills the stopped rank: it was never told to stop
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
+
+
+def test_a_worker_stopped_mid_pass_ends_its_ranks_without_a_stop_broadcast(
+    checkpoint_factory, monkeypatch
+):
+    """The engine thread is in a pass that waits on a stopped rank when the
+    worker stops: the loop's join gives up, and closing must not broadcast
+    Stop on the group that pass is using (two threads on one gloo group); it
+    breaks the group and ends the rank, which ends the pass."""
+    monkeypatch.setattr(EngineLoop, "JOIN_TIMEOUT_S", 0.5)
+    worker = EngineWorker("w", _config(checkpoint_factory("llama")))
+    tp = worker.engine.tp
+    in_pass, sent = threading.Event(), []
+    run, broadcast = tp.model._run, tp.group.broadcast
+
+    def entering(msg, local):
+        in_pass.set()
+        return run(msg, local)
+
+    def recording(pg, message=None):
+        sent.append((threading.current_thread().name, type(message).__name__))
+        return broadcast(pg, message)
+
+    tp.model._run, tp.group.broadcast = entering, recording
+    (pid,) = tp.launcher.pids().values()
+    prompt = _prompts(worker.engine.spec.vocab_size)[0]
+
+    async def main() -> None:
+        worker.start_loop()
+        os.kill(pid, signal.SIGSTOP)  # the pass's all-reduce waits for it
+        worker.loop.call(lambda e: e.add_request("a", prompt, GREEDY))
+        assert await asyncio.to_thread(in_pass.wait, 60)
+        worker.stop_loop()
+        await asyncio.to_thread(worker.loop._thread.join, 60)  # the pass raised: rank gone
+
+    asyncio.run(main())
+    stopper = threading.current_thread().name
+    assert [m for name, m in sent if name == stopper] == []  # no Stop, no StopKV
+    assert [m for _, m in sent] == ["Forward"]  # the engine thread's pass, alone
+    assert "still in a pass" in (tp.group.broken or "")
+    assert not worker.loop._thread.is_alive()
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    assert leftover_holders(worker.engine.block_pool) == []  # the request was aborted
 
 
 class _SeenRanks(LocalRanks):
