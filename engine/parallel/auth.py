@@ -27,9 +27,11 @@ order on every rank (so no two ranks wait on each other):
     b -> a   nonce_b, answer(b -> a, nonce_a)
     a -> b   answer(a -> b, nonce_b), or zeros when b's answer was wrong
 
-``gathered`` (NCCL) does the same with two all-gathers: torch runs a single
-NCCL send or receive on a two-rank communicator of its own, not on the one
-that carries the model's all-reduces, which is the one to prove.
+``gathered`` (NCCL) does the same with two all-gathers: torch may run a
+single NCCL send or receive on a two-rank communicator of its own, not on
+the one that carries the model's all-reduces, which is the one to prove.
+(The first all-gather also makes that communicator, while the rendezvous
+store, which NCCL's setup reads, is still there.)
 """
 
 from __future__ import annotations
@@ -47,6 +49,10 @@ NONCE_BYTES = 32
 MAC_BYTES = 32  # HMAC-SHA256
 TAG = b"tandem-tp-rank\0"
 _FIRST_TAG = 0x7A00  # gloo message tags of the challenge: this and the next two
+WRONG = (
+    "gave a wrong answer to the challenge: it does not hold this engine's secret "
+    "(another process in a rank's place?)"
+)
 
 
 class PeerRefused(RuntimeError):
@@ -88,9 +94,10 @@ def _pair(pg: Any, group: str, rank: int, peer: int, secret: bytes) -> None:
             _send(pg, peer, 1, nonce + answer(secret, group, rank, peer, their_nonce))
             good = _good(secret, group, peer, rank, nonce, _recv(pg, peer, 2, MAC_BYTES))
     except RuntimeError as exc:  # gloo's: the peer hung up, sent another size, or stalled
-        raise PeerRefused(_refused(group, peer, f"no answer ({_first_line(exc)})")) from exc
+        why = f"did not answer the challenge ({_first_line(exc)})"
+        raise PeerRefused(_refused(group, peer, why)) from exc
     if not good:
-        raise PeerRefused(_refused(group, peer, "a wrong answer"))
+        raise PeerRefused(_refused(group, peer, WRONG))
 
 
 def gathered(pg: Any, group: str, rank: int, size: int, secret: bytes, device: Any) -> None:
@@ -106,18 +113,15 @@ def gathered(pg: Any, group: str, rank: int, size: int, secret: bytes, device: A
     for r in range(size):
         given = answers[r][rank * MAC_BYTES : (rank + 1) * MAC_BYTES]
         if r != rank and not _good(secret, group, r, rank, nonce, given):
-            raise PeerRefused(_refused(group, r, "a wrong answer"))
+            raise PeerRefused(_refused(group, r, WRONG))
 
 
 def _good(secret: bytes, group: str, sender: int, receiver: int, nonce: bytes, got: bytes) -> bool:
     return hmac.compare_digest(answer(secret, group, sender, receiver, nonce), got)
 
 
-def _refused(group: str, peer: int, what: str) -> str:
-    return (
-        f"tensor-parallel group {group!r}: rank {peer} gave {what} to the challenge: it does "
-        "not hold this engine's secret (another process in a rank's place?); not starting"
-    )
+def _refused(group: str, peer: int, why: str) -> str:
+    return f"tensor-parallel group {group!r}: rank {peer} {why}; not starting"
 
 
 def _send(pg: Any, peer: int, step: int, data: bytes) -> None:
