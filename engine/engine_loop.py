@@ -28,6 +28,8 @@ T = TypeVar("T")
 
 
 class EngineLoop:
+    JOIN_TIMEOUT_S = 30.0  # stop() waits this long for the step in flight
+
     def __init__(
         self,
         engine: LLMEngine,
@@ -56,11 +58,14 @@ class EngineLoop:
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self) -> None:
+    def stop(self) -> bool:
+        """End the loop after the step in flight; False if its thread is still
+        in that step after ``JOIN_TIMEOUT_S`` (it may yet use the engine)."""
         self._stopping = True
         self._wake.set()
         if self._thread.is_alive():
-            self._thread.join(timeout=30)
+            self._thread.join(timeout=self.JOIN_TIMEOUT_S)
+        return not self._thread.is_alive()
 
     def call(self, fn: Callable[[LLMEngine], T]) -> Future[T]:
         """Run ``fn(engine)`` on the engine thread between steps."""

@@ -258,11 +258,13 @@ class LLMEngine(RequestFaults):
         self.block_pool.attach_tier(tier)
         return tier
 
-    def close(self) -> None:
+    def close(self, stepping: bool = False) -> None:
         """Let go of the second tier's storage and stop the other tensor-parallel
-        ranks (a worker that stops)."""
+        ranks (a worker that stops). ``stepping``: another thread may still be
+        in a step (its loop did not end): the ranks are ended, not told to stop
+        over the group that step uses."""
         if self.tp is not None:
-            self.tp.close()
+            self.tp.close(stepping)
         if self.kv_tier is not None:
             self.block_pool.tier = None
             self.kv_tier.close()

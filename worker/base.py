@@ -164,10 +164,10 @@ class EngineWorker:
         )
 
     def stop_loop(self) -> None:
-        self.loop.stop()
+        ended = self.loop.stop()
         self.publisher.close()
-        with self.loop.lock:
-            self.engine.close()  # the second KV tier's storage
+        with self.loop.lock:  # the second KV tier's storage, the other ranks
+            self.engine.close(stepping=not ended)
 
     def listen(self, request_id: str, callback: Callable[[RequestOutput], None]) -> None:
         """Call ``callback`` (in the event loop) with each output of the request."""

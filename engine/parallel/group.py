@@ -14,13 +14,18 @@ groups connect them, built from one rendezvous:
   engine thread runs steps.
 
 The rendezvous is a FileStore in a directory only this user can read, so no
-port is opened for it; gloo's connections bind the loopback address, so the
-ranks of a group share one machine. Those connections are not authenticated
-(gloo has no such thing): the ranks trust the machine's other local
-processes not to connect to them; what they read is decoded as data, never
-code (messages.py). A rank that dies
-closes its connections; the others' next collective raises at once. An idle
-rank waits for the next message without a timeout.
+port is opened for it; gloo's connections bind the loopback address (and
+NCCL's, ``NCCL_LOOPBACK``), so the ranks of a group share one machine.
+gloo authenticates nobody, so once built, each group's ranks prove to each
+other that they hold the engine's secret (engine/parallel/auth.py) before
+anything else crosses it; what they read is decoded as data, never code
+(messages.py). The traffic itself is not encrypted.
+
+A rank that dies closes its connections; the others' next collective
+raises at once. An idle rank waits for the next message without a
+timeout; rank 0 waits at most ``KV_TIMEOUT`` for the others in a KV read
+or write, so that a rank that hangs fails the transfer (and breaks the
+group, as a dead rank does) instead of holding its blocks forever.
 """
 
 from __future__ import annotations
@@ -36,11 +41,17 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from engine.parallel import messages
+from engine.parallel import auth, messages
 
 CONNECT_TIMEOUT = datetime.timedelta(seconds=300)  # to build a group once every rank is up
 IDLE_TIMEOUT = datetime.timedelta(days=3650)  # a rank waits for the next step forever
+# Rank 0's bound on one KV read or write (a gather or scatter of one chunk's
+# heads, over loopback): past it the rank it waits on is taken for hung.
+KV_TIMEOUT = datetime.timedelta(seconds=60)
 LOOPBACK = "127.0.0.1"
+# Set in every rank's process before its NCCL group is built: NCCL's bootstrap
+# and socket connections bind the loopback interface, not the node's network.
+NCCL_LOOPBACK = {"NCCL_SOCKET_IFNAME": "lo", "NCCL_SOCKET_FAMILY": "AF_INET"}
 
 
 class GroupBroken(RuntimeError):
@@ -78,19 +89,32 @@ class RankGroup:
     rank builds its own)."""
 
     def __init__(
-        self, rendezvous: Rendezvous, rank: int, store: dist.Store, device: torch.device
+        self,
+        rendezvous: Rendezvous,
+        rank: int,
+        store: dist.Store,
+        device: torch.device,
+        secret: bytes,
     ) -> None:
-        """``device``: this rank's (NCCL binds each rank's communicator to it)."""
+        """``device``: this rank's (NCCL binds each rank's communicator to it).
+        ``secret``: the engine's (auth.py); raises auth.PeerRefused when a rank
+        does not prove it, before anything else crosses the groups."""
         if device.type == "cuda":
             torch.cuda.set_device(device)
         self.rank, self.size = rank, rendezvous.world_size
         self.steps = _gloo(dist.PrefixStore("steps", store), rank, self.size)
         self.kv = _gloo(dist.PrefixStore("kv", store), rank, self.size)
+        auth.pairwise(self.steps, "steps", rank, self.size, secret)
+        auth.pairwise(self.kv, "kv", rank, self.size, secret)
         self.model = self.steps
         if rendezvous.backend == "nccl":
+            os.environ.update(NCCL_LOOPBACK)
             self.model = _nccl(dist.PrefixStore("model", store), rank, self.size)
+            auth.gathered(self.model, "model", rank, self.size, secret, device)
         self.broken: str | None = None
         self.barrier(self.steps)  # every rank is done with the store: rank 0 may remove it
+        self.steps.set_timeout(IDLE_TIMEOUT)
+        self.kv.set_timeout(KV_TIMEOUT if rank == 0 else IDLE_TIMEOUT)
 
     # ---- messages from rank 0 ----------------------------------------------
 
@@ -197,6 +221,14 @@ def wait_ready(store: dist.Store, world_size: int, lost: Any, timeout_s: float) 
             time.sleep(0.05)
 
 
+def rank_error(store: dist.Store, world_size: int) -> str | None:
+    """The first error a rank 1..N-1 left in the store, if any."""
+    for rank in range(1, world_size):
+        if store.check([f"error/{rank}"]):
+            return f"tensor-parallel rank {rank} failed: {_text(store, rank)}"
+    return None
+
+
 def _text(store: dist.Store, rank: int) -> str:
     return store.get(f"error/{rank}").decode(errors="replace")
 
@@ -204,10 +236,8 @@ def _text(store: dist.Store, rank: int) -> str:
 def _gloo(store: dist.Store, rank: int, size: int) -> Any:
     opts = dist.ProcessGroupGloo._Options()
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname=LOOPBACK)]
-    opts._timeout = CONNECT_TIMEOUT
-    pg = dist.ProcessGroupGloo(store, rank, size, opts)
-    pg.set_timeout(IDLE_TIMEOUT)
-    return pg
+    opts._timeout = CONNECT_TIMEOUT  # until the group is proven (RankGroup sets its own)
+    return dist.ProcessGroupGloo(store, rank, size, opts)
 
 
 def _nccl(store: dist.Store, rank: int, size: int) -> Any:  # pragma: no cover - needs GPUs

@@ -12,7 +12,11 @@ authentication, leases and the block bookkeeping stay rank 0's alone.
 Rank 0 calls ``read`` and ``write`` from any thread (one at a time); the
 other ranks answer on a thread of their own (``serve``), beside their step
 loop. A transfer only touches blocks it holds, which no pass writes, so
-the two never race; ``write`` returns once every rank has written.
+the two never race; ``write`` returns once every rank has written. Rank 0
+waits for the others at most ``group.KV_TIMEOUT`` in either: a rank that
+hangs fails the transfer with GroupBroken (which frees what it held) and
+breaks the group, instead of holding the transfer, its blocks and the
+next transfer's turn forever.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@ and how they are encoded.
 
 A message travels as torch.save's bytes and is read back with
 ``torch.load(weights_only=True)``, which builds tensors, plain values and
-the classes of ``ALLOWED`` only: a peer on the ranks' unauthenticated
-connections (engine/parallel/group.py) can send garbage, not code to run.
+the classes of ``ALLOWED`` only: even what reaches a rank from a peer that
+holds the engine's secret (engine/parallel/auth.py) is data, not code to run.
 """
 
 from __future__ import annotations

@@ -6,8 +6,9 @@ checkpoint, the pool's block count, the model length, the kernel path) and
 starts ranks 1..N-1 with it, each through a launcher (local processes for
 the offline API, Ray actors for a serving worker). A rank loads its share,
 says it is ready in the rendezvous store (or writes its error there), joins
-the groups, then runs rank 0's passes until told to stop, answering KV
-reads and writes on a second thread.
+the groups (proving the engine's secret, which its spec carries and the
+store never holds: engine/parallel/auth.py), then runs rank 0's passes
+until told to stop, answering KV reads and writes on a second thread.
 
 ``python -m engine.parallel.rank`` runs one rank whose ``RankSpec`` comes
 pickled on stdin (engine/parallel/local.py starts it).
@@ -15,11 +16,13 @@ pickled on stdin (engine/parallel/local.py starts it).
 
 from __future__ import annotations
 
+import contextlib
+import os
 import pickle
 import sys
 import threading
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -54,6 +57,7 @@ class RankSpec:
     rendezvous: Rendezvous
     rank: int
     device: str  # this rank's torch device, as this rank's process names it
+    secret: bytes = field(repr=False)  # the engine's (auth.py): never logged, never stored
 
 
 def load_shard(plan: ShardPlan, rank: int, device: torch.device) -> LlamaModel:
@@ -86,16 +90,26 @@ def run_rank(spec: RankSpec) -> None:
         model = load_shard(plan, rank, device)
         cache = KVCache(plan.layout, plan.num_blocks, device)
         store.set(f"ready/{rank}", b"1")
+        group = RankGroup(spec.rendezvous, rank, store, device, spec.secret)
     except BaseException:
-        store.set(f"error/{rank}", traceback.format_exc()[-4000:].encode())
+        _say_error(spec.rendezvous, store, rank)
         raise
-    group = RankGroup(spec.rendezvous, rank, store, device)
     model.reduce = group.all_reduce
     transfers = threading.Thread(target=kv.serve, args=(group, cache), name="tp-kv", daemon=True)
     transfers.start()
     while run_step(model, group, cache, plan.vocab_size, group.broadcast(group.steps)):
         pass
     transfers.join(timeout=30)
+
+
+def _say_error(rendezvous: Rendezvous, store, rank: int) -> None:
+    """Leave this rank's error for rank 0 (wait_ready, setup.start) while the
+    store is there (rank 0 removes it once joined, or failed: a store call
+    would then wait for the file to come back)."""
+    if not os.path.isdir(rendezvous.directory):
+        return
+    with contextlib.suppress(RuntimeError):  # the store went meanwhile: the raise says it
+        store.set(f"error/{rank}", traceback.format_exc()[-4000:].encode())
 
 
 def main() -> None:

@@ -9,7 +9,8 @@ from typing import Protocol
 import torch
 
 from engine.kv_cache import KVCache
-from engine.parallel.group import GroupBroken, RankGroup, Rendezvous, wait_ready
+from engine.parallel import auth
+from engine.parallel.group import GroupBroken, RankGroup, Rendezvous, rank_error, wait_ready
 from engine.parallel.kv import ShardedKV
 from engine.parallel.rank import RankSpec, ShardPlan, load_shard
 from engine.parallel.steps import ShardedModel
@@ -61,17 +62,26 @@ class TensorParallel:
         """Rank 0's own cache: the kv reads and writes go through it and the others'."""
         self.kv = ShardedKV(self.group, cache)
 
-    def close(self) -> None:
-        """Stop the other ranks and wait for them (safe to call more than once)."""
+    def close(self, stepping: bool = False) -> None:
+        """Stop the other ranks and wait for them (safe to call more than once).
+        Those of a broken group are not told (nothing reaches them in step) nor
+        waited for: a hung one would never end by itself; they are ended.
+        ``stepping``: the engine thread may still be in a pass on the steps
+        group, which no second thread may use at the same time: the group is
+        broken first (ending the ranks ends that pass too)."""
         self.closing = True
+        if stepping:
+            self.group.fail("closed while the engine thread was still in a pass")
+        told = self.group.broken is None
         try:
             self.model.stop()
             if self.kv is not None:
                 self.kv.stop()
         except GroupBroken as exc:
+            told = False
             log.warning("tensor-parallel ranks not stopped cleanly: %s", exc)
         self.group.fail("closed")
-        self.launcher.close(STOP_TIMEOUT_S)
+        self.launcher.close(STOP_TIMEOUT_S if told else 0)
 
 
 def start(
@@ -86,14 +96,16 @@ def start(
     tp = plan.config.tensor_parallel_size
     rendezvous = Rendezvous.new(tp, "nccl" if device.type == "cuda" else "gloo")
     store = rendezvous.store()
+    secret = auth.new_secret()  # to the ranks in their specs, never through the store
     try:
         specs = [
-            RankSpec(plan, rendezvous, r, launcher.device(r, device.type)) for r in range(1, tp)
+            RankSpec(plan, rendezvous, r, launcher.device(r, device.type), secret)
+            for r in range(1, tp)
         ]
         launcher.launch(specs)
         local = load_shard(plan, 0, device)
         wait_ready(store, tp, launcher.lost, READY_TIMEOUT_S)
-        group = RankGroup(rendezvous, 0, store, device)
+        group = _join(rendezvous, store, device, secret)
     except BaseException:
         launcher.close(0)
         raise
@@ -101,3 +113,18 @@ def start(
         rendezvous.remove()  # joined (or failed): nothing reads the store again
     local.reduce = group.all_reduce
     return TensorParallel(group, ShardedModel(local, group, plan.vocab_size), launcher)
+
+
+def _join(rendezvous: Rendezvous, store, device: torch.device, secret: bytes) -> RankGroup:
+    """Rank 0's end of the groups. When another rank failed first (its proof of
+    a peer, most likely), its own error says more than the broken connection
+    that rank 0 saw."""
+    try:
+        return RankGroup(rendezvous, 0, store, device, secret)
+    except auth.PeerRefused:
+        raise
+    except RuntimeError as exc:  # GroupBroken included
+        error = rank_error(store, rendezvous.world_size)
+        if error is None:
+            raise
+        raise RuntimeError(error) from exc

@@ -203,8 +203,8 @@ class _Payload:
 
 
 def test_a_step_message_round_trips_and_nothing_else_is_built():
-    """The ranks' connections are not authenticated: what comes in is built by
-    torch's weights-only loader, from tensors and the message classes alone."""
+    """What comes in on the ranks' connections is built by torch's
+    weights-only loader, from tensors and the message classes alone."""
     meta = build_metadata(
         4, [[1, 2], [3]], [6, 2], [PrefillSlice(2, 3, 0, torch.tensor([5]))], list(range(5)),
         torch.device("cpu"),
