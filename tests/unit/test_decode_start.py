@@ -64,9 +64,11 @@ class Outputs:
 
 
 @contextlib.asynccontextmanager
-async def pair(llama_dir):
-    config = EngineConfig(model=str(llama_dir), num_kv_blocks=48)
-    p, d = PrefillWorker("p", config, TRANSFER), DecodeWorker("d", config, TRANSFER)
+async def pair(llama_dir, config=None, transfer=TRANSFER, prefill_cls=PrefillWorker):
+    """A prefill and a decode worker (``config`` default: the tiny model, 48
+    blocks); at the end, no request and no block holder left on either."""
+    config = config or EngineConfig(model=str(llama_dir), num_kv_blocks=48)
+    p, d = prefill_cls("p", config, transfer), DecodeWorker("d", config, transfer)
     await p.start()
     d.start_loop()
     await d.kv_server.start()

@@ -8,7 +8,6 @@ they were."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import threading
 from typing import ClassVar
@@ -16,7 +15,6 @@ from typing import ClassVar
 import pytest
 
 import prefill_pool.worker as prefill_worker
-from decode_pool.worker import DecodeWorker
 from engine import LLM, EngineConfig, SamplingParams
 from kv_transfer import GrpcKVClient, TransferConfig
 from kv_transfer.feed import KVFeed
@@ -24,8 +22,8 @@ from prefill_pool.push import push_feed
 from prefill_pool.worker import PrefillWorker
 from protocol.requests import PrefillRequest
 from tests.kv_grants import push_grant
-from tests.pool_checks import leftover_holders
-from tests.unit.test_decode_start import ROUTER, Outputs
+from tests.unit.test_decode_start import ROUTER
+from tests.unit.test_decode_start import pair as worker_pair
 
 pytestmark = pytest.mark.unit
 
@@ -38,26 +36,9 @@ def _config(llama_dir) -> EngineConfig:
     return EngineConfig(model=str(llama_dir), num_kv_blocks=64, max_num_batched_tokens=BUDGET)
 
 
-@contextlib.asynccontextmanager
-async def pair(llama_dir, stream: bool, prefill_cls=PrefillWorker):
-    config = _config(llama_dir)
+def pair(llama_dir, stream: bool, prefill_cls=PrefillWorker):
     transfer = dataclasses.replace(TRANSFER, stream_push=stream)
-    p, d = prefill_cls("p", config, transfer), DecodeWorker("d", config, transfer)
-    await p.start()
-    d.start_loop()
-    await d.kv_server.start()
-    d.outputs = Outputs()
-    free = (p.engine.block_pool.num_free, d.engine.block_pool.num_free)
-    try:
-        yield p, d
-        for w in (p, d):  # no request left running, no block holder left
-            assert await w.loop.acall(lambda e: e.request_ids()) == []
-            assert leftover_holders(w.engine.block_pool) == []
-        assert (p.engine.block_pool.num_free, d.engine.block_pool.num_free) == free
-    finally:
-        await p.stop()
-        await d.kv_server.stop(0)
-        d.stop_loop()
+    return worker_pair(llama_dir, _config(llama_dir), transfer, prefill_cls)
 
 
 def request(rid, prompt, d, outputs=(), params=GREEDY) -> PrefillRequest:
