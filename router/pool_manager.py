@@ -191,7 +191,10 @@ def _rank_placement(
 
 def release_placement(worker: str) -> None:
     """Remove the placement group of a tensor-parallel worker that is gone for
-    good (nothing for another worker); the ranks in it end with it."""
+    good (nothing for another worker); the ranks in it end with it. Without a
+    Ray connection there is no group to remove (and none is started here)."""
+    if not ray.is_initialized():
+        return
     wanted = placement_name(worker)
     for group_id, info in ray.util.placement_group_table().items():
         if info.get("name") == wanted and info.get("state") != "REMOVED":
