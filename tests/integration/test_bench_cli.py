@@ -61,9 +61,11 @@ def test_bench_open_loop(deployment, tmp_path, capsys):
     for key in ("ttft_s", "tpot_s", "e2e_s", "server_ttft_s"):
         assert s[key]["count"] == 12
         assert s[key]["p50"] <= s[key]["p90"] <= s[key]["p99"]
-    # One gap per token after a request's first chunk; a router that finds a
-    # request's next step already queued sends both in one chunk.
-    assert 12 * 6 <= s["itl_s"]["count"] <= 12 * 7
+    # One gap per token after a request's first chunk. A router that finds a
+    # request's next tokens already queued sends them in one chunk, the first
+    # chunk included, so how many gaps there are depends on timing: at most
+    # seven a request, and more than none once answers stream at all.
+    assert 0 < s["itl_s"]["count"] <= 12 * 7
     rows = run["requests"]
     assert len(rows) == 12
     assert all(32 <= r["input_len"] <= 64 and r["output_tokens"] == 8 for r in rows)

@@ -208,8 +208,10 @@ def test_bench_drives_the_http_front(dep, tmp_path, capsys, monkeypatch):
     s = run["summary"]
     assert s["completed"] == 6 and s["failed"] == 0
     assert s["output_tokens"] == 6 * 6
-    # One gap per token after a request's first chunk (a chunk may carry two).
-    assert s["ttft_s"]["count"] == 6 and 6 * 4 <= s["itl_s"]["count"] <= 6 * 5
+    # One gap per token after a request's first chunk; a chunk, the first one
+    # included, carries every token that was queued when it was sent (CI saw a
+    # first chunk of three), so only the bounds are fixed.
+    assert s["ttft_s"]["count"] == 6 and 0 < s["itl_s"]["count"] <= 6 * 5
     assert s["prompt_tokens"] >= 6 * 16
 
 
