@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 LOST: Final = None  # put in a request's queue when its worker's stream broke
 SUBSCRIBE_TIMEOUT_S = 30.0
 EVENTS_WAIT_S = 5.0  # bounds caught_up(): the events are on the wire already
+FAILED_FINISHES = frozenset({"error", "abort"})  # a worker's finish reasons that fail a try
 
 
 class _Cut:
@@ -90,6 +91,13 @@ class DeltaQueue:
         """A delta is queued next (not LOST, not CUT)."""
         return bool(self._items) and isinstance(self._items[0][0], worker_pb2.RequestDelta)
 
+    def next_fails(self) -> bool:
+        """The delta queued next ends the request in failure (error or abort)."""
+        if not self.next_is_delta():
+            return False
+        delta = self._items[0][0]
+        return delta.finished and delta.finish_reason in FAILED_FINISHES
+
     def get_nowait(self) -> Item:
         """The next item; IndexError when none is queued."""
         item, size, tokens = self._items.popleft()
@@ -132,8 +140,9 @@ def merge_queued(delta: worker_pb2.RequestDelta, queue: DeltaQueue) -> worker_pb
     finished one: when the client (or the router) falls behind the workers,
     it gets one chunk of several tokens instead of several messages (each
     gRPC write costs the router and the client far more than a token's
-    bytes). LOST and CUT stay queued."""
-    while not delta.finished and queue.next_is_delta():
+    bytes). LOST, CUT and a delta that fails the request stay queued: the
+    tokens before a failure reach the client before the failure does."""
+    while not delta.finished and queue.next_is_delta() and not queue.next_fails():
         later = queue.get_nowait()
         assert isinstance(later, worker_pb2.RequestDelta)
         text = delta.text + later.text

@@ -62,3 +62,14 @@ def test_lost_stays_queued_after_the_tokens_before_it():
     merged = merge_queued(_delta([1], "a"), queue)
     assert list(merged.token_ids) == [1, 2] and merged.text == "ab"
     assert queue.get_nowait() is LOST and queue.empty()
+
+
+@pytest.mark.parametrize("reason", ["error", "abort"])
+def test_a_failing_end_stays_queued_behind_the_tokens_before_it(reason):
+    """The router raises on a failed end; folded in, it would take the tokens
+    the worker streamed before the fault with it."""
+    failed = _delta([], "", finished=True, finish_reason=reason, error="boom")
+    queue = _queue(_delta([2], "b"), failed)
+    merged = merge_queued(_delta([1], "a"), queue)
+    assert list(merged.token_ids) == [1, 2] and not merged.finished
+    assert queue.next_fails() and queue.get_nowait() == failed and queue.empty()
