@@ -44,7 +44,11 @@ class ClusterModel:
     def at(self, t: float, kind: int, payload: object) -> None:
         heapq.heappush(self.events, (t, kind, next(self.counter), payload))
 
-    def run(self, seqs: list[Seq]) -> float:
+    def run(self, seqs: list[Seq], resident: list[Seq] | None = None) -> float:
+        """``resident``: sequences decoding at t=0 (already admitted, their
+        first token out), spread over the decode workers."""
+        for s in resident or ():
+            self.place_resident(s)
         for s in seqs:
             self.at(s.arrival, _ARRIVE, s)
         now = 0.0
@@ -73,6 +77,16 @@ class ClusterModel:
             else:
                 self.end_step(payload, now)  # type: ignore[arg-type]
         return now
+
+    def place_resident(self, s: Seq) -> None:
+        d = min(self.decode, key=lambda w: w.in_flight)
+        s.admitted = s.first_token = s.arrival
+        s.computed, s.generated = s.prompt_len, 1
+        d.reserved += s.final_blocks
+        d.cache.hold(s.final_blocks)
+        d.in_flight += 1
+        d.running.append(s)
+        self.kick(d, s.arrival)
 
     # ---- router ----------------------------------------------------------
 

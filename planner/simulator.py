@@ -184,11 +184,15 @@ def simulate(
     tpot_slo_s: float = float("inf"),
     seed: int = 0,
     step_cost: StepFn | None = None,
+    resident: Sequence[TraceRequest] = (),
 ) -> SimResult:
     """Run the model to the last request's end. A ``Workload`` is drawn with
     ``seed`` (prompts share nothing); a ``Trace`` runs as it is.
     ``step_cost(lengths, contexts, decode batch, decode context)``: one
-    engine step's seconds (``Profile.step_s``), else the two costs added."""
+    engine step's seconds (``Profile.step_s``), else the two costs added.
+    ``resident``: requests decoding when the trace starts (the autoscaler's
+    view of its decode pool now; ``output_len``: the tokens each has left),
+    which load the decode steps and are not in the result."""
     if system.num_prefill < 1 or system.num_decode < 1:
         raise ValueError("need at least one prefill and one decode worker")
     if isinstance(workload, Trace):
@@ -201,5 +205,9 @@ def simulate(
         Seq(i, r.arrival_s, r.prompt, r.output_len, system.block_size) for i, r in enumerate(reqs)
     ]
     model = ClusterModel(system, StepCost(prefill_cost, decode_cost, step_cost))
-    end = model.run(seqs)
+    running = [
+        Seq(-1 - i, 0.0, r.prompt, r.output_len + 1, system.block_size)
+        for i, r in enumerate(resident)
+    ]
+    end = model.run(seqs, running)
     return SimResult(seqs, ttft_slo_s, tpot_slo_s, makespan_s=end)

@@ -14,6 +14,10 @@ Each decision (``Policy.decide``, no I/O, the clock given):
    workers whose corrected TPOT is, each within its bounds.
 3. A pool grows at once; it shrinks only once a smaller size has sufficed
    for ``scale_down_delay_s``, to the largest size needed over that time.
+   The same holds for a growth still under way: its target (the last one
+   decided, above the current size while workers start) is lowered only
+   after the delay, so that a need that dips while the new workers start
+   does not cut the growth short.
 """
 
 from __future__ import annotations
@@ -79,6 +83,7 @@ class Policy:
         self._stable_since = 0.0
         self._low_since: dict[str, float] = {}
         self._peak_needed: dict[str, int] = {}
+        self._target: dict[str, int] = {}  # the last target decided per pool
 
     def decide(self, now: float, load: Load, observed: Observed, sizes: dict[str, int]) -> Outcome:
         if sizes != self._sizes:
@@ -95,6 +100,7 @@ class Policy:
         target = {}
         for pool in POOLS:
             target[pool], reason = self._settle(now, pool, sizes[pool], needed[pool], why[pool])
+            self._target[pool] = target[pool]
             if target[pool] != sizes[pool]:
                 decisions.append(Decision(pool, sizes[pool], target[pool], reason))
         predicted = Prediction(
@@ -131,8 +137,11 @@ class Policy:
     def _settle(
         self, now: float, pool: str, current: int, needed: int, why: str
     ) -> tuple[int, str]:
-        """Up at once; down after the delay, to the most needed meanwhile."""
-        if needed >= current:
+        """Up at once; down after the delay, to the most needed meanwhile.
+        Down is from the larger of ``current`` and the last target (a growth
+        under way keeps its target through the delay)."""
+        kept = max(current, self._target.get(pool, current))
+        if needed >= kept:
             self._low_since.pop(pool, None)
             self._peak_needed.pop(pool, None)
             return needed, why
@@ -140,7 +149,7 @@ class Policy:
         peak = self._peak_needed[pool] = max(self._peak_needed.get(pool, needed), needed)
         held = now - since
         if held < self.targets.scale_down_delay_s:
-            return current, why
+            return kept, why
         self._low_since.pop(pool, None)
         self._peak_needed.pop(pool, None)
         return peak, f"{why}; {peak} sufficed for {held:.0f} s"

@@ -8,6 +8,9 @@ new planner API is one change here. A prediction replays the queue the
 pools have now (``Load.backlog``, arriving at once) and then the observed
 rate for ``horizon_s``: the TTFT it predicts counts the time those requests
 queue, so a growing queue asks for more prefill workers before it is long.
+The requests decoding now (``Load.decoding``, half their output left on
+average) start in the decode steps: a pool that a drained queue filled has
+slower steps, and needs more workers, than one fed at the arrival rate.
 Every prompt starts with the same prefix, the observed hit rate's share of
 the mean prompt (the planner's model routes and caches it), the rest its own.
 """
@@ -73,6 +76,7 @@ class PlannerModel:
             self.profile.prefill_s,
             self.profile.decode_step_s,
             step_cost=self.profile.step_s,
+            resident=self._resident(load),
         )
         q = quantile * 100
         tpot = result.tpot[result.tpot > 0]
@@ -103,6 +107,13 @@ class PlannerModel:
             for i, at in enumerate(times)
         )
         return Trace("autoscale", tuple(requests))
+
+    def _resident(self, load: Load) -> list[TraceRequest]:
+        """The requests decoding now, each with half the mean output left."""
+        prompt = max(1, round(load.prompt_tokens))
+        left = max(1, round(load.output_tokens / 2))
+        count = min(load.decoding, MAX_REQUESTS)
+        return [TraceRequest(0.0, (-2 - i,) * prompt, left) for i in range(count)]
 
 
 def model_for(profile: str | None, config: ServeConfig) -> PlannerModel:

@@ -47,11 +47,13 @@ class Load:
     hit_rate: float  # cached prompt tokens / prompt tokens
     backlog: int  # prompts queued or computing on the prefill workers now
     samples: int = 0  # finished requests the means are taken over
+    decoding: int = 0  # requests on the decode workers now
 
     @staticmethod
     def combined(loads: Sequence[Load]) -> Load:
         """Several routers' loads as one: rates add, means weigh by samples; the
-        backlog is the largest (every router counts the same prefill workers)."""
+        backlog and the requests decoding are the largest (every router counts
+        the same workers)."""
         if not loads:
             return IDLE
         weights = [max(load.samples, 1) for load in loads]
@@ -66,6 +68,7 @@ class Load:
             hit_rate=mean([load.hit_rate for load in loads]),
             backlog=max(load.backlog for load in loads),
             samples=sum(load.samples for load in loads),
+            decoding=max(load.decoding for load in loads),
         )
 
 
@@ -124,16 +127,18 @@ class Observer:
                 rates.append((arrived - first[1]) / elapsed)
         return max(rates, default=0.0)
 
-    def load(self, arrived: int, backlog: int) -> Load:
+    def load(self, arrived: int, backlog: int, decoding: int = 0) -> Load:
         """The load over the window; ``arrived``: requests that reached the
         router so far (a count that only grows), ``backlog``: prompts on the
-        prefill workers now."""
+        prefill workers now, ``decoding``: requests on the decode workers now."""
         now = self.clock()
         window = self._window(now)
         rate = self._rate(now, arrived)
         if not window:  # nothing finished lately: the lengths seen last
             last = self.last
-            return Load(rate, last.prompt_tokens, last.output_tokens, last.hit_rate, backlog)
+            return Load(
+                rate, last.prompt_tokens, last.output_tokens, last.hit_rate, backlog, 0, decoding
+            )
         prompt = sum(f.prompt_tokens for f in window)
         cached = sum(f.cached_tokens for f in window)
         self.last = Load(
@@ -143,6 +148,7 @@ class Observer:
             hit_rate=cached / prompt if prompt else 0.0,
             backlog=backlog,
             samples=len(window),
+            decoding=decoding,
         )
         return self.last
 

@@ -153,10 +153,12 @@ class AutoscaleRunner:
         return {name: w.in_flight for name, w in known.items() if w.in_flight}
 
     async def load(self) -> Load:
-        """This router's load; the backlog: prompts on the prefill workers now."""
+        """This router's load; the backlog: prompts on the prefill workers now;
+        decoding: requests on the decode workers now."""
         reports = await self.backend.worker_reports()
         backlog = sum(r.stats.num_requests for r in reports if r.role == "prefill")
-        return self.observer.load(self.arrived(), backlog)
+        decoding = sum(r.stats.num_requests for r in reports if r.role == "decode")
+        return self.observer.load(self.arrived(), backlog, decoding)
 
     def _under_way(self, decision: Decision) -> bool:
         """The same target, still being reached (a growth or a retirement runs)."""

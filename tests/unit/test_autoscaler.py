@@ -100,9 +100,27 @@ def test_a_need_at_the_current_size_resets_the_delay():
     p = policy()
     sizes = {"prefill": 3, "decode": 1}
     p.decide(0.0, load(1), NONE_SEEN, sizes)
-    p.decide(6.0, load(14), NONE_SEEN, sizes)  # needs 3 again
+    p.decide(6.0, load(12), NONE_SEEN, sizes)  # needs 3 again: 0.05 + 1.2 / 3 <= 0.5
     assert p.decide(12.0, load(1), NONE_SEEN, sizes).target["prefill"] == 3  # delay restarted
     assert p.decide(22.0, load(1), NONE_SEEN, sizes).target["prefill"] == 1
+
+
+def test_a_growth_under_way_keeps_its_target_through_the_delay():
+    p = policy()
+    sizes = {"prefill": 2, "decode": 1}
+    assert p.decide(0.0, load(40), NONE_SEEN, sizes).target["prefill"] == 8  # workers start
+    # The need dips while they start: the growth's target stays.
+    out = p.decide(3.0, load(12), NONE_SEEN, sizes)
+    assert out.target["prefill"] == 8
+    (d,) = [d for d in out.decisions if d.pool == "prefill"]
+    assert (d.current, d.target, d.direction) == (2, 8, "up")
+    assert p.decide(8.0, load(8), NONE_SEEN, {"prefill": 4, "decode": 1}).target["prefill"] == 8
+    # Lowered once the smaller need lasted the delay, to the most needed meanwhile
+    # (3, at 3 s), from the 5 workers started by then.
+    out = p.decide(13.0, load(8), NONE_SEEN, {"prefill": 5, "decode": 1})
+    assert out.target["prefill"] == 3
+    (d,) = [d for d in out.decisions if d.pool == "prefill"]
+    assert (d.current, d.target, d.direction) == (5, 3, "down")
 
 
 def test_observed_error_corrects_the_model_once_the_sizes_are_stable():
@@ -412,3 +430,15 @@ def test_a_router_that_loses_the_lease_stops_its_growth_and_reports_its_requests
         assert backend.scaled == []  # no start went through after the lease was lost
 
     asyncio.run(go())
+
+
+def test_the_model_counts_the_requests_decoding_now():
+    """A decode pool that a drained queue filled steps slower than one fed at
+    the arrival rate: the planner model starts them in its decode steps."""
+    # A step of 25 ms + 12 ms a sequence (the rate step's profile).
+    model = PlannerModel(Profile(prefill={"a": 0.02, "b": 6e-4, "c": 0.0},
+                                 decode={"d": 0.025, "e": 0.012, "f": 0.0}))  # fmt: skip
+    fed = Load(20.0, 512.0, 24.0, 0.0, backlog=0, samples=100)
+    full = Load(20.0, 512.0, 24.0, 0.0, backlog=0, samples=100, decoding=130)
+    assert model.predict(full, 8, 9, 0.95).tpot_s > 1.3 * model.predict(fed, 8, 9, 0.95).tpot_s
+    assert Load.combined([fed, full]).decoding == 130

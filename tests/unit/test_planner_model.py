@@ -130,6 +130,18 @@ def test_tpot_follows_the_decode_batch():
     assert one.tpot == pytest.approx([0.01])
 
 
+def test_requests_decoding_at_the_start_slow_the_steps_and_stay_out_of_the_result():
+    # Three requests decode on the one worker when the trace starts, 20 tokens
+    # left each: the new request's 10 steps run at a batch of 4.
+    resident = [TraceRequest(0.0, (100 + i,) * 50, 20) for i in range(3)]
+    res = simulate(trace((0.0, 50, 11)), SystemConfig(1, 1, kv_latency_s=0.0),
+                   lambda ls: 0.05, lambda b, c: 0.01 * b, resident=resident)  # fmt: skip
+    assert res.tpot == pytest.approx([0.04]) and len(res.ttft) == 1
+    alone = run(trace((0.0, 50, 11)), SystemConfig(1, 1, kv_latency_s=0.0),
+                decode=lambda b, c: 0.01 * b)  # fmt: skip
+    assert alone.tpot == pytest.approx([0.01])
+
+
 def test_tpot_follows_the_context():
     cost = lambda b, c: 1e-5 * c  # noqa: E731
     short = run(trace((0.0, 100, 3)), SystemConfig(1, 1), decode=cost)
