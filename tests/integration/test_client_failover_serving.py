@@ -7,6 +7,7 @@ an uninterrupted run; every worker's blocks come back."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 
@@ -37,10 +38,14 @@ CONFIG = ServeConfig(
 
 class SharedBackend:
     """The deployment's backend behind one more router, whose start and stop
-    leave it alone (the deployment owns it); records the inputs it serves."""
+    leave it alone (the deployment owns it); records the inputs it serves.
+    ``hold_after``: a stream passes that many items, then waits until its
+    router stops, so that the stop lands mid-stream however far the workers
+    are ahead of the client."""
 
-    def __init__(self, backend) -> None:
+    def __init__(self, backend, hold_after: int | None = None) -> None:
         self._backend = backend
+        self.hold_after = hold_after
         self.inputs: list[GenerateInput] = []
 
     def __getattr__(self, name: str):
@@ -48,7 +53,17 @@ class SharedBackend:
 
     def generate(self, inp: GenerateInput):
         self.inputs.append(inp)
-        return self._backend.generate(inp)
+        items = self._backend.generate(inp)
+        return items if self.hold_after is None else self._held(items)
+
+    async def _held(self, items):
+        async with contextlib.aclosing(items):
+            passed = 0
+            async for item in items:
+                yield item
+                passed += 1
+                if passed == self.hold_after:
+                    await asyncio.Event().wait()  # until the router's stop cancels it
 
     async def start(self) -> None:
         pass
@@ -70,10 +85,12 @@ def reference():
     return out
 
 
-def _routers(deployment: Deployment, n: int) -> list[tuple[RouterServer, SharedBackend]]:
+def _routers(
+    deployment: Deployment, hold_after: list[int | None]
+) -> list[tuple[RouterServer, SharedBackend]]:
     made = []
-    for _ in range(n):
-        shared = SharedBackend(deployment.backend)
+    for hold in hold_after:
+        shared = SharedBackend(deployment.backend, hold)
         server = RouterServer(shared, host="127.0.0.1", port=0)
         deployment.run(server.start())
         made.append((server, shared))
@@ -100,7 +117,7 @@ async def _uninterrupted(address: str, sampling):
 @pytest.mark.parametrize("kind", ["greedy", "seeded"])
 def test_stream_survives_its_router(deployment, reference, kind):
     sampling = GREEDY if kind == "greedy" else SEEDED
-    (first, _), (second, shared) = _routers(deployment, 2)
+    (first, _), (second, shared) = _routers(deployment, [CUT_AFTER, None])
     try:
         expected = asyncio.run(_uninterrupted(second.address, sampling))
         shared.inputs.clear()

@@ -40,7 +40,7 @@ def stop_midway(workers: list[WorkerHandle], streams, counts: dict[str, int], ma
     try:
         for pid in pids.values():
             os.kill(pid, signal.SIGSTOP)
-        time.sleep(0.5)  # tokens sent before the stop reach the client
+        _until_quiet(counts)  # tokens sent before the stop reach the client
         midway = [
             (n, worker)
             for attempt, worker in streams.routed().items()
@@ -54,3 +54,17 @@ def stop_midway(workers: list[WorkerHandle], streams, counts: dict[str, int], ma
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGCONT)
     return None if victim is None else (victim, pids[victim.name])
+
+
+def _until_quiet(counts: dict[str, int], quiet_s: float = 0.3, timeout_s: float = 30.0) -> None:
+    """Until the tokens received have not changed for ``quiet_s`` (however late
+    the client runs), or ``timeout_s``."""
+    last, since = dict(counts), time.monotonic()
+    deadline = since + timeout_s
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        now = dict(counts)
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            return
