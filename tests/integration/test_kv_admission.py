@@ -6,6 +6,8 @@ at the end; the admission queue starts higher priorities first."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 
 import pytest
@@ -15,6 +17,7 @@ from protocol.sampling import SamplingParams
 from router.client import TandemClient
 from router.config import ServeConfig
 from tests.deployment_helpers import deployed
+from tests.integration.worker_kills import freeze
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -117,10 +120,17 @@ def test_higher_priority_starts_before_earlier_lower_ones(colocated):
         async with TandemClient(colocated.address) as client:
             tasks = [asyncio.ensure_future(one(client, "filler", "x y z", **long))]
             await _until("the filler runs", lambda: worker.in_flight == 1)
-            for i, (name, prio) in enumerate([("low1", 0), ("low2", 0), ("high", 7)]):
-                task = one(client, name, "a b c", priority=prio, **long)
-                tasks.append(asyncio.ensure_future(task))
-                await _until(f"{name} waits", lambda n=i + 1: len(queue) == n)
+            # The worker stands still (SIGSTOP) while the others queue, so the
+            # filler cannot end first however slowly they arrive; admission is
+            # the router's, so it queues them all the same.
+            pid = freeze(worker)
+            try:
+                for i, (name, prio) in enumerate([("low1", 0), ("low2", 0), ("high", 7)]):
+                    task = one(client, name, "a b c", priority=prio, **long)
+                    tasks.append(asyncio.ensure_future(task))
+                    await _until(f"{name} waits", lambda n=i + 1: len(queue) == n)
+            finally:
+                os.kill(pid, signal.SIGCONT)
             await asyncio.gather(*tasks)
 
     asyncio.run(run())
