@@ -165,6 +165,12 @@ class EngineConfig:
     plain-greedy tokens by screening it, recomputing only the candidate columns in
     float32; the tokens equal the full logits' argmax. Costs 1 or 2 bytes per head
     weight of memory; False computes the full float32 logits."""
+    matrix_units: bool = True
+    """With the CPU kernels and quantized weights, on a CPU with AMX-BF16: a matmul
+    of 128 rows or more (a prefill) dequantizes its matrix into bfloat16 for that
+    call and runs torch's bfloat16 matmul on the matrix tiles (engine/quant.py);
+    the weights stay quantized in memory, plus one scratch matrix the size of the
+    largest. False keeps every matmul on the integer kernels."""
     quantization: Literal["auto", "none", "int8", "q4", "as_stored"] = "auto"
     """Weights of the linear layers and the LM head: auto is int8 for the packaged
     SmolLM2-135M-Instruct and none for every other model; none keeps the checkpoint's

@@ -199,6 +199,7 @@ class LLMEngine(RequestFaults):
             spec, state, hf_config, self.max_model_len, dtype, device, kernels,
             greedy_screen=config.greedy_screen, quantization=config.quantization,
             deterministic=config.deterministic, gpu_attention=gpu_attention,
+            matrix_units=config.matrix_units,
         )  # fmt: skip
         del state
         return num_blocks, kernels

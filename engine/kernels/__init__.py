@@ -77,6 +77,18 @@ def select(setting: str, device: torch.device, dtype: torch.dtype) -> ModuleType
     return cpu_ops(required=setting == "on")
 
 
+def matrix_units(ops: ModuleType) -> bool:
+    """Whether torch's bfloat16 matmul runs on matrix tiles here (the CPU has
+    AMX-BF16, torch has oneDNN) and ``ops`` dequantizes into bfloat16 in vectors
+    (an AVX-512 build): engine/quant.py's dense prefill path."""
+    flags = build.cpu_isa_flags()
+    return (
+        ops.ISA == "avx512"
+        and {"amx_tile", "amx_bf16"} <= flags
+        and torch.backends.mkldnn.is_available()
+    )
+
+
 @dataclass(frozen=True)
 class PackedWeight:
     """An [in, out] weight in the ``linear`` kernel's layout: panels of

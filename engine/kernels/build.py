@@ -51,6 +51,7 @@ SOURCES = (  # the longest to compile first: ninja starts them in this order
     "linear.cpp",
     "quant_linear.cpp",
     "quant_gemm.cpp",
+    "quant_dense.cpp",
     "head_f16.cpp",
     "head_i8.cpp",
     "head_amx.cpp",

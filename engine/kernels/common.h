@@ -153,6 +153,9 @@ bool amx_usable();
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight,
                         const std::optional<at::Tensor>& scales, int64_t format, int64_t n,
                         const std::optional<at::Tensor>& bias, bool row_invariant);
+// quant_dense.cpp: the [N, K] bfloat16 weights quantized blocks stand for.
+at::Tensor quant_dense_bf16(const at::Tensor& weight, const std::optional<at::Tensor>& scales,
+                            int64_t format, int64_t k, const std::optional<at::Tensor>& out);
 // quant_gemm.cpp: the integer GEMM for many rows, where the build has one for
 // ``format`` (int8_gemm_supports): c [m, n] = x~ @ W^T, x quantized by rows.
 bool int8_gemm_supports(int64_t format);

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from engine.attention import AttentionMetadata, paged_attention
 from engine.config import ModelSpec
 from engine.kernels import HalfHead, Int8Head, PackedWeight, screen_for
+from engine.kernels import matrix_units as use_matrix_units
 from engine.kv_cache import KVCache
 from engine.quant import AT_LOAD, HEAD_AT_LOAD, QuantFormat, Quantization, QuantWeight
 from engine.row_invariant import each_row, whole
@@ -126,6 +127,7 @@ class LlamaModel:
         quantization: Quantization = "none",
         deterministic: bool = False,
         gpu_attention: bool = False,
+        matrix_units: bool = False,
     ) -> None:
         """``kernels``: engine.kernels.cpu_ops() to run the fused CPU path, or None.
         ``greedy_screen``: with kernels, an int8 or float16 copy of the head screens
@@ -137,7 +139,10 @@ class LlamaModel:
         of the batch (docs/deterministic.md): torch ops run a row at a time, the
         quantized kernel on its integer path; no greedy screen.
         ``gpu_attention``: attention goes through the Triton kernel that reads the
-        paged cache in place (engine/gpu/); callers build metadata for it."""
+        paged cache in place (engine/gpu/); callers build metadata for it.
+        ``matrix_units``: with kernels, where engine.kernels.matrix_units holds,
+        quantized matmuls of many rows run in bfloat16 on the matrix tiles
+        (QuantWeight.apply's ``dense``); not in deterministic mode."""
         self.spec = spec
         # A tensor-parallel rank's model (engine/parallel/) holds its share of the
         # weights (``spec`` and ``state`` are the share's) and sets this to the sum
@@ -147,6 +152,9 @@ class LlamaModel:
         self.gpu_attention = gpu_attention
         self.rows = each_row if deterministic else whole  # how row-local torch code runs
         self.kernels = kernels
+        self.dense = (
+            matrix_units and kernels is not None and not deterministic and use_matrix_units(kernels)
+        )
         self.scale = spec.head_dim**-0.5
         # Called with a layer's index once forward has written its KV (the
         # engine's reports to a prefill that streams its KV out).
@@ -323,7 +331,7 @@ class LlamaModel:
 
         def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None) -> torch.Tensor:
             if isinstance(w, QuantWeight):
-                return w.apply(x, bias, ops, self.deterministic)
+                return w.apply(x, bias, ops, self.deterministic, self.dense)
             return ops.linear(x, w.panels, w.out_features, bias)  # a row's sums are its own
 
         h = self._embed(input_ids)  # a fresh tensor: the residual stream, updated in place
@@ -348,7 +356,7 @@ class LlamaModel:
                 self.after_layer(i)
             gate_up = w.gate_up
             if isinstance(gate_up, QuantWeight):
-                hidden = ops.silu_mul(gate_up.apply(x, w.gate_up_bias, ops, self.deterministic))
+                hidden = ops.silu_mul(linear(x, gate_up, w.gate_up_bias))
             else:
                 hidden = ops.linear_silu_mul(
                     x, gate_up.panels, gate_up.out_features, w.gate_up_bias
@@ -409,5 +417,5 @@ class LlamaModel:
         if isinstance(head, PackedWeight):
             return self.kernels.linear(hidden.contiguous(), head.panels, head.out_features)
         if isinstance(head, QuantWeight):
-            return head.apply(hidden, None, self.kernels, self.deterministic).float()
+            return head.apply(hidden, None, self.kernels, self.deterministic, self.dense).float()
         return self.rows(lambda x: torch.mm(x, head), hidden).float()

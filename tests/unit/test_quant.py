@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import engine.kernels as kernels
 from engine.kernels import build
-from engine.quant import BLOCK, QuantFormat, QuantWeight
+from engine.quant import BLOCK, DENSE_ROWS, QuantFormat, QuantWeight
 
 pytestmark = pytest.mark.unit
 
@@ -176,3 +176,45 @@ def test_quant_linear_refuses_mismatches(ops):
     i8 = QuantWeight.quantize(_weights(8, 64), QuantFormat.INT8)
     with pytest.raises(RuntimeError, match="needs scales"):
         ops.quant_linear(torch.randn(2, 64), i8.data, None, 0, 8)
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("k", [32, 100, 576])
+def test_the_dense_matrix_is_the_dequantized_weights_in_bfloat16(ops, fmt, k):
+    """quant_dense_bf16: the weights the blocks stand for, rounded to bfloat16
+    (its fused multiply-add may land a float32 ulp from dequantize's, so within
+    one bfloat16 step), into a fresh tensor or the one given."""
+    qw = QuantWeight.quantize(_weights(40, k), fmt)
+    want = qw.dequantize()
+    got = ops.quant_dense_bf16(qw.data, qw.scales, int(fmt), k)
+    assert got.shape == (40, k) and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, rtol=2**-7, atol=0)
+    assert (got == want.bfloat16()).float().mean() > 0.99
+    out = torch.full((40, k), 7.0, dtype=torch.bfloat16)
+    assert ops.quant_dense_bf16(qw.data, qw.scales, int(fmt), k, out).data_ptr() == out.data_ptr()
+    assert torch.equal(out, got)
+    with pytest.raises(RuntimeError, match="out must be contiguous bfloat16"):
+        ops.quant_dense_bf16(qw.data, qw.scales, int(fmt), k, torch.empty(40, k + 1).bfloat16())
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_dense_apply_runs_many_rows_in_bfloat16(ops, fmt):
+    """``dense``: from DENSE_ROWS rows the matmul runs in bfloat16 over the dense
+    matrix (close to the float64 sums of the dequantized weights, to bfloat16's
+    precision); fewer rows, or row_invariant, keep the integer kernels' bits."""
+    k, n = 200, 70
+    qw = QuantWeight.quantize(_weights(n, k), fmt)
+    bias = torch.randn(n, generator=_gen(5))
+    x = torch.randn(DENSE_ROWS + 3, k, generator=_gen(6))
+    got = qw.apply(x, bias, ops, dense=True)
+    want = x.double() @ qw.dequantize().double().t() + bias.double()
+    scale = (x.abs().double() @ qw.dequantize().abs().double().t()).amax()
+    assert got.dtype == torch.float32 and got.shape == (len(x), n)
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=float(scale) * 2e-2)
+    assert not torch.equal(got, qw.apply(x, bias, ops))  # not the integer kernels
+    few = x[: DENSE_ROWS - 1]
+    assert torch.equal(qw.apply(few, bias, ops, dense=True), qw.apply(few, bias, ops))
+    invariant = qw.apply(x, bias, ops, row_invariant=True)
+    assert torch.equal(qw.apply(x, bias, ops, row_invariant=True, dense=True), invariant)

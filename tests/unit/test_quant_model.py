@@ -79,3 +79,26 @@ def test_quantized_workers_get_their_own_fingerprint(llama_dir):
     plain = LLM(str(llama_dir), num_kv_blocks=8).engine.kv_layout.model_fingerprint
     int8 = LLM(str(llama_dir), num_kv_blocks=8, quantization="int8").engine.kv_layout
     assert int8.model_fingerprint != plain
+
+
+@pytest.mark.skipif(not HAVE_COMPILER, reason="no C++ compiler: no CPU kernels")
+def test_a_long_prefill_on_the_matrix_units_keeps_the_logits(llama_dir):
+    """matrix_units: a prefill of DENSE_ROWS tokens or more runs the quantized
+    matmuls in bfloat16 (forced on here, so any CPU runs the path; only a CPU
+    with AMX-BF16 turns it on by itself) and its logits stay those of the
+    integer kernels to bfloat16's precision; off, or in deterministic mode, the
+    model never takes it."""
+    from engine.kernels import cpu_ops, matrix_units
+    from engine.quant import DENSE_ROWS
+
+    prompt = torch.randint(10, 1000, (DENSE_ROWS + 12,), generator=torch.Generator().manual_seed(7))
+    options = {"num_kv_blocks": 32, "quantization": "q4", "cpu_kernels": "on"}
+    integer = LLM(str(llama_dir), matrix_units=False, **options)
+    assert integer.engine.model.dense is False
+    llm = LLM(str(llama_dir), **options)
+    assert llm.engine.model.dense is matrix_units(cpu_ops())
+    llm.engine.model.dense = True
+    want, got = _logits(integer, prompt.tolist()), _logits(llm, prompt.tolist())
+    assert not torch.equal(got[0], want[0])  # the prefill took the other path
+    assert (F.cosine_similarity(got, want, dim=-1) > 0.999).all()
+    assert LLM(str(llama_dir), deterministic=True, **options).engine.model.dense is False
