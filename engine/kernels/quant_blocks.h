@@ -27,6 +27,17 @@ inline float half_at(const uint8_t* p) {
 #endif
 }
 
+// The int8 format's float32 scale a row (checked: [n], contiguous), or
+// nullptr for the formats that carry theirs in the blocks.
+inline const float* row_scales(const std::optional<at::Tensor>& scales, int64_t format,
+                               int64_t n) {
+  if (format != kInt8) return nullptr;
+  TORCH_CHECK(scales.has_value(), "format 0 (int8) needs scales");
+  check_f32(*scales, "scales");
+  TORCH_CHECK(scales->is_contiguous() && scales->numel() == n, "scales must be [", n, "]");
+  return scales->data_ptr<float>();
+}
+
 // One weight block: its 32 q values (at ``q``; 4-bit ones unpacked into
 // ``nibbles``), scale and min.
 template <int F>

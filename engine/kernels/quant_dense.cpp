@@ -86,13 +86,7 @@ at::Tensor quant_dense_bf16(const at::Tensor& weight, const std::optional<at::Te
               "weight must be contiguous 1-byte [N, ", nb * kBlockBytes[format], "] for format ",
               format, " and ", k, " inputs");
   const int64_t n = weight.size(0);
-  const float* sp = nullptr;
-  if (format == kInt8) {
-    TORCH_CHECK(scales.has_value(), "format 0 (int8) needs scales");
-    check_f32(*scales, "scales");
-    TORCH_CHECK(scales->is_contiguous() && scales->numel() == n, "scales must be [", n, "]");
-    sp = scales->data_ptr<float>();
-  }
+  const float* sp = row_scales(scales, format, n);
   at::Tensor dense;
   if (out.has_value()) {
     TORCH_CHECK(out->device().is_cpu() && out->scalar_type() == at::kBFloat16 &&

@@ -200,13 +200,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight,
                   weight.size(1) == nb * kBlockBytes[format],
               "weight must be contiguous 1-byte [", n, ", ", nb * kBlockBytes[format],
               "] for format ", format, " and ", k, " inputs");
-  const float* sp = nullptr;
-  if (format == kInt8) {
-    TORCH_CHECK(scales.has_value(), "format 0 (int8) needs scales");
-    check_f32(*scales, "scales");
-    TORCH_CHECK(scales->is_contiguous() && scales->numel() == n, "scales must be [", n, "]");
-    sp = scales->data_ptr<float>();
-  }
+  const float* sp = row_scales(scales, format, n);
   const float* bp = bias_data(bias, n);
   auto out = at::empty({m, n}, x.options());
   if (m == 0) return out;
