@@ -167,8 +167,8 @@ class EngineConfig:
     weight of memory; False computes the full float32 logits."""
     matrix_units: bool = True
     """With the CPU kernels and quantized weights, on a CPU with AMX-BF16: a matmul
-    of 128 rows or more (a prefill) dequantizes its matrix into bfloat16 for that
-    call and runs torch's bfloat16 matmul on the matrix tiles (engine/quant.py);
+    of 128 rows or more (a prefill, a large batch) dequantizes its matrix into
+    bfloat16 for that call and runs torch's bfloat16 matmul on the matrix tiles (engine/quant.py);
     the weights stay quantized in memory, plus one scratch matrix the size of the
     largest. False keeps every matmul on the integer kernels."""
     quantization: Literal["auto", "none", "int8", "q4", "as_stored"] = "auto"

@@ -16,10 +16,11 @@ as stored (``QuantWeight.from_gguf``). On CPU with the kernels built,
 ``cpu_ops.quant_linear`` (engine/kernels/quant_linear.cpp) multiplies from
 these bytes; elsewhere (no kernels, a GPU) ``apply`` dequantizes on the fly
 and runs torch's matmul. On a CPU with AMX-BF16 (``dense``), a matmul of
-DENSE_ROWS rows or more (a prefill) dequantizes its matrix into bfloat16
-(``cpu_ops.quant_dense_bf16``, into a scratch matrix each thread keeps) and
-runs torch's bfloat16 matmul, which oneDNN puts on the AMX tiles: from about
-64 rows that beats the integer GEMM, 2-3x at 512 (docs/cpu-kernels.md).
+DENSE_ROWS rows or more (a prefill, a batch of 128 sequences or more)
+dequantizes its matrix into bfloat16 (``cpu_ops.quant_dense_bf16``, into a
+scratch matrix each thread keeps) and runs torch's bfloat16 matmul, which
+oneDNN puts on the AMX tiles: at 128 rows that beats the integer GEMM,
+1.8-2.7x at 512 (docs/cpu-kernels.md).
 """
 
 from __future__ import annotations

@@ -121,9 +121,9 @@ class EngineSection(Section):
     head screens plain-greedy steps (same tokens, less work); false saves its memory
     (1 or 2 bytes per head weight)."""
     matrix_units: bool = True
-    """Quantized CPU workers on a CPU with AMX-BF16: prefills (matmuls of 128 rows or
-    more) run in bfloat16 on the matrix tiles, each matrix dequantized for the call;
-    false keeps them on the integer kernels."""
+    """Quantized CPU workers on a CPU with AMX-BF16: matmuls of 128 rows or more
+    (prefills, large batches) run in bfloat16 on the matrix tiles, each matrix
+    dequantized for the call; false keeps them on the integer kernels."""
     quantization: Literal["auto", "none", "int8", "q4", "as_stored"] = "auto"
     """Weights of the linear layers and the LM head: auto (int8 for the packaged
     SmolLM2-135M-Instruct, none for other models), none (the checkpoint's floats),

@@ -26,8 +26,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("weight"), py::arg("scales"), py::arg("format"), py::arg("n"),
         py::arg("bias") = py::none(), py::arg("row_invariant") = false, release());
   m.def("quant_dense_bf16", &quant_dense_bf16,
-        "the bfloat16 [N, K] weights of a quantized matrix (a prefill on the matrix units)",
-        py::arg("weight"), py::arg("scales"), py::arg("format"), py::arg("k"), py::arg("out") = py::none(), release());
+        "the bfloat16 [N, K] weights of a quantized matrix (many rows on the matrix units)",
+        py::arg("weight"), py::arg("scales"), py::arg("format"), py::arg("k"),
+        py::arg("out") = py::none(), release());
 #ifdef TANDEM_GREEDY_HEAD
   m.def("greedy_head_f16", &greedy_head_f16, "greedy tokens from a float16 screen of the head",
         release());

@@ -195,8 +195,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& cache,
   // under 1024 (token, kv head) pairs in all (about 30 us on one thread) the
   // caller's thread does it alone. Above, the threads share it: on two Sapphire
   // Rapids cores 16 sequences of 300 tokens took 0.45 ms a layer, against 1.4
-  // ms on one thread (docs/benchmarks.md). A task is one sequence, all its kv heads (their keys are contiguous);
-  // with fewer sequences than threads, one (sequence, kv head).
+  // ms on one thread (docs/benchmarks.md). A task is one sequence, all its kv
+  // heads (their keys are contiguous); with fewer sequences than threads, one
+  // (sequence, kv head).
   int64_t work = 0;
   for (int64_t b = 0; b < batch; ++b) work += lp[b];
   const int64_t split = batch < at::get_num_threads() ? kv_heads : 1;

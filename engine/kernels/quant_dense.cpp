@@ -1,8 +1,9 @@
-// Quantized weights dequantized into a dense bfloat16 matrix, for a prefill
-// on the CPU's matrix units: where the CPU has AMX-BF16, torch's bfloat16
-// matmul (oneDNN) runs on its tiles at 1-2.4 TFLOP/s on two cores here,
-// 2-5x quant_linear's integer GEMM at 512 rows and more (engine/quant.py
-// decides when; docs/cpu-kernels.md). The matrix lives for one call: the
+// Quantized weights dequantized into a dense bfloat16 matrix, for a matmul of
+// many rows (a prefill, a large batch) on the CPU's matrix units: where the
+// CPU has AMX-BF16, torch's bfloat16 matmul (oneDNN) runs on its tiles at
+// 0.9-2.4 TFLOP/s on two cores here, 1.8-2.7x quant_linear's integer GEMM at
+// 512 rows, dequantizing included (engine/quant.py decides when;
+// docs/cpu-kernels.md). The matrix lives for one call: the
 // weights stay quantized in memory.
 //
 // w = d q (+ m) in float32 (one fused multiply-add for the 4-bit formats,

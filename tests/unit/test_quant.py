@@ -191,9 +191,11 @@ def test_the_dense_matrix_is_the_dequantized_weights_in_bfloat16(ops, fmt, k):
     assert got.shape == (40, k) and got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want, rtol=2**-7, atol=0)
     assert (got == want.bfloat16()).float().mean() > 0.99
-    out = torch.full((40, k), 7.0, dtype=torch.bfloat16)
+    buffer = torch.full((40 * k + 64,), 7.0, dtype=torch.bfloat16)
+    out = buffer[: 40 * k].view(40, k)
     assert ops.quant_dense_bf16(qw.data, qw.scales, int(fmt), k, out).data_ptr() == out.data_ptr()
     assert torch.equal(out, got)
+    assert (buffer[40 * k :] == 7.0).all()  # nothing written past the last row
     with pytest.raises(RuntimeError, match="out must be contiguous bfloat16"):
         ops.quant_dense_bf16(qw.data, qw.scales, int(fmt), k, torch.empty(40, k + 1).bfloat16())
 
