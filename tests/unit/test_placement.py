@@ -50,6 +50,7 @@ def test_the_engine_section_is_the_workers_engine_config():
         "enable_prefix_caching": False,
         "cpu_kernels": "off",
         "greedy_screen": False,
+        "matrix_units": False,
         "cuda_graphs": True,
         "attention": "sdpa",
         "quantization": "int8",
