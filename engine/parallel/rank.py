@@ -76,7 +76,7 @@ def load_shard(plan: ShardPlan, rank: int, device: torch.device) -> LlamaModel:
     return LlamaModel(
         rank_spec(spec, tp), state, hf_config, plan.max_model_len, dtype, device, kernels,
         greedy_screen=False, quantization=config.quantization, gpu_attention=gpu_attention,
-        matrix_units=False,  # bfloat16 sums split by ranks would differ from one worker's
+        matrix_units=config.matrix_units,
     )  # fmt: skip
 
 
